@@ -1,0 +1,182 @@
+"""The host half of a step: dedup, PS lookup, placement on the mesh, and the push back.
+
+The prefetcher runs ``prepare`` (read + dedup) and ``lookup`` ahead of the loop, within the
+staleness bound, and ``place`` puts the batch and its rows on the devices; the pusher runs
+``push_step`` when the device step is done. Nothing here is traced by jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional
+
+import jax
+import numpy as np
+
+from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
+from recsys_jax.embeddings import dedup as dedup_lib
+from recsys_jax.parallel import mesh as mesh_lib
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The training loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class Prepared:
+  """One batch on its way through the host pipeline."""
+
+  step: int
+  batch: Dict[str, Any]
+  groups: Dict[int, dedup_lib.Group]
+  position: Any = None
+  """The reader's position just after this batch (saved with a checkpoint after this step)."""
+  n_valid: Optional[int] = None
+  """Records that count (eval batches are padded to a static size)."""
+  rows: Optional[Dict[int, np.ndarray]] = None
+
+
+class HostPipeline:
+  """The host half of a step: the functions the prefetcher runs."""
+
+  def __init__(self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None):
+    self.reader, self.ps, self.features, self.tables = reader, ps, features, tables_by_name
+    self.aliases = dict(aliases or {})
+    self.data_sharding = mesh_lib.data_sharding(mesh)
+    self.replicated = mesh_lib.replicated(mesh)
+    eval_mesh = eval_mesh if eval_mesh is not None else mesh
+    self.eval_data_sharding = mesh_lib.data_sharding(eval_mesh)
+    self.eval_replicated = mesh_lib.replicated(eval_mesh)
+    # Several processes: a process's rows go into one global array, so every process pads its
+    # rows to the same static size, the group's worst case (records x ids per record).
+    self.multi_process = jax.process_count() > 1
+    self._ids_per_record: Dict[int, int] = {}  # per row width: the most ids one record can bring
+    for f in features:
+      d = tables_by_name[f.table].dim
+      self._ids_per_record[d] = self._ids_per_record.get(d, 0) + f.max_len
+    self.local_devices = jax.local_device_count()
+
+  def prepare(self, step: int, batch: Dict[str, Any], position: Any = None, n_valid: Optional[int] = None) -> Prepared:
+    """Dedups a reader's batch (``step``: its step, or its index in an evaluation)."""
+    sparse, weights = dict(batch["sparse"]), dict(batch.get("sparse_weights") or {})
+    for name, source in self.aliases.items():  # e.g. first-order terms read the same ids
+      sparse[name] = sparse[source]
+      if source in weights:
+        weights[name] = weights[source]
+    min_bucket = dedup_lib.MIN_BUCKET
+    if self.multi_process and n_valid is None:  # a training batch: same shapes on every process
+      n = int(batch["label"].shape[0])
+      min_bucket = {d: n * ids for d, ids in self._ids_per_record.items()}
+    groups = dedup_lib.dedup(sparse, self.features, self.tables, weights, min_bucket=min_bucket)
+    return Prepared(step, batch, groups, position, n_valid)
+
+  def lookup(self, p: Prepared, create: bool) -> Prepared:
+    """Reads the rows of every table in one PS call (one request per shard)."""
+    wanted = {name: ids for g in p.groups.values() for name, ids, _ in g.tables}
+    got = self.ps.lookup_many(wanted, create=create, step=p.step if create else None)
+    p.rows = {}
+    for dim, g in p.groups.items():
+      rows = np.zeros((g.bucket, dim), np.float32)
+      for name, ids, off in g.tables:
+        rows[off : off + ids.shape[0]] = got[name]
+      p.rows[dim] = rows
+    return p
+
+  def push(self, groups: Dict[int, dedup_lib.Group], grads: Dict[str, np.ndarray], step: Optional[int] = None) -> None:
+    """Hands each table its slice of the step's row gradients (host arrays), in one PS call."""
+    self.ps.apply_many(
+      {
+        name: (ids, grads[str(dim)][off : off + ids.shape[0]])
+        for dim, g in groups.items()
+        for name, ids, off in g.tables
+      },
+      step=step,
+    )
+
+  def place(self, p: Prepared):
+    """-> (host-side groups for the pusher, device rows, device batch).
+
+    A training batch goes onto the whole mesh; with several processes each contributes its
+    part of the batch and its own rows, one copy per local device (``rows_per_device``). An
+    evaluation batch (``n_valid`` set) goes onto the eval mesh, with a validity mask and the
+    true probabilities if the data has them.
+    """
+    batch = {
+      "dense": p.batch["dense"],
+      "label": p.batch["label"],
+      "inverse": {str(d): g.inverse for d, g in p.groups.items()},
+      "weights": {str(d): g.weights for d, g in p.groups.items() if g.weights is not None},
+    }
+    rows = {str(d): r for d, r in p.rows.items()}
+    if p.n_valid is not None:
+      batch["valid"] = np.arange(batch["label"].shape[0]) < p.n_valid
+      if "prob" in p.batch:
+        batch["prob"] = p.batch["prob"]
+      return p, jax.device_put(rows, self.eval_replicated), jax.device_put(batch, self.eval_data_sharding)
+    if not self.multi_process:
+      return p, jax.device_put(rows, self.replicated), jax.device_put(batch, self.data_sharding)
+
+    def local(x):
+      return jax.make_array_from_process_local_data(self.data_sharding, x)
+
+    rows = {k: local(np.tile(r, (self.local_devices, 1))) for k, r in rows.items()}
+    return p, rows, jax.tree.map(local, batch)
+
+  def push_step(self, step: int, payload) -> float:
+    """The pusher's work for one step: waits for its device step, pushes its row gradients.
+
+    Args:
+      step: the training step.
+      payload: ``(groups, row grads, metrics)`` as the training loop handed them over.
+
+    Returns:
+      The step's loss.
+
+    Raises:
+      NonFiniteLossError: if the loss is NaN or infinite (nothing is pushed).
+    """
+    groups, g_rows, m = payload
+    if self.multi_process:  # this process's rows: the sum of its devices' gradients
+      g_rows = {k: sum(np.asarray(sh.data) for sh in v.addressable_shards) for k, v in g_rows.items()}
+      m = {k: v.addressable_data(0) for k, v in m.items()}
+    m, g_rows = jax.device_get((m, g_rows))  # waits for the step to finish on the device
+    loss = float(m["loss"])
+    if not math.isfinite(loss):
+      raise NonFiniteLossError(f"training loss is {loss} at step {step}")
+    self.push(groups, g_rows, step)
+    return loss
+
+  def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
+    """Prepares training steps [start, config.num_steps) from the reader's ``position`` on."""
+    batches = self.reader.train(position)
+    return Prefetcher(
+      start,
+      config.num_steps,
+      prepare=lambda t: self.prepare(t, *next(batches)),
+      lookup=lambda p: self.lookup(p, create=True),
+      place=self.place,
+      gate=gate,
+      staleness=config.staleness,
+      depth=config.prefetch_depth,
+    )
+
+  def eval_prefetcher(self, depth: int) -> Prefetcher:
+    """Prepares the reader's eval batches (read-only lookups); yields None after the last."""
+    batches = self.reader.eval()
+    endless = 1 << 62  # the reader decides where evaluation ends; the prefetcher passes None on
+
+    def prepare(i):
+      item = next(batches, None)
+      return None if item is None else self.prepare(i, item[0], n_valid=item[1])
+
+    return Prefetcher(
+      0,
+      endless,
+      prepare=prepare,
+      lookup=lambda p: p and self.lookup(p, create=False),
+      place=lambda p: p and self.place(p),
+      gate=StalenessGate(last_applied=endless),  # nothing is pushed during eval
+      staleness=0,
+      depth=depth,
+    )

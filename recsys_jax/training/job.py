@@ -1,0 +1,98 @@
+"""Builds everything a run is made of from its config: reader, specs, PS, mesh, model,
+jitted steps and the initial dense state (``build_job``; nothing runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import ml_collections
+from flax.training import train_state
+
+from recsys_jax.async_ps import factory
+from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.data import readers
+from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
+from recsys_jax.models import MODELS
+from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training.host import HostPipeline
+from recsys_jax.training.specs import build_specs
+from recsys_jax.training.steps import init_state, make_eval_step, make_train_step, state_specs
+
+
+@dataclasses.dataclass
+class Job:
+  """Everything a run is made of, built from the config (``build_job``)."""
+
+  reader: Any
+  tables: List[TableSpec]
+  features: List[FeatureSpec]
+  mesh: jax.sharding.Mesh
+  model: Any
+  ps: ParameterServer
+  host: HostPipeline
+  train_step: Callable
+  """jitted (state, rows, batch) -> (state, row grads, metrics); donates the state."""
+  eval_step: Callable
+  """jitted (params, rows, batch) -> logits."""
+  state: train_state.TrainState
+  """The initial dense train state, replicated over the mesh."""
+  traces: Dict[str, int]
+  """How many times each step function has been traced."""
+
+
+def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None):
+  """The PS ``config.ps`` asks for, for this trainer process (:func:`recsys_jax.async_ps.factory.build_ps`)."""
+  return factory.build_ps(config, tables, workdir, process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> Job:
+  """Builds reader, PS, model, mesh, jitted steps and the initial state (nothing runs).
+
+  ``workdir`` anchors a relative ``config.ps.tier`` path.
+  """
+  reader = readers.build_reader(config, jax.process_index(), jax.process_count())
+  model_cls = MODELS[config.model.name]
+  tables, features, aliases = build_specs(config, reader.schema, getattr(model_cls, "linear_terms", False))
+  tables_by_name = {t.name: t for t in tables}
+  n_dev = jax.device_count()
+  for field, n in (("batch_size", n_dev * config.micro_steps), ("eval_batch_size", n_dev)):
+    if config[field] % n:
+      what = f"{n_dev} devices x {config.micro_steps} micro_steps" if field == "batch_size" else f"{n_dev} devices"
+      raise ValueError(f"config.{field} = {config[field]} is not divisible by the {what}")
+  mesh = mesh_lib.make_mesh(config.mesh.replica, config.mesh.fsdp)
+  model = model_cls(**config.model.kwargs)
+  ps = build_ps(config, tables, workdir)
+  multi = jax.process_count() > 1
+  # Several processes evaluate on their own devices, each its share of the eval set.
+  eval_mesh = mesh_lib.make_mesh(-1, 1, jax.local_devices()) if multi else mesh
+  host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh)
+  group_features: Dict[str, List[Tuple[str, str, int]]] = {}  # in dedup's order: the inverse's F axis
+  for f in features:
+    group_features.setdefault(str(tables_by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))
+  group_features = {k: tuple(v) for k, v in group_features.items()}
+  traces: Dict[str, int] = {}
+  repl = mesh_lib.replicated(mesh)
+  with jax.transfer_guard("allow"):  # one-off setup; the step loop itself moves data explicitly
+    state, state_shardings = init_state(config, model, reader.schema, features, tables_by_name, mesh)
+  on_device = None
+  if config.optimizer.state_memory != "device":
+    on_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), state_shardings.opt_state)
+  rows_out = mesh_lib.data_sharding(mesh) if multi else repl
+  train_step = jax.jit(
+    make_train_step(
+      model,
+      group_features,
+      traces,
+      mesh,
+      state_specs(state_shardings),
+      config.micro_steps,
+      on_device,
+      rows_per_device=multi,
+    ),
+    donate_argnums=(0,),
+    out_shardings=(state_shardings, rows_out, repl),
+  )
+  eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
+  return Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces)

@@ -1,0 +1,99 @@
+"""A run's checkpoints: resuming from the latest one, and saving one consistent cut.
+
+:class:`recsys_jax.checkpoint.Checkpointer` writes and reads (dense state, PS snapshot,
+meta); this adds what a run must agree on to resume (batch size, trainer processes, data
+source) and the reader positions of the steps not yet saved, so a checkpoint after step t
+holds the position just after batch t.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+
+from recsys_jax import checkpoint as checkpoint_lib
+from recsys_jax.parallel import distributed
+from recsys_jax.training.writers import say
+
+
+class RunCheckpoints:
+  """Resumes and saves a run's checkpoints under ``<workdir>/checkpoints``.
+
+  Args:
+    workdir: the run directory.
+    config: the run's config (``max_checkpoints``, ``checkpoint_full_every``, and the fields
+      a resume must match).
+  """
+
+  def __init__(self, workdir: str, config):
+    self.config = config
+    self.ckpt = checkpoint_lib.Checkpointer(
+      workdir, max_to_keep=config.max_checkpoints, full_every=config.checkpoint_full_every
+    )
+    self.directory = self.ckpt.directory
+    self.latest: Optional[int] = self.ckpt.latest_step()
+    """The checkpoint this run resumed from (None: a fresh run)."""
+    self.last_saved = self.latest
+    self.positions: Dict[int, Any] = {}
+    """The reader's position after each step's batch, since the last save."""
+
+  def restore_latest(self, state, ps) -> Tuple[Any, int, Any]:
+    """Loads the latest checkpoint, if any, into ``ps``.
+
+    Returns:
+      ``(state, start, position)``: the dense state, the first step to train and the
+      reader's position; ``(state, 0, None)`` if the workdir holds no checkpoint.
+
+    Raises:
+      ValueError: if the checkpoint was written by a run that reads other data, in other
+        batches or with another number of trainer processes.
+      CheckpointError: if it cannot be read; it is left as it is.
+    """
+    config, latest = self.config, self.latest
+    start, position = 0, None
+    if latest is not None:
+      state, meta = self.ckpt.restore(latest, state, ps)
+      where = f"{self.directory}/{latest}"
+      if meta.get("batch_size") != config.batch_size:
+        raise ValueError(
+          f"{where} was written with batch_size={meta.get('batch_size')}, "
+          f"config has {config.batch_size}: the data position would not match; use a new workdir"
+        )
+      start = int(meta["data_position"])
+      position = meta.get("reader_position", {"batch": start})
+      written_by = len(meta.get("reader_positions", [None]))  # a one-process run stores no list
+      if written_by != jax.process_count():
+        raise ValueError(
+          f"{where} was written by {written_by} trainer process(es), this job has "
+          f"{jax.process_count()}: each reads its own part of the data, so the split would not match; use a new workdir"
+        )
+      if written_by > 1:
+        position = meta["reader_positions"][jax.process_index()]
+      if meta.get("data") not in (None, config.data.name):
+        raise ValueError(
+          f"{where} was written reading data {meta['data']!r}, config has {config.data.name!r}: use a new workdir"
+        )
+      say(f"resumed from {where} at step {start} of {config.num_steps}")
+    self.positions = {start - 1: position}
+    return state, start, position
+
+  def save(self, step: int, state, ps, pusher) -> None:
+    """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made)."""
+    pusher.flush(step - 1)
+    meta = {"data_position": step, "batch_size": self.config.batch_size, "data": self.config.data.name}
+    meta["reader_position"] = self.positions[step - 1]
+    if jax.process_count() > 1:  # every process's own position, in process order
+      meta["reader_positions"] = distributed.allgather_json(self.positions[step - 1])
+    for k in [k for k in self.positions if k < step - 1]:
+      del self.positions[k]
+    self.ckpt.save(step, state, ps, meta)
+    self.last_saved = step
+
+  def last_good(self) -> str:
+    """The directory of the last checkpoint saved or resumed from ('none' if there is none)."""
+    return "none" if self.last_saved is None else os.path.join(self.directory, str(self.last_saved))
+
+  def close(self) -> None:
+    self.ckpt.close()

@@ -1,0 +1,167 @@
+"""The jitted steps and the dense train state they update.
+
+The steps see rows and inverse indices, never ids: ``make_train_step`` gathers each
+feature's rows, pools them, runs the model and the loss, and returns the synchronous dense
+update with the row gradients for the PS; ``make_eval_step`` returns logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from recsys_jax.data.base import Schema
+from recsys_jax.embeddings import pooling
+from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.parallel import mics
+from recsys_jax.training.validation import dense_optimizer
+
+
+class AsyncDenseState(train_state.TrainState):
+  """A train state whose dense gradients are applied ``len(grad_queue)`` steps late.
+
+  Persia's fully asynchronous baseline: the gradient applied at step t was computed on the
+  parameters of step t - d (the first d steps apply zeros), as when dense workers push to a
+  parameter server without waiting for each other.
+  """
+
+  grad_queue: Any = None
+
+
+def init_state(config, model, schema: Schema, features, tables_by_name, mesh):
+  """The initial train state, each leaf placed by the logical sharding rules; and its shardings."""
+  dense = np.zeros((2, schema.num_dense), np.float32)
+  embs = {f.name: np.zeros((2, tables_by_name[f.table].dim), np.float32) for f in features if f.kind == "pooled"}
+  seqs = {
+    f.name: (np.zeros((2, f.max_len, tables_by_name[f.table].dim), np.float32), np.ones((2, f.max_len), bool))
+    for f in features
+    if f.kind == "sequence"
+  }
+
+  tx = dense_optimizer(config)  # one object: the state's static metadata must match across traces
+
+  delay = int(config.dense_staleness)
+
+  def init():
+    params = model.init(jax.random.PRNGKey(config.seed), dense, embs, seqs)["params"]
+    if not delay:
+      return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    queue = jax.tree.map(lambda p: jnp.zeros((delay,) + p.shape, p.dtype), nn.unbox(params))
+    return AsyncDenseState.create(apply_fn=model.apply, params=params, tx=tx, grad_queue=queue)
+
+  shardings = mesh_lib.logical_shardings(jax.eval_shape(init), mesh, dict(config.mesh.rules))
+  if delay:  # the queue is split like the parameters it updates, behind its step axis
+    shardings = shardings.replace(
+      grad_queue=jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings.params)
+    )
+  if config.optimizer.state_memory != "device":
+    kind = config.optimizer.state_memory
+    shardings = shardings.replace(opt_state=jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings.opt_state))
+  state = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
+  return state, shardings
+
+
+def state_specs(shardings):
+  """The PartitionSpecs of a tree of shardings (what shard_map's in/out specs take)."""
+  return jax.tree.map(lambda sh: sh.spec, shardings)
+
+
+def _embeddings(rows, batch, group_features):
+  """(pooled, sequences) for the model, from every row-width group."""
+  pooled, sequences = {}, {}
+  for key, feats in group_features.items():
+    p, q = pooling.embed_features(rows[key], batch["inverse"][key], batch["weights"].get(key), feats)
+    pooled.update(p)
+    sequences.update(q)
+  return pooled, sequences
+
+
+def make_train_step(
+  model,
+  group_features,
+  traces: Dict[str, int],
+  mesh,
+  state_specs,
+  micro_steps: int = 1,
+  opt_state_on_device=None,
+  rows_per_device: bool = False,
+):
+  """Returns train_step(state, rows, batch) -> (state, row grads, metrics), to be jitted.
+
+  The dense sync is MiCS's (:mod:`recsys_jax.parallel.mics`): parameters and optimizer state
+  sharded over ``fsdp`` as ``state_specs`` say and replicated over ``replica``; each device
+  runs ``micro_steps`` micro-batches of its part of the batch, reduce-scattering the parameter
+  gradients inside its group every micro-step; once per step they are all-reduced across
+  groups, and the row gradients (rows are replicated) summed over every device. Gradients and
+  the loss are those of the mean loss over the global batch, whatever the mesh and micro_steps.
+
+  ``opt_state_on_device``: shardings (device memory) to stream a host-resident optimizer
+  state through for the update (the Cerebras-style option); None if it already lives there.
+
+  ``rows_per_device``: with several trainer processes each process looks up its own rows, so
+  the rows are not one replicated array: every device gets its process's rows (split over the
+  mesh like the batch) and returns its own row gradients, which the process sums on the host.
+  """
+  dims = mics.group_dims(state_specs.params)
+  rows_spec = mics.DATA_SPEC if rows_per_device else P()
+  n_micro = micro_steps * mesh.size
+
+  def loss_fn(params, rows, batch):
+    logits = model.apply({"params": params}, batch["dense"], *_embeddings(rows, batch, group_features))
+    return optax.sigmoid_binary_cross_entropy(logits, batch["label"]).mean()
+
+  def device_step(state, rows, batch):
+    g_params, g_rows, loss_sum = mics.accumulate_gradients(
+      loss_fn,
+      state.params,
+      dims,
+      mics.split_micro_batches(batch, micro_steps),
+      rows,
+      extras_replicated=not rows_per_device,
+    )
+    g_params, g_rows = jax.tree.map(lambda g: g / n_micro, (g_params, g_rows))
+    if isinstance(state, AsyncDenseState):  # apply the oldest queued gradient, queue this one
+      q = state.grad_queue
+      state = state.replace(grad_queue=jax.tree.map(lambda x, g: jnp.concatenate([x[1:], g[None]]), q, g_params))
+      g_params = jax.tree.map(lambda x: x[0], q)
+    return state.apply_gradients(grads=g_params), g_rows, {"loss": loss_sum / n_micro}
+
+  mapped = jax.shard_map(
+    device_step,
+    mesh=mesh,
+    in_specs=(state_specs, rows_spec, mics.DATA_SPEC),
+    out_specs=(state_specs, rows_spec, P()),
+  )
+
+  def train_step(state, rows, batch):
+    traces["train"] = traces.get("train", 0) + 1  # runs only while tracing
+    if opt_state_on_device is not None:
+      state = state.replace(opt_state=jax.device_put(state.opt_state, opt_state_on_device))
+    return mapped(state, rows, batch)
+
+  return train_step
+
+
+def make_eval_step(model, group_features, traces: Dict[str, int]):
+  """Returns eval_step(params, rows, batch), to be jitted."""
+
+  def eval_step(params, rows, batch):
+    """-> the logits, and the batch's labels, validity and true probabilities (if any) with them."""
+    traces["eval"] = traces.get("eval", 0) + 1
+    logits = model.apply({"params": params}, batch["dense"], *_embeddings(rows, batch, group_features))
+    return {"logits": logits, **{k: batch[k] for k in ("label", "valid", "prob") if k in batch}}
+
+  return eval_step
+
+
+# ------------------------------------------------------------------------------------
+# Host side: read, dedup, look up, place.
+# ------------------------------------------------------------------------------------

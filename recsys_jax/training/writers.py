@@ -1,0 +1,199 @@
+"""What a run writes for people: the progress bar, metrics.jsonl, TensorBoard event files,
+the evaluations during training and summary.json (written by process 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import jax
+from absl import logging
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+
+def say(msg: str) -> None:
+  """A message for the person running the job (stderr, above the progress bar)."""
+  tqdm.write(msg, file=sys.stderr)
+  logging.info(msg)
+
+
+class TrainStats:
+  """Loss and timing recorded by the pusher thread, read by the training loop."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.loss_sum, self.loss_n = 0.0, 0
+    self.first_applied: Optional[Tuple[int, float]] = None
+    self.last_applied: Optional[Tuple[int, float]] = None
+
+  def record(self, step: int, loss: float) -> None:
+    now = time.perf_counter()
+    with self.lock:
+      self.loss_sum += loss
+      self.loss_n += 1
+      if self.first_applied is None:
+        self.first_applied = (step, now)
+      self.last_applied = (step, now)
+
+  def take_mean_loss(self) -> float:
+    with self.lock:
+      mean = self.loss_sum / self.loss_n if self.loss_n else float("nan")
+      self.loss_sum, self.loss_n = 0.0, 0
+      return mean
+
+
+class Writers:
+  """metrics.jsonl and TensorBoard event files in the workdir (written by process 0 only)."""
+
+  def __init__(self, workdir: str):
+    self.enabled = jax.process_index() == 0
+    if self.enabled:
+      self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, kind: str, values: Dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+    self.jsonl.flush()
+    for k, v in values.items():
+      if isinstance(v, (int, float)) and math.isfinite(v):
+        self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+  def write_ps(self, step: int, stats: Dict[str, Dict[str, float]]) -> None:
+    """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
+    if not self.enabled:
+      return
+    keys = ("rows", "tier_rows", "bytes", "evictions", "expirations", "admitted", "rejected", "dropped_grads")
+    total = {k: sum(t[k] for t in stats.values()) for k in keys}
+    lookups = sum(t["lookups"] for t in stats.values())
+    total["hit_rate"] = sum(t["hits"] for t in stats.values()) / lookups if lookups else float("nan")
+    total["lookup_ms"] = sum(t["lookup_ms"] for t in stats.values())
+    total["apply_ms"] = sum(t["apply_ms"] for t in stats.values())
+    self.write(step, "ps", total)
+    for name, t in stats.items():
+      for k in keys + ("hit_rate", "lookup_ms", "apply_ms"):
+        if math.isfinite(t[k]):
+          self.tb.add_scalar(f"ps/{name}/{k}", t[k], step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self.jsonl.close()
+      self.tb.close()
+
+
+class Progress:
+  """The training loop's reporting: bar, loss and throughput every ``log_every`` steps,
+  evaluations during training (timed apart from training), and the summary at the end.
+
+  Args:
+    workdir: where metrics.jsonl, tensorboard/ and summary.json go.
+    config: the run's config.
+    start: the first step this run trains (after a resume, the checkpoint's).
+    t_start: when the run started (``time.perf_counter()``).
+  """
+
+  def __init__(self, workdir: str, config, start: int, t_start: float):
+    self.workdir, self.config, self.t_start = workdir, config, t_start
+    self.writers = Writers(workdir)
+    self.stats = TrainStats()
+    self.bar = tqdm(
+      total=config.num_steps,
+      initial=start,
+      unit="step",
+      desc="train",
+      disable=not config.progress_bar,
+      dynamic_ncols=True,
+      mininterval=1.0,
+    )
+    self.log_t, self.log_step = time.perf_counter(), start
+    self.evals: List[Dict[str, Any]] = []
+    self.eval_s = 0.0  # time spent in evaluations during training
+
+  def log_due(self, done: int) -> bool:
+    return done % self.config.log_every == 0 or done == self.config.num_steps
+
+  def log_train(self, done: int, pre, ps) -> None:
+    """Writes the mean loss and samples/s since the last log, the staleness seen and the PS's metrics."""
+    now = time.perf_counter()
+    sps = (done - self.log_step) * self.config.batch_size / (now - self.log_t)
+    loss = self.stats.take_mean_loss()
+    staleness = {"staleness_mean": pre.stale_sum / max(1, pre.stale_n), "staleness_max": pre.stale_max}
+    self.writers.write(done, "train", {"loss": loss, "samples_per_sec": sps, **staleness})
+    self.writers.write_ps(done, ps.stats())
+    self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}", refresh=False)
+    self.log_t, self.log_step = now, done
+
+  def log_eval(self, done: int, evaluate: Callable[[], Dict[str, float]]) -> None:
+    """Runs an evaluation during training and records it against the training time so far."""
+    t_eval = time.perf_counter()
+    ev = evaluate()
+    self.writers.write(done, "eval", ev)
+    # Training time so far, without the evaluations: the x axis of AUC against wall time.
+    train_s = t_eval - self.t_start - self.eval_s
+    self.evals.append({"step": done, "samples": done * self.config.batch_size, "train_s": train_s, **ev})
+    self.eval_s += time.perf_counter() - t_eval
+
+  def finish(self, ev: Dict[str, float], job, start: int, resumed: bool, ps_stats, train_end: float) -> Dict[str, Any]:
+    """Writes the final evaluation and summary.json; returns the summary (on every process)."""
+    config, B = self.config, self.config.batch_size
+    self.writers.write(config.num_steps, "eval", ev)
+    self.writers.close()
+    sps = float("nan")
+    first, last = self.stats.first_applied, self.stats.last_applied
+    if first and last and last[0] > first[0]:
+      sps = (last[0] - first[0]) * B / (last[1] - first[1])  # excludes the first step, which compiles
+    summary = {
+      **ev,
+      "auc_gap": ev["oracle_auc"] - ev["auc"] if "oracle_auc" in ev else None,
+      "data": config.data.name,
+      "model": config.model.name,
+      "bad_records_skipped": job.reader.bad.count,
+      "bad_record_examples": job.reader.bad.examples,
+      "samples_per_sec": sps,
+      "steps": config.num_steps,
+      "steps_this_run": config.num_steps - start,
+      "resumed_from": start if resumed else None,
+      "batch_size": B,
+      "staleness": config.staleness,
+      "wall_s": time.perf_counter() - self.t_start,
+      "train_wall_s": train_end - self.t_start,
+      "train_s": train_end - self.t_start - self.eval_s,  # without the evaluations during training
+      "ps_rows": int(sum(s["rows"] for s in ps_stats.values())),
+      "ps_bytes": int(sum(s["bytes"] for s in ps_stats.values())),
+      "ps_tier_rows": int(sum(s["tier_rows"] for s in ps_stats.values())),
+      "train_step_traces": job.traces.get("train", 0),
+      "eval_step_traces": job.traces.get("eval", 0),
+      "devices": jax.device_count(),
+      "mesh": dict(job.mesh.shape),
+      "micro_steps": config.micro_steps,
+      "evals": self.evals,
+    }
+    if self.writers.enabled:  # every process returns the summary; process 0 writes it
+      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+  """A few readable lines for the end of a run."""
+  lines = [
+    f"eval AUC      {s['auc']:.4f}"
+    + (f"   (oracle {s['oracle_auc']:.4f}, gap {s['auc_gap']:.4f})" if s.get("oracle_auc") else ""),
+    f"eval logloss  {s['logloss']:.4f}" + (f"   (oracle {s['oracle_logloss']:.4f})" if s.get("oracle_logloss") else ""),
+    f"calibration   {s['calibration']:.3f}",
+    f"steps         {s['steps']} ({s['steps_this_run']} this run, batch {s['batch_size']}, staleness k={s['staleness']})",
+    f"throughput    {s['samples_per_sec']:,.0f} samples/s (after the first step)",
+    f"wall time     {s['wall_s']:.1f} s",
+    f"PS            {s['ps_rows']:,} rows, {s['ps_bytes'] / 2**20:.1f} MiB",
+    f"model, data   {s.get('model')}, {s.get('data')} ({s['eval_samples']:,} eval records)",
+  ]
+  if s.get("bad_records_skipped"):
+    lines.append(f"bad records   {s['bad_records_skipped']:,} skipped, e.g. {s['bad_record_examples'][0]}")
+  return "\n".join(lines)
