@@ -1,0 +1,70 @@
+"""The numba set-up shared by the parameter server's kernels: compile options and prefetching.
+
+All kernels are ``nogil`` (the PS runs one thread per shard; they run concurrently) and
+single-threaded (no ``parallel=True``). They are compiled on first call, for the argument
+types of that call, and cached in ``__pycache__``, so importing the kernel modules compiles
+nothing. They use numpy's error model (x / 0 is inf or nan, as in numpy, not ZeroDivisionError;
+this also lets LLVM vectorise the row loops), and prefetch the table rows / slots that the
+iteration a few steps ahead will touch: the touched rows are random, so without it most time
+goes to waiting on cache misses one at a time (x2 to x4 on a table larger than the caches).
+
+numba's cache checks only the source file of the cached kernel itself: after editing this
+module (a prefetch distance, ``_prefetch_row``), delete the ``kernels_*`` entries of
+``__pycache__`` or the kernels of ``kernels_lookup`` and ``kernels_update`` keep the old code.
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+_jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+
+# How far ahead to prefetch: ids for ``find`` (two small random reads each), rows for the row
+# kernels, fewer when each row has more arrays (a row of dim 64 is 4 to 5 cache lines per
+# array). Tuned on a 2.6M-row table, dim 64 (x2 to x4 over no prefetching; flat around these).
+_KEYS_AHEAD = 64
+_ROWS_AHEAD_1 = 24  # one row-sized array (gather, sgd; row-wise Adagrad's acc is one line)
+_ROWS_AHEAD_2 = 12  # two (Adagrad)
+_ROWS_AHEAD_3 = 8  # three (Adam, FTRL)
+_LINE_FLOATS = 16  # float32 per 64-byte cache line
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+  """Prefetches the cache line of ``arr[i]`` (1-d; pass j = 0) or ``arr[i, j]`` (2-d), for reading.
+
+  A hint only (``llvm.prefetch``): never faults, changes no value. Indices must be in range
+  for the address to be meaningful (no wraparound of negative indices).
+  """
+  if not isinstance(arr, types.Array) or arr.ndim not in (1, 2):
+    return None
+  sig = types.void(arr, i, j)
+
+  def codegen(context, builder, signature, args):
+    aryty = signature.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    idx = [args[1]] if aryty.ndim == 1 else [args[1], args[2]]
+    idx = [context.cast(builder, x, t, types.intp) for x, t in zip(idx, signature.args[1:])]
+    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
+    i8p = ir.PointerType(ir.IntType(8))
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    # rw = 0 (read), locality = 3 (keep in all levels), cache type = 1 (data).
+    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+    return context.get_dummy_value()
+
+  return sig, codegen
+
+
+@_jit_inline
+def _prefetch_row(a, r):
+  """Prefetches every cache line of row ``r`` of the 2-d float32 array ``a``."""
+  dim = a.shape[1]
+  for j in range(0, dim, _LINE_FLOATS):
+    _prefetch(a, r, j)
+  _prefetch(a, r, dim - 1)  # the row need not start on a line boundary
