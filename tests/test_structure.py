@@ -1,0 +1,175 @@
+"""The house rules of the code base, checked by reading its source.
+
+- Imports run one way: a module imports only from its own unit (a top-level module or
+  package of ``recsys_jax``) or from a unit in a layer below, and no import cycle exists
+  between modules. Imports inside functions count: they run too.
+- ``recsys_jax.async_ps`` imports no jax (the PS runs on hosts without accelerators and in
+  server processes that must start fast), neither directly nor through what it imports.
+- No module is over 450 lines, and ``train.train_and_evaluate`` fits on a screen.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "recsys_jax"
+
+# Top to bottom. A unit may import units of its own layer or of layers below it.
+LAYERS = (
+  ("main", "launch", "plan"),  # entry points
+  ("train",),  # the loop
+  ("training",),  # the parts the loop is assembled from
+  ("checkpoint", "data"),
+  ("async_ps",),
+  ("models", "parallel", "embeddings", "metrics"),
+)
+RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
+NO_JAX = ("jax", "jaxlib", "flax", "optax", "orbax", "chex")
+MAX_LINES = 450
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path, known) -> tuple[set[str], set[str]]:
+  """(recsys_jax modules, other top-level packages) that a module imports, anywhere in it."""
+  ours, others = set(), set()
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:  # relative: resolve against this module's package
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+      # ``from pkg import mod`` imports the module pkg.mod; ``from mod import name`` imports mod.
+      targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    else:
+      continue
+    for t in targets:
+      if t == "recsys_jax" or t.startswith("recsys_jax."):
+        while t not in known:  # ``import recsys_jax.x.y as z`` names a module; trim attribute paths
+          t = t.rpartition(".")[0]
+        ours.add(t)
+      else:
+        others.add(t.split(".")[0])
+  return ours, others
+
+
+def _graph():
+  known = _modules()
+  edges, external = {}, {}
+  for name, path in known.items():
+    edges[name], external[name] = _imports(name, path, known)
+    edges[name].discard(name)
+  return edges, external
+
+
+def _unit(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_unit_has_a_layer():
+  units = {_unit(m) for m in _modules()} - {""}
+  missing = sorted(units - set(RANK))
+  assert not missing, f"recsys_jax units {missing} are in no layer of tests/test_structure.py LAYERS: place them"
+
+
+def test_imports_run_one_way():
+  edges, _ = _graph()
+  upward = [
+    f"{a} imports {b} ({_unit(b)} is above {_unit(a)})"
+    for a, bs in edges.items()
+    for b in bs
+    if _unit(a) and _unit(b) and RANK.get(_unit(b), 0) > RANK.get(_unit(a), 0)
+  ]
+  assert not upward, "imports that run upward:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle():
+  edges, _ = _graph()
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  path: list[str] = []
+
+  def visit(m: str):
+    state[m] = 1
+    path.append(m)
+    for n in sorted(edges.get(m, ())):
+      if state.get(n) == 1:
+        cycle = path[path.index(n) :] + [n]
+        pytest.fail("import cycle: " + " -> ".join(cycle))
+      if n not in state:
+        visit(n)
+    path.pop()
+    state[m] = 2
+
+  for m in sorted(edges):
+    if m not in state:
+      visit(m)
+
+
+def test_async_ps_reaches_no_jax_in_its_source():
+  edges, external = _graph()
+  start = [m for m in edges if _unit(m) == "async_ps"]
+  seen, todo = set(start), list(start)
+  while todo:
+    m = todo.pop()
+    bad = sorted(external[m] & set(NO_JAX))
+    assert not bad, f"{m} (reached from recsys_jax.async_ps) imports {bad}"
+    for n in edges[m] - seen:
+      seen.add(n)
+      todo.append(n)
+
+
+def test_importing_async_ps_loads_no_jax():
+  names = sorted(m for m in _modules() if _unit(m) == "async_ps")
+  code = (
+    "import importlib, sys\n"
+    f"for m in {names!r}: importlib.import_module(m)\n"
+    f"print(sorted({{k.split('.')[0] for k in sys.modules}} & set({NO_JAX!r})))\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]", f"importing recsys_jax.async_ps loaded {out.stdout.strip()}"
+
+
+def test_no_module_over_the_line_limit():
+  long = {
+    str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+  }
+  assert not long, f"modules over {MAX_LINES} lines (split them by what they do): {long}"
+
+
+def test_train_and_evaluate_fits_on_a_screen():
+  tree = ast.parse((PACKAGE / "train.py").read_text())
+  (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_and_evaluate"]
+  lines = fn.end_lineno - fn.lineno + 1
+  assert lines < 80, f"train.train_and_evaluate is {lines} lines: move what is not the loop into recsys_jax/training"
+
+
+def test_the_graph_sees_real_imports():
+  # The walker itself: a module that imports nothing of ours would make every check vacuous.
+  edges, external = _graph()
+  assert "recsys_jax.training.job" in edges["recsys_jax.train"]
+  assert "recsys_jax.async_ps.ps" in edges["recsys_jax.async_ps.factory"]
+  assert "recsys_jax.async_ps.remote" in edges["recsys_jax.async_ps.factory"]  # imported inside a function
+  assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.ps"]
+  assert "jax" in external["recsys_jax.train"] or "jax" in external["recsys_jax.training.steps"]
+  assert os.path.basename(__file__) == "test_structure.py"
