@@ -16,38 +16,29 @@ so a gradient is applied at most once.
 Several workers (``num_workers``) may share the servers: each step's pushes are summed over
 the workers on the servers, and a lookup of step t waits there until the pushes of steps
 <= t - staleness - 1 of every worker are applied.
+
+This module routes and assembles; the calls themselves (channels, deadlines, retries, the
+fan-out to every server) are in ``transport``, the snapshots' layout on disk and the restore
+of a chain into an in-process PS (``snapshot_parts``, ``load_into``) in ``snapshot_chain``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
-import json
-import os
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import grpc
 import numpy as np
 
-from recsys_jax.async_ps import snapshot, wire
+from recsys_jax.async_ps import snapshot_chain, wire
+from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
+from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
+from recsys_jax.async_ps.snapshot_chain import load_into as load_into
+from recsys_jax.async_ps.snapshot_chain import snapshot_parts as snapshot_parts
+from recsys_jax.async_ps.transport import RemotePSError as RemotePSError
+from recsys_jax.async_ps.transport import Transport
 from recsys_jax.embeddings.specs import TableSpec
-
-MANIFEST = "remote.json"
-FORMAT = "recsys_jax.remote_ps/1"
-_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class RemotePSError(ConnectionError):
-  """A PS server call failed; ``address``, ``rpc`` and ``code`` (a grpc.StatusCode or None) say which and how.
-
-  A ``ConnectionError``, so ``recsys_jax.main`` reports it in one line and exits non-zero.
-  """
-
-  def __init__(self, message: str, address: Optional[str] = None, rpc: Optional[str] = None, code=None):
-    super().__init__(message)
-    self.address, self.rpc, self.code = address, rpc, code
 
 
 class RemotePS:
@@ -118,29 +109,11 @@ class RemotePS:
       int(lookup_retries),
       snapshot_timeout_s,
     )
-    self._metadata = (("authorization", f"Bearer {token}"),) if token else None
     self._nonce = uuid.uuid4().hex[:16]
     self._counter = itertools.count()
-    # The servers enforce the message size limit; the client takes whatever they send.
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    if tls_ca is not None:
-      if isinstance(tls_ca, str):
-        with open(tls_ca, "rb") as f:
-          tls_ca = f.read()
-      if tls_server_name:
-        options.append(("grpc.ssl_target_name_override", tls_server_name))
-      creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
-      self._channels = [grpc.secure_channel(a, creds, options=options) for a in addresses]
-    else:
-      self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
-    self._stubs = [{m: ch.unary_unary(wire.path(m)) for m in wire.METHODS} for ch in self._channels]
-    n = self.num_shards
-    # Separate pools: a lookup waiting server-side for pushes must never hold up a push.
-    self._pools = {
-      kind: concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"remote-ps-{kind}")
-      for kind in ("lookup", "push", "control")
-    }
-    self._closed = False
+    self._servers = Transport(
+      addresses, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout_s=self.timeout_s
+    )
     try:
       self._configure()
     except BaseException:
@@ -148,67 +121,6 @@ class RemotePS:
       raise
 
   # -- plumbing ------------------------------------------------------------------------
-  def _where(self, i: int) -> str:
-    return f"PS server {self.addresses[i]} (shard {i} of {self.num_shards})"
-
-  def _call(
-    self,
-    i: int,
-    method: str,
-    fields: Mapping[str, Any],
-    arrays: Optional[Mapping[str, np.ndarray]] = None,
-    *,
-    retries: int = 0,
-    timeout: Optional[float] = None,
-    until: Optional[float] = None,
-  ) -> wire.Message:
-    """One RPC to server i, retried on UNAVAILABLE / DEADLINE_EXCEEDED ``retries`` times, or
-    with ``until`` (a monotonic time) retried on UNAVAILABLE until then."""
-    if self._closed:
-      raise RemotePSError(f"{self._where(i)}: {method} after close()", self.addresses[i], method)
-    request = wire.encode(fields, arrays)
-    timeout = self.timeout_s if timeout is None else timeout
-    attempt = 0
-    while True:
-      attempt_timeout = timeout if until is None else max(0.001, until - time.monotonic())
-      try:
-        response = self._stubs[i][method](request, timeout=attempt_timeout, metadata=self._metadata)
-        break
-      except grpc.RpcError as e:
-        code = e.code() if callable(getattr(e, "code", None)) else None
-        details = e.details() if callable(getattr(e, "details", None)) else str(e)
-        backoff = min(0.5, 0.05 * 2**attempt)
-        if until is not None:
-          again = code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + backoff < until
-        else:
-          again = attempt < retries and code in _RETRY_CODES
-        if not again:
-          name = code.name if code is not None else "ERROR"
-          raise RemotePSError(
-            f"{self._where(i)}: {method} failed: {name}: {details}", self.addresses[i], method, code
-          ) from None
-        attempt += 1
-        time.sleep(backoff)
-    try:
-      return wire.decode(response)
-    except wire.WireError as e:
-      raise RemotePSError(
-        f"{self._where(i)}: {method} sent a malformed response: {e}", self.addresses[i], method
-      ) from None
-
-  def _fan(self, kind: str, work: Mapping[int, Callable[[], Any]]) -> Dict[int, Any]:
-    """Runs one callable per server, in parallel; raises as soon as one fails (the failure of
-    the lowest server index among those finished), without waiting for the others."""
-    if len(work) == 1:
-      ((i, w),) = work.items()
-      return {i: w()}
-    futures = {i: self._pools[kind].submit(w) for i, w in work.items()}
-    done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
-    for i in sorted(futures):
-      if futures[i] in done and futures[i].exception() is not None:
-        raise futures[i].exception()
-    return {i: f.result() for i, f in futures.items()}
-
   def _configure(self) -> None:
     fields = {
       "tables": [wire.spec_to_json(s) for s in self.specs.values()],
@@ -218,10 +130,10 @@ class RemotePS:
       "num_shards": self.num_shards,
     }
     until = time.monotonic() + self.timeout_s
-    self._fan(
+    self._servers.fan(
       "control",
       {
-        i: (lambda i=i: self._call(i, "Configure", {**fields, "shard_index": i}, until=until))
+        i: (lambda i=i: self._servers.call(i, "Configure", {**fields, "shard_index": i}, until=until))
         for i in range(self.num_shards)
       },
     )
@@ -288,8 +200,8 @@ class RemotePS:
     for s in range(self.num_shards):
       part = {f"ids/{t}": ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
       if part or step is not None:
-        work[s] = lambda s=s, part=part: self._call(s, "Lookup", fields, part, retries=self.lookup_retries)
-    replies = self._fan("lookup", work) if work else {}
+        work[s] = lambda s=s, part=part: self._servers.call(s, "Lookup", fields, part, retries=self.lookup_retries)
+    replies = self._servers.fan("lookup", work) if work else {}
     out = {}
     for t, v in ids.items():
       dim = self.specs[t].dim
@@ -301,7 +213,7 @@ class RemotePS:
         if got is None or got.shape != (sel.shape[0], dim) or got.dtype.name not in wire.FLOAT_DTYPES:
           have = None if got is None else (got.dtype.name, list(got.shape))
           raise RemotePSError(
-            f"{self._where(s)}: Lookup answered rows/{t} as {have}, expected [{sel.shape[0]}, {dim}]",
+            f"{self._servers.where(s)}: Lookup answered rows/{t} as {have}, expected [{sel.shape[0]}, {dim}]",
             self.addresses[s],
             "Lookup",
           )
@@ -354,9 +266,9 @@ class RemotePS:
       # With a step every server hears from every worker at every step, or it could not
       # tell when a step is complete.
       if part or step is not None:
-        work[s] = lambda s=s, part=part: self._call(s, "Push", fields, part)
+        work[s] = lambda s=s, part=part: self._servers.call(s, "Push", fields, part)
     if work:
-      self._fan("push", work)
+      self._servers.fan("push", work)
 
   def lookup(self, table: str, ids: np.ndarray, create: bool = True, step: Optional[int] = None) -> np.ndarray:
     """Rows for distinct ids of one table (see ``lookup_many``).
@@ -389,7 +301,9 @@ class RemotePS:
     Returns:
       One dict per server, in address order.
     """
-    got = self._fan("control", {i: (lambda i=i: self._call(i, "Stats", {})) for i in range(self.num_shards)})
+    got = self._servers.fan(
+      "control", {i: (lambda i=i: self._servers.call(i, "Stats", {})) for i in range(self.num_shards)}
+    )
     return [got[i].fields for i in range(self.num_shards)]
 
   def stats(self) -> Dict[str, Dict[str, float]]:
@@ -433,41 +347,7 @@ class RemotePS:
       FileExistsError: ``directory`` already holds a snapshot.
       RemotePSError: a server failed.
     """
-    directory = os.path.abspath(directory)
-    if os.path.exists(os.path.join(directory, MANIFEST)):
-      raise FileExistsError(f"PS snapshot {directory} already exists; snapshots are never overwritten")
-    os.makedirs(directory, exist_ok=True)
-    parts = [f"server-{i}" for i in range(self.num_shards)]
-    fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
-    got = self._fan(
-      "control",
-      {
-        i: (
-          lambda i=i: self._call(
-            i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=self.snapshot_timeout_s
-          )
-        )
-        for i in range(self.num_shards)
-      },
-    )
-    rows: Dict[str, int] = {}
-    for i in range(self.num_shards):
-      for t, n in got[i].fields.get("rows", {}).items():
-        rows[t] = rows.get(t, 0) + int(n)
-    manifest = {
-      "format": FORMAT,
-      "num_servers": self.num_shards,
-      "step": step,
-      "incremental": bool(incremental),
-      "parts": parts,
-      "rows": rows,
-      "meta": dict(meta or {}),
-    }
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(manifest, f)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
-    return rows
+    return snapshot_chain.save(self._servers, directory, incremental, meta, step, self.snapshot_timeout_s)
 
   def load_snapshot(self, chain: Sequence[str], step: Optional[int] = None) -> None:
     """Restores every server from a chain of snapshots (one full, then incremental ones),
@@ -486,10 +366,10 @@ class RemotePS:
     """
     links = snapshot_parts(chain)
     fields = {"chain": links, "step": None if step is None else int(step)}
-    self._fan(
+    self._servers.fan(
       "control",
       {
-        i: (lambda i=i: self._call(i, "Restore", fields, timeout=self.snapshot_timeout_s))
+        i: (lambda i=i: self._servers.call(i, "Restore", fields, timeout=self.snapshot_timeout_s))
         for i in range(self.num_shards)
       },
     )
@@ -500,78 +380,17 @@ class RemotePS:
     Returns:
       One dict per server.
     """
-    got = self._fan("control", {i: (lambda i=i: self._call(i, "Health", {})) for i in range(self.num_shards)})
+    got = self._servers.fan(
+      "control", {i: (lambda i=i: self._servers.call(i, "Health", {})) for i in range(self.num_shards)}
+    )
     return [got[i].fields for i in range(self.num_shards)]
 
   def close(self) -> None:
     """Closes the channels and threads; later calls raise ``RemotePSError``."""
-    if self._closed:
-      return
-    self._closed = True
-    for pool in self._pools.values():
-      pool.shutdown(wait=True)
-    for ch in self._channels:
-      ch.close()
+    self._servers.close()
 
   def __enter__(self) -> "RemotePS":
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-def snapshot_parts(chain: Sequence[str]) -> List[List[str]]:
-  """The part directories of each snapshot of a chain: a RemotePS snapshot has one per
-  server (from its remote.json), an in-process one (``snapshot.save``) is one part.
-
-  Args:
-    chain: snapshot directories, oldest first.
-
-  Returns:
-    Absolute part directories per link.
-
-  Raises:
-    ValueError: an empty chain, or a remote.json that is not a RemotePS manifest.
-    FileNotFoundError: a directory that holds neither manifest.
-  """
-  if not chain:
-    raise ValueError("empty PS snapshot chain")
-  links = []
-  for d in chain:
-    d = os.path.abspath(d)
-    mpath = os.path.join(d, MANIFEST)
-    if os.path.exists(mpath):
-      with open(mpath) as f:
-        m = json.load(f)
-      if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("parts"), list):
-        raise ValueError(f"{mpath} is not a RemotePS snapshot manifest ({FORMAT})")
-      links.append([os.path.join(d, p) for p in m["parts"]])
-    elif os.path.exists(os.path.join(d, snapshot.MANIFEST)):
-      links.append([d])
-    else:
-      raise FileNotFoundError(f"{d} holds no PS snapshot (neither {MANIFEST} nor {snapshot.MANIFEST})")
-  return links
-
-
-def load_into(ps, chain: Sequence[str]) -> None:
-  """Restores an in-process ``ParameterServer`` from a chain taken by a RemotePS (any number
-  of servers) or by ``snapshot.save``.
-
-  Args:
-    ps: the ParameterServer (any number of shards).
-    chain: snapshot directories, oldest first: one full, then incremental ones.
-
-  Raises:
-    ValueError: a chain that does not start with one full snapshot, or a damaged part (then
-      the PS holds a partial state and must not be used).
-  """
-  links = snapshot_parts(chain)
-  for i, link in enumerate(links):
-    for d in link:
-      if (i == 0) == snapshot.is_incremental(d):
-        raise ValueError(f"PS snapshot chain {list(chain)}: {d} must be {'full' if i == 0 else 'incremental'}")
-  ps.restore({})
-  for link in links:
-    for d in link:
-      for table, part in snapshot.iter_parts(d):
-        ps.restore({table: part}, merge=True)

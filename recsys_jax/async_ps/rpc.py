@@ -1,0 +1,307 @@
+"""The gRPC side of a PS shard server: ``ShardServer`` decodes and checks requests, ``serve`` starts one.
+
+The RPCs (messages in ``wire``'s format, method paths ``/recsys_jax.async_ps.PSShard/<name>``)
+call ``service.ShardService``, which holds the tables and the steps in flight:
+
+- ``Configure``: table specs, seed, num_workers, staleness and this server's place among the
+  servers; later calls must agree with the first. Every other RPC but ``Health`` is refused
+  (FAILED_PRECONDITION) until then.
+- ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
+- ``Stats``, ``Health``.
+
+Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, wrong dtype or
+shape, non-finite gradients), FAILED_PRECONDITION (out of order, not configured, mismatched
+configuration), UNAUTHENTICATED (a token is set and no ``authorization: Bearer <token>``
+metadata) or RESOURCE_EXHAUSTED (over ``max_message_mb``, enforced by gRPC); the server
+keeps serving. The PS trusts its callers to name snapshot directories: ``snapshot_root``
+keeps them under one directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hmac
+import os
+import threading
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+from absl import logging
+
+from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.service import Grads, ServiceError, ShardService
+
+_RESERVED_META = ("format", "parts", "incremental")  # keys of snapshot.save's own manifest
+_C = grpc.StatusCode
+
+
+def _json_number(v: Any) -> Any:
+  if isinstance(v, (bool, np.bool_)):
+    return bool(v)
+  if isinstance(v, (int, np.integer)):
+    return int(v)
+  return float(v)
+
+
+class ShardServer:
+  """The RPC handlers of one PS server, over a ``ShardService``.
+
+  Args:
+    shard_index, num_shards: this server's place among the servers, if fixed at launch
+      (else taken from the first Configure). Restore keeps the ids routed to it.
+    local_shards: shards of the in-process PS (threads working one request in parallel).
+    token: if set, every call must carry ``authorization: Bearer <token>`` metadata.
+    snapshot_root: if set, Snapshot and Restore only touch directories under it.
+  """
+
+  def __init__(
+    self,
+    shard_index: Optional[int] = None,
+    num_shards: Optional[int] = None,
+    local_shards: int = 1,
+    token: Optional[str] = None,
+    snapshot_root: Optional[str] = None,
+  ):
+    self.service = ShardService(shard_index, num_shards, local_shards)
+    self._token = None if token is None else f"Bearer {token}".encode("utf-8")
+    self._root = None if not snapshot_root else os.path.realpath(snapshot_root)
+    self._counts = collections.Counter()  # refused calls by (method, status)
+    self._counts_lock = threading.Lock()
+
+  @property
+  def ps(self) -> Optional[ParameterServer]:
+    """The in-process PS (None until the first Configure)."""
+    return self.service.ps
+
+  # -- plumbing ------------------------------------------------------------------------
+  def handler(self) -> grpc.GenericRpcHandler:
+    """The generic handler serving every RPC of ``wire.METHODS`` (raw bytes in and out).
+
+    Returns:
+      A handler to pass to ``grpc.Server.add_generic_rpc_handlers``.
+    """
+    methods = {
+      m: grpc.unary_unary_rpc_method_handler(self._wrap(m, getattr(self, f"_rpc_{m.lower()}"))) for m in wire.METHODS
+    }
+    return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
+
+  def _wrap(self, method: str, fn: Callable[[wire.Message, grpc.ServicerContext], bytes]):
+    def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
+      try:
+        self._authenticate(context)
+        if method not in ("Configure", "Health") and self.service.ps is None:
+          raise ServiceError("FAILED_PRECONDITION", "the server is not configured yet: call Configure first")
+        return fn(wire.decode(request), context)
+      except ServiceError as e:
+        code, text = _C[e.code], e.message
+      except wire.WireError as e:
+        code, text = _C.INVALID_ARGUMENT, str(e)
+      except Exception as e:  # noqa: BLE001 - a bug or a library error must not end the server
+        logging.exception("%s failed", method)
+        code, text = _C.INTERNAL, f"{type(e).__name__}: {e}"
+      with self._counts_lock:
+        self._counts[f"{method}:{code.name}"] += 1
+      if code != _C.DEADLINE_EXCEEDED:
+        logging.warning("%s refused: %s: %s", method, code.name, text)
+      context.abort(code, f"{method}: {text}")
+
+    return behavior
+
+  def _authenticate(self, context: grpc.ServicerContext) -> None:
+    if self._token is None:
+      return
+    got = b""
+    for key, value in context.invocation_metadata() or ():
+      if key == "authorization":
+        got = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    if not hmac.compare_digest(got, self._token):
+      raise ServiceError("UNAUTHENTICATED", "missing or wrong token (send metadata 'authorization: Bearer <token>')")
+
+  def _check_path(self, directory: Any, what: str) -> str:
+    if not isinstance(directory, str) or not directory:
+      raise wire.WireError(f"{what} must be a non-empty path, got {directory!r}")
+    real = os.path.realpath(directory)
+    if self._root is not None and os.path.commonpath([real, self._root]) != self._root:
+      raise ServiceError("PERMISSION_DENIED", f"{what} {directory!r} is outside --snapshot_root={self._root}")
+    return real
+
+  # -- request validation --------------------------------------------------------------
+  def _arrays_by_table(self, msg: wire.Message, kinds: Sequence[str]) -> Dict[str, Dict[str, np.ndarray]]:
+    out: Dict[str, Dict[str, np.ndarray]] = {}
+    for name, arr in msg.arrays.items():
+      kind, table = wire.split_name(name)
+      if kind not in kinds:
+        raise wire.WireError(f"unexpected array {name!r}: this RPC takes {list(kinds)} per table")
+      if table not in self.service.ps.specs:
+        raise wire.WireError(f"unknown table {table!r}; this server holds {sorted(self.service.ps.specs)}")
+      out.setdefault(table, {})[kind] = arr
+    return out
+
+  @staticmethod
+  def _check_ids(table: str, ids: np.ndarray) -> np.ndarray:
+    if ids.dtype != wire.DTYPES["uint64"] or ids.ndim != 1:
+      raise wire.WireError(f"table {table!r}: ids must be 1-D uint64, got {ids.dtype} of shape {list(ids.shape)}")
+    if ids.shape[0] > 1:
+      s = np.sort(ids)
+      if (s[1:] == s[:-1]).any():
+        raise wire.WireError(f"table {table!r}: ids are not distinct (e.g. {int(s[1:][s[1:] == s[:-1]][0])})")
+    return ids
+
+  def _check_grads(self, table: str, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    dim = self.service.ps.specs[table].dim
+    if grads.dtype.name not in wire.FLOAT_DTYPES:
+      raise wire.WireError(f"table {table!r}: grads must be one of {sorted(wire.FLOAT_DTYPES)}, got {grads.dtype}")
+    if grads.shape != (ids.shape[0], dim):
+      raise wire.WireError(
+        f"table {table!r}: grads of shape {list(grads.shape)} do not match [n={ids.shape[0]} ids, dim={dim}]"
+      )
+    g = wire.from_wire(grads)
+    if not np.isfinite(g).all():
+      bad = np.argwhere(~np.isfinite(g))[0]
+      raise wire.WireError(f"table {table!r}: grads are not finite (e.g. row {bad[0]}, column {bad[1]})")
+    return g
+
+  # -- RPCs ----------------------------------------------------------------------------
+  def _rpc_configure(self, msg: wire.Message, context) -> bytes:
+    f = msg.fields
+    raw = wire.get_field(f, "tables", list)
+    specs = [wire.spec_from_json(d) for d in raw]
+    if not specs:
+      raise wire.WireError("field 'tables' is empty")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+      raise wire.WireError(f"table names must be distinct, got {names}")
+    cfg = {
+      "seed": wire.get_field(f, "seed", int, 0),
+      "num_workers": wire.get_field(f, "num_workers", int, 1),
+      "staleness": wire.get_field(f, "staleness", int, 0),
+      "shard_index": wire.get_field(f, "shard_index", int),
+      "num_shards": wire.get_field(f, "num_shards", int),
+    }
+    if cfg["num_workers"] < 1 or cfg["staleness"] < 0 or cfg["num_shards"] < 1:
+      raise wire.WireError(f"need num_workers >= 1, staleness >= 0, num_shards >= 1; got {cfg}")
+    if not 0 <= cfg["shard_index"] < cfg["num_shards"]:
+      raise wire.WireError(f"shard_index {cfg['shard_index']} is not in [0, {cfg['num_shards']})")
+    return wire.encode(self.service.configure(specs, cfg))
+
+  def _rpc_lookup(self, msg: wire.Message, context) -> bytes:
+    f = msg.fields
+    step = wire.get_field(f, "step", int, None, optional=True)
+    create = wire.get_field(f, "create", bool, True)
+    wire_dtype = wire.check_wire_dtype(wire.get_field(f, "wire_dtype", str, "float32"))
+    ids = {}
+    for t, arrs in self._arrays_by_table(msg, ("ids",)).items():
+      ids[t] = self._check_ids(t, arrs["ids"])
+    rows = self.service.lookup(ids, create, step, context.time_remaining)
+    return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
+
+  def _rpc_push(self, msg: wire.Message, context) -> bytes:
+    f = msg.fields
+    nw = self.service.config["num_workers"]
+    worker = wire.get_field(f, "worker", int)
+    step = wire.get_field(f, "step", int, None, optional=True)
+    request_id = wire.get_field(f, "request_id", str)
+    if not 0 <= worker < nw:
+      raise wire.WireError(f"worker {worker} is not in [0, num_workers={nw})")
+    if not 0 < len(request_id) <= 256:
+      raise wire.WireError("request_id must have 1 to 256 characters")
+    if step is None and nw > 1:
+      raise wire.WireError(f"a push needs a step when num_workers={nw} (steps are summed over workers)")
+    grads: Grads = {}
+    for t, arrs in self._arrays_by_table(msg, ("ids", "grads")).items():
+      if set(arrs) != {"ids", "grads"}:
+        raise wire.WireError(f"table {t!r}: a push needs both ids/{t} and grads/{t}")
+      ids = self._check_ids(t, arrs["ids"])
+      grads[t] = (ids, self._check_grads(t, ids, arrs["grads"]))
+    return wire.encode(self.service.push(worker, step, request_id, grads))
+
+  def _rpc_snapshot(self, msg: wire.Message, context) -> bytes:
+    f = msg.fields
+    directory = self._check_path(wire.get_field(f, "directory", str), "directory")
+    incremental = wire.get_field(f, "incremental", bool, False)
+    step = wire.get_field(f, "step", int, None, optional=True)
+    meta = wire.get_field(f, "meta", dict, {})
+    if any(k in meta for k in _RESERVED_META):
+      raise wire.WireError(f"meta may not set {[k for k in _RESERVED_META if k in meta]} (the snapshot manifest's own)")
+    rows = self.service.snapshot(directory, incremental, step, meta, context.time_remaining)
+    return wire.encode({"rows": {t: int(n) for t, n in rows.items()}, "directory": directory})
+
+  def _rpc_restore(self, msg: wire.Message, context) -> bytes:
+    f = msg.fields
+    chain = wire.get_field(f, "chain", list)
+    step = wire.get_field(f, "step", int, None, optional=True)
+    if not chain or not all(isinstance(link, list) and link for link in chain):
+      raise wire.WireError("field 'chain' must be a non-empty list of non-empty lists of directories")
+    links = [[self._check_path(d, "snapshot directory") for d in link] for link in chain]
+    return wire.encode(self.service.restore(links, step))
+
+  def _rpc_stats(self, msg: wire.Message, context) -> bytes:
+    tables = {t: {k: _json_number(v) for k, v in s.items()} for t, s in self.service.ps.stats().items()}
+    return wire.encode({"tables": tables, "server": self._state()})
+
+  def _rpc_health(self, msg: wire.Message, context) -> bytes:
+    return wire.encode({"ok": self.service.broken is None, "configured": self.service.ps is not None, **self._state()})
+
+  def _state(self) -> Dict[str, Any]:
+    with self._counts_lock:
+      refused = dict(self._counts)
+    return {**self.service.state(), "refused": refused}
+
+
+def serve(
+  host: str = "127.0.0.1",
+  port: int = 0,
+  *,
+  shard_index: Optional[int] = None,
+  num_shards: Optional[int] = None,
+  local_shards: int = 1,
+  token: Optional[str] = None,
+  tls_cert: Optional[bytes] = None,
+  tls_key: Optional[bytes] = None,
+  max_message_mb: int = 256,
+  threads: int = 32,
+  snapshot_root: Optional[str] = None,
+) -> Tuple[grpc.Server, int, ShardServer]:
+  """Starts a shard server (in this process) and returns (grpc server, bound port, handlers).
+
+  Args:
+    host, port: where to listen (port 0: a free one).
+    shard_index, num_shards, local_shards, token, snapshot_root: see ``ShardServer``.
+    tls_cert, tls_key: PEM bytes; both or neither (then plaintext).
+    max_message_mb: the largest request and response, in MiB (larger: RESOURCE_EXHAUSTED).
+    threads: RPCs served at once (lookups waiting for pushes hold one each).
+
+  Returns:
+    The started server (stop it with ``.stop(grace)``), the port it listens on, the handlers.
+
+  Raises:
+    RuntimeError: the address cannot be bound.
+  """
+  service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root)
+  limit = int(max_message_mb * (1 << 20))
+  server = grpc.server(
+    concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
+    options=[
+      ("grpc.max_receive_message_length", limit),
+      ("grpc.max_send_message_length", limit),
+      ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+    ],
+  )
+  server.add_generic_rpc_handlers((service.handler(),))
+  address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+  if (tls_cert is None) != (tls_key is None):
+    raise ValueError("TLS needs both a certificate and a key")
+  try:
+    if tls_cert is not None:
+      bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+      bound = server.add_insecure_port(address)
+  except RuntimeError as e:
+    raise RuntimeError(f"cannot listen on {address}: {e}") from None
+  if not bound:
+    raise RuntimeError(f"cannot listen on {address}")
+  server.start()
+  return server, bound, service

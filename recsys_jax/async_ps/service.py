@@ -1,0 +1,381 @@
+"""A PS shard's service logic, independent of the RPC layer: ``ShardService`` and ``sum_pushes``.
+
+It holds the in-process ``ParameterServer`` of the rows routed to this server and the state of
+the steps in flight (``rpc`` decodes and checks the requests and calls it):
+
+- ``configure``: creates the tables on the first call; later calls must agree with the first.
+- ``lookup``: rows of distinct ids. With a step t, first waits (bounded by the caller's
+  deadline) until the pushes of every step <= t - staleness - 1 are applied.
+- ``push``: a worker's row gradients of a step. A step is applied once every worker has
+  pushed it (or moved past it): the gradients summed in worker order, one ``apply_many``.
+  A repeated (worker, request_id) is acknowledged without being applied again.
+- ``snapshot`` / ``restore``: ``snapshot.save`` of the local PS after the pushes of the steps
+  before ``step``; restore from the parts of any number of servers, keeping this server's ids.
+
+A refusal is a ``ServiceError`` whose ``code`` names the status the server answers with, so
+this module needs no gRPC.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+from absl import logging
+
+from recsys_jax.async_ps import snapshot, wire
+from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.embeddings.specs import TableSpec
+
+_SEEN_PER_WORKER = 4096  # request ids remembered per worker: far more than pushes in flight
+# Steps buffered while waiting for the other workers. The staleness bound keeps a worker at
+# most k + 1 steps ahead, so this only stops a misbehaving client from filling the memory.
+_MAX_PENDING_STEPS = 1024
+_MAX_WAIT_S = 3600.0  # a wait without a client deadline still ends
+_WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
+
+Grads = Dict[str, Tuple[np.ndarray, np.ndarray]]
+TimeLeft = Callable[[], Optional[float]]  # seconds until the caller's deadline (None: no deadline)
+
+
+class ServiceError(Exception):
+  """Ends a call with the status named ``code`` (a ``grpc.StatusCode`` name) and ``message``."""
+
+  def __init__(self, code: str, message: str):
+    super().__init__(message)
+    self.code, self.message = code, message
+
+
+def _no_deadline() -> Optional[float]:
+  return None
+
+
+def sum_pushes(pushes: Mapping[int, Grads], dims: Mapping[str, int]) -> Grads:
+  """Sums the pushes of one step: {worker: {table: (ids, grads)}} -> {table: (ids, grads)}.
+
+  The ids of a table are the union of the workers' ids; each id's gradient is added up in
+  worker-index order (starting from 0.0), so the sum does not depend on arrival order.
+
+  Args:
+    pushes: each worker's distinct ids and float32 gradients per table.
+    dims: row width per table.
+
+  Returns:
+    Distinct ids (sorted where several workers sent the table) and summed float32 gradients.
+  """
+  workers = sorted(pushes)
+  if len(workers) == 1:
+    return dict(pushes[workers[0]])
+  tables: List[str] = []
+  for w in workers:
+    tables.extend(t for t in pushes[w] if t not in tables)
+  out = {}
+  for t in tables:
+    parts = [pushes[w][t] for w in workers if t in pushes[w]]
+    if len(parts) == 1:
+      out[t] = parts[0]
+      continue
+    uniq, inv = np.unique(np.concatenate([i for i, _ in parts]), return_inverse=True)
+    total = np.zeros((uniq.shape[0], dims[t]), np.float32)
+    pos = 0
+    for i, g in parts:
+      total[inv[pos : pos + i.shape[0]]] += g  # ids are distinct within a worker's push
+      pos += i.shape[0]
+    out[t] = (uniq, total)
+  return out
+
+
+class ShardService:
+  """One PS server's tables and step bookkeeping, over an in-process ``ParameterServer``.
+
+  Thread-safe: the RPC layer calls it from many threads at once.
+
+  Args:
+    shard_index, num_shards: this server's place among the servers, if fixed at launch
+      (else taken from the first configure). Restore keeps the ids routed to it.
+    local_shards: shards of the in-process PS (threads working one request in parallel).
+  """
+
+  def __init__(self, shard_index: Optional[int] = None, num_shards: Optional[int] = None, local_shards: int = 1):
+    if (shard_index is None) != (num_shards is None):
+      raise ValueError("--shard_index and --num_shards go together")
+    if num_shards is not None and not 0 <= shard_index < num_shards:
+      raise ValueError(f"--shard_index={shard_index} must be in [0, --num_shards={num_shards})")
+    if local_shards < 1:
+      raise ValueError(f"--local_shards must be >= 1, got {local_shards}")
+    self._fixed_place = None if num_shards is None else (shard_index, num_shards)
+    self._local_shards = local_shards
+    self._cond = threading.Condition()
+    # Held while the PS changes in bulk (applying a step, a snapshot, a restore); taken after
+    # _cond when both are needed, never the other way round.
+    self._apply_lock = threading.Lock()
+    self.ps: Optional[ParameterServer] = None
+    self._config: Dict[str, Any] = {}
+    self._applied: Optional[int] = None  # every step <= this is applied (None: no step seen yet)
+    self._pending: Dict[int, Dict[int, Grads]] = {}  # step -> worker -> gradients
+    self._last: Dict[int, int] = {}  # worker -> the last step it pushed
+    self._seen: Dict[int, "collections.OrderedDict[str, int]"] = {}  # worker -> request ids
+    self._broken: Optional[str] = None  # why the tables cannot be used (a failed restore)
+
+  @property
+  def config(self) -> Mapping[str, Any]:
+    """seed, num_workers, staleness, shard_index, num_shards (empty until configured)."""
+    return self._config
+
+  @property
+  def broken(self) -> Optional[str]:
+    """Why the tables cannot be used (a failed restore), or None."""
+    return self._broken
+
+  def _wait_applied(self, target: int, time_left: TimeLeft, what: str) -> None:
+    """Waits, holding ``_cond``, until every step <= ``target`` is applied."""
+    left = time_left()
+    deadline = time.monotonic() + min(_MAX_WAIT_S, _MAX_WAIT_S if left is None else left - _WAIT_MARGIN_S)
+    while self._applied is not None and self._applied < target and self._broken is None:
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        waiting = {s: sorted(p) for s, p in sorted(self._pending.items())[:4]}
+        raise ServiceError(
+          "DEADLINE_EXCEEDED",
+          f"{what} waits for the pushes of steps <= {target}, but only steps <= {self._applied} are applied "
+          f"(pending steps -> workers that pushed them: {waiting}; num_workers={self._config['num_workers']})",
+        )
+      self._cond.wait(remaining)
+    if self._broken is not None:
+      raise ServiceError("FAILED_PRECONDITION", self._broken)
+
+  def configure(self, specs: Sequence[TableSpec], cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """Creates the tables on the first call; refuses a later call that does not agree with it.
+
+    Args:
+      specs: the table specs (distinct names).
+      cfg: seed, num_workers, staleness, shard_index, num_shards (already range-checked).
+
+    Returns:
+      {'created': whether this call created the tables, 'applied_step': ..., 'pid': ...}.
+    """
+    names = [s.name for s in specs]
+    place = (cfg["shard_index"], cfg["num_shards"])
+    if self._fixed_place is not None and place != self._fixed_place:
+      raise ServiceError(
+        "FAILED_PRECONDITION",
+        f"this server was started as shard {self._fixed_place[0]} of {self._fixed_place[1]}, "
+        f"but the client addresses it as shard {place[0]} of {place[1]} (check the order of the addresses)",
+      )
+    with self._cond:
+      created = self.ps is None
+      if created:
+        try:
+          self.ps = ParameterServer(
+            specs, num_shards=self._local_shards, seed=cfg["seed"], protect_steps=cfg["staleness"] + 1
+          )
+        except (KeyError, TypeError, ValueError) as e:  # e.g. an unknown optimizer or its arguments
+          raise ServiceError("INVALID_ARGUMENT", f"the tables cannot be created: {type(e).__name__}: {e}") from None
+        self._config = dict(cfg)
+        logging.info("configured: shard %d of %d, tables %s", place[0], place[1], names)
+      else:
+        have = self.ps.specs
+        if set(names) != set(have):
+          raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"tables {sorted(names)} differ from the configured {sorted(have)}",
+          )
+        for s in specs:
+          diff = wire.spec_differences(have[s.name], s)
+          if diff:
+            k = diff[0]
+            raise ServiceError(
+              "FAILED_PRECONDITION",
+              f"table {s.name!r}: field {k} is {getattr(have[s.name], k)!r} on this server, "
+              f"{getattr(s, k)!r} in the request",
+            )
+        for k, v in cfg.items():
+          if self._config[k] != v:
+            raise ServiceError(
+              "FAILED_PRECONDITION", f"{k} is {self._config[k]!r} on this server, {v!r} in the request"
+            )
+      return {"created": created, "applied_step": self._applied, "pid": os.getpid()}
+
+  def lookup(
+    self, ids: Mapping[str, np.ndarray], create: bool, step: Optional[int], time_left: TimeLeft = _no_deadline
+  ) -> Dict[str, np.ndarray]:
+    """Rows of distinct ids per table, after the staleness wait when ``step`` is given."""
+    with self._cond:
+      if step is not None:
+        if self._applied is None:
+          # The first step seen: no push of an earlier step can come any more.
+          self._applied = step - 1
+        self._wait_applied(step - self._config["staleness"] - 1, time_left, f"the lookup of step {step}")
+      elif self._broken is not None:
+        raise ServiceError("FAILED_PRECONDITION", self._broken)
+    return self.ps.lookup_many(ids, create, step)
+
+  def push(self, worker: int, step: Optional[int], request_id: str, grads: Grads) -> Dict[str, Any]:
+    """Buffers a worker's gradients of a step; applies every step that all workers have pushed.
+
+    Returns:
+      {'duplicate': whether request_id was seen before, 'applied_step': ...}.
+    """
+    nw = self._config["num_workers"]
+    ready: List[Tuple[Optional[int], Dict[int, Grads]]] = []
+    with self._cond:
+      if self._broken is not None:
+        raise ServiceError("FAILED_PRECONDITION", self._broken)
+      seen = self._seen.setdefault(worker, collections.OrderedDict())
+      if request_id in seen:
+        return {"duplicate": True, "applied_step": self._applied}
+      if step is not None:
+        if self._applied is None:
+          self._applied = step - 1
+        if step <= self._applied:
+          raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"push of step {step} from worker {worker}: steps <= {self._applied} are already applied",
+          )
+        if step not in self._pending and len(self._pending) >= _MAX_PENDING_STEPS:
+          raise ServiceError(
+            "RESOURCE_EXHAUSTED",
+            f"push of step {step} from worker {worker}: {len(self._pending)} steps already wait for other workers",
+          )
+        last = self._last.get(worker)
+        if last is not None and step <= last:
+          raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"push of step {step} from worker {worker} after its step {last}: steps must arrive in increasing order",
+          )
+        self._pending.setdefault(step, {})[worker] = grads
+        self._last[worker] = step
+      seen[request_id] = -1 if step is None else step
+      while len(seen) > _SEEN_PER_WORKER:
+        seen.popitem(last=False)
+      if step is None:
+        ready = [(None, {worker: grads})]
+        horizon = None
+      else:
+        # Each worker pushes its steps in increasing order, so once every worker has pushed
+        # step h or later, no push of a step <= h can come: those steps are complete.
+        horizon = min(self._last.get(w, -(2**62)) for w in range(nw))
+        for s in sorted(self._pending):
+          if s > horizon:
+            break
+          ready.append((s, self._pending.pop(s)))
+      if ready:
+        self._apply_lock.acquire()  # in step order: taken before _cond is released
+    if not ready:
+      return {"duplicate": False, "applied_step": self._applied}
+    dims = {t: s.dim for t, s in self.ps.specs.items()}
+    error = None
+    try:
+      for s, pushes in ready:
+        try:
+          self.ps.apply_many(sum_pushes(pushes, dims), s)
+        except (KeyError, ValueError) as e:
+          # The step is consumed either way: the server must not wedge on one bad step.
+          error = error or ServiceError("FAILED_PRECONDITION", f"applying step {s}: {e}")
+    finally:
+      self._apply_lock.release()
+      with self._cond:
+        if horizon is not None and self._applied is not None:  # None: a Restore came in between
+          self._applied = max(self._applied, horizon)
+        self._cond.notify_all()
+    if error is not None:
+      raise error
+    return {"duplicate": False, "applied_step": self._applied}
+
+  def snapshot(
+    self,
+    directory: str,
+    incremental: bool,
+    step: Optional[int],
+    meta: Mapping[str, Any],
+    time_left: TimeLeft = _no_deadline,
+  ) -> Dict[str, int]:
+    """``snapshot.save`` of the tables into ``directory``, after the pushes of the steps < ``step``.
+
+    Returns:
+      Rows written per table.
+    """
+    with self._cond:
+      if step is not None:
+        self._wait_applied(step - 1, time_left, f"the snapshot at step {step}")
+      elif self._broken is not None:
+        raise ServiceError("FAILED_PRECONDITION", self._broken)
+      self._apply_lock.acquire()
+      applied = self._applied
+    try:
+      place = {"shard_index": self._config["shard_index"], "num_shards": self._config["num_shards"]}
+      info = {**place, "step": step, "applied_step": applied, **meta}
+      rows = snapshot.save(self.ps, directory, incremental, info)
+    except FileExistsError as e:
+      raise ServiceError("ALREADY_EXISTS", str(e)) from None
+    finally:
+      self._apply_lock.release()
+    return rows
+
+  def restore(self, links: Sequence[Sequence[str]], step: Optional[int]) -> Dict[str, Any]:
+    """Replaces the tables by this server's ids of a snapshot chain (one full link, then
+    incremental ones; each link the parts of any number of servers).
+
+    A failure midway leaves the tables partial: every call is then refused until a restore
+    succeeds. ``step``: the next step (every step before it counts as applied).
+
+    Returns:
+      {'rows': rows kept per table, 'applied_step': ...}.
+    """
+    for i, link in enumerate(links):
+      for d in link:
+        if not os.path.isdir(d):
+          raise ServiceError("NOT_FOUND", f"snapshot directory {d} does not exist")
+        try:
+          inc = snapshot.is_incremental(d)
+        except ValueError as e:
+          raise ServiceError("FAILED_PRECONDITION", str(e)) from None
+        if (i == 0) == inc:
+          raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"snapshot {d} (link {i} of the chain) must be {'full' if i == 0 else 'incremental'}",
+          )
+    seed, me, k = self._config["seed"], self._config["shard_index"], self._config["num_shards"]
+    rows = collections.Counter()
+    with self._cond:
+      with self._apply_lock:
+        try:
+          self.ps.restore({})  # empty every table, then merge the parts in order
+          for link in links:
+            for d in link:
+              for table, part in snapshot.iter_parts(d):
+                if table not in self.ps.specs:
+                  raise ValueError(f"snapshot {d} holds table {table!r}, which this server does not declare")
+                keep = wire.server_of(table, part["ids"], seed, k) == me
+                sub = {key: v[keep] for key, v in part.items() if key != "deleted"}
+                if "deleted" in part:
+                  sub["deleted"] = part["deleted"][wire.server_of(table, part["deleted"], seed, k) == me]
+                self.ps.restore({table: sub}, merge=True)
+                rows[table] += int(keep.sum())
+        except Exception as e:  # noqa: BLE001 - the tables are now partial: refuse to serve them
+          self._broken = f"a Restore failed ({type(e).__name__}: {e}); the tables are partial: Restore again"
+          self._cond.notify_all()
+          raise ServiceError("FAILED_PRECONDITION", self._broken) from None
+        self._broken = None
+        self._applied = None if step is None else step - 1
+        self._pending.clear()
+        self._last.clear()
+        self._seen.clear()
+        self._cond.notify_all()
+    return {"rows": dict(rows), "applied_step": self._applied}
+
+  def state(self) -> Dict[str, Any]:
+    """This server's place, applied step, pending steps and why it is broken (if it is)."""
+    with self._cond:
+      return {
+        "pid": os.getpid(),
+        "shard_index": self._config.get("shard_index"),
+        "num_shards": self._config.get("num_shards"),
+        "applied_step": self._applied,
+        "pending_steps": sorted(self._pending),
+        "broken": self._broken,
+      }

@@ -1,0 +1,131 @@
+"""RemotePS snapshots on disk, and restoring a chain of them.
+
+A RemotePS snapshot is a directory holding ``server-<i>`` (server i's ``snapshot.save`` part)
+for every server and ``remote.json``, written last, naming the parts. A chain is one full
+snapshot, then incremental ones, each taken by a RemotePS over any number of servers or by
+``snapshot.save`` of an in-process PS; ``snapshot_parts`` lists the part directories of each,
+``load_into`` restores an in-process ``ParameterServer`` from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from recsys_jax.async_ps import snapshot
+
+if TYPE_CHECKING:
+  from recsys_jax.async_ps.transport import Transport
+
+MANIFEST = "remote.json"
+FORMAT = "recsys_jax.remote_ps/1"
+
+
+def save(
+  servers: Transport,
+  directory: str,
+  incremental: bool,
+  meta: Optional[Dict[str, Any]],
+  step: Optional[int],
+  timeout: float,
+) -> Dict[str, int]:
+  """Has every server write its part under ``directory``, then writes remote.json; see
+  ``RemotePS.save_snapshot``.
+
+  Returns:
+    Rows written per table, summed over the servers.
+  """
+  num_servers = len(servers.addresses)
+  directory = os.path.abspath(directory)
+  if os.path.exists(os.path.join(directory, MANIFEST)):
+    raise FileExistsError(f"PS snapshot {directory} already exists; snapshots are never overwritten")
+  os.makedirs(directory, exist_ok=True)
+  parts = [f"server-{i}" for i in range(num_servers)]
+  fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
+  got = servers.fan(
+    "control",
+    {
+      i: (
+        lambda i=i: servers.call(
+          i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
+        )
+      )
+      for i in range(num_servers)
+    },
+  )
+  rows: Dict[str, int] = {}
+  for i in range(num_servers):
+    for t, n in got[i].fields.get("rows", {}).items():
+      rows[t] = rows.get(t, 0) + int(n)
+  manifest = {
+    "format": FORMAT,
+    "num_servers": num_servers,
+    "step": step,
+    "incremental": bool(incremental),
+    "parts": parts,
+    "rows": rows,
+    "meta": dict(meta or {}),
+  }
+  tmp = os.path.join(directory, MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(manifest, f)
+  os.replace(tmp, os.path.join(directory, MANIFEST))
+  return rows
+
+
+def snapshot_parts(chain: Sequence[str]) -> List[List[str]]:
+  """The part directories of each snapshot of a chain: a RemotePS snapshot has one per
+  server (from its remote.json), an in-process one (``snapshot.save``) is one part.
+
+  Args:
+    chain: snapshot directories, oldest first.
+
+  Returns:
+    Absolute part directories per link.
+
+  Raises:
+    ValueError: an empty chain, or a remote.json that is not a RemotePS manifest.
+    FileNotFoundError: a directory that holds neither manifest.
+  """
+  if not chain:
+    raise ValueError("empty PS snapshot chain")
+  links = []
+  for d in chain:
+    d = os.path.abspath(d)
+    mpath = os.path.join(d, MANIFEST)
+    if os.path.exists(mpath):
+      with open(mpath) as f:
+        m = json.load(f)
+      if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("parts"), list):
+        raise ValueError(f"{mpath} is not a RemotePS snapshot manifest ({FORMAT})")
+      links.append([os.path.join(d, p) for p in m["parts"]])
+    elif os.path.exists(os.path.join(d, snapshot.MANIFEST)):
+      links.append([d])
+    else:
+      raise FileNotFoundError(f"{d} holds no PS snapshot (neither {MANIFEST} nor {snapshot.MANIFEST})")
+  return links
+
+
+def load_into(ps, chain: Sequence[str]) -> None:
+  """Restores an in-process ``ParameterServer`` from a chain taken by a RemotePS (any number
+  of servers) or by ``snapshot.save``.
+
+  Args:
+    ps: the ParameterServer (any number of shards).
+    chain: snapshot directories, oldest first: one full, then incremental ones.
+
+  Raises:
+    ValueError: a chain that does not start with one full snapshot, or a damaged part (then
+      the PS holds a partial state and must not be used).
+  """
+  links = snapshot_parts(chain)
+  for i, link in enumerate(links):
+    for d in link:
+      if (i == 0) == snapshot.is_incremental(d):
+        raise ValueError(f"PS snapshot chain {list(chain)}: {d} must be {'full' if i == 0 else 'incremental'}")
+  ps.restore({})
+  for link in links:
+    for d in link:
+      for table, part in snapshot.iter_parts(d):
+        ps.restore({table: part}, merge=True)
