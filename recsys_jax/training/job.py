@@ -75,10 +75,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
   traces: Dict[str, int] = {}
   repl = mesh_lib.replicated(mesh)
   with jax.transfer_guard("allow"):  # one-off setup; the step loop itself moves data explicitly
-    state, state_shardings = init_state(config, model, reader.schema, features, tables_by_name, mesh)
-  on_device = None
-  if config.optimizer.state_memory != "device":
-    on_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), state_shardings.opt_state)
+    state, state_shardings, on_device = init_state(config, model, reader.schema, features, tables_by_name, mesh)
   rows_out = mesh_lib.data_sharding(mesh) if multi else repl
   train_step = jax.jit(
     make_train_step(

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from recsys_jax.data.base import Schema
 from recsys_jax.embeddings import pooling
 from recsys_jax.parallel import mesh as mesh_lib
-from recsys_jax.parallel import mics
+from recsys_jax.parallel import mics, offload
 from recsys_jax.training.validation import dense_optimizer
 
 
@@ -37,7 +37,12 @@ class AsyncDenseState(train_state.TrainState):
 
 
 def init_state(config, model, schema: Schema, features, tables_by_name, mesh):
-  """The initial train state, each leaf placed by the logical sharding rules; and its shardings."""
+  """The initial train state, each leaf placed by the logical sharding rules.
+
+  Returns:
+    ``(state, shardings, opt_state_on_device)``: the last is None unless the optimizer state
+    lives in host memory (:mod:`recsys_jax.parallel.offload`).
+  """
   dense = np.zeros((2, schema.num_dense), np.float32)
   embs = {f.name: np.zeros((2, tables_by_name[f.table].dim), np.float32) for f in features if f.kind == "pooled"}
   seqs = {
@@ -62,11 +67,10 @@ def init_state(config, model, schema: Schema, features, tables_by_name, mesh):
     shardings = shardings.replace(
       grad_queue=jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings.params)
     )
-  if config.optimizer.state_memory != "device":
-    kind = config.optimizer.state_memory
-    shardings = shardings.replace(opt_state=jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings.opt_state))
+  opt_state, on_device = offload.opt_state_shardings(shardings.opt_state, config.optimizer.state_memory)
+  shardings = shardings.replace(opt_state=opt_state)
   state = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
-  return state, shardings
+  return state, shardings, on_device
 
 
 def state_specs(shardings):
@@ -143,8 +147,7 @@ def make_train_step(
 
   def train_step(state, rows, batch):
     traces["train"] = traces.get("train", 0) + 1  # runs only while tracing
-    if opt_state_on_device is not None:
-      state = state.replace(opt_state=jax.device_put(state.opt_state, opt_state_on_device))
+    state = state.replace(opt_state=offload.to_device(state.opt_state, opt_state_on_device))
     return mapped(state, rows, batch)
 
   return train_step
