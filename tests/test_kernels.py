@@ -341,3 +341,32 @@ def test_raw_kernels_refuse_mismatched_shapes():
   with pytest.raises(ValueError, match="slot arrays"):
     kernels.place(slot_keys, slot_rows[:8], np.uint64(15), np.uint64(0), keys, np.arange(5))
   assert (slot_rows == -1).all() and (w == 0).all() and (acc == 0).all()
+
+
+def test_editing_the_shared_numba_helpers_recompiles_the_cached_kernels(tmp_path):
+  """numba's cache checks only a kernel's own file; kernels_jit drops its dependents' caches."""
+  import os
+  import subprocess
+  import sys
+
+  from recsys_jax.async_ps import kernels_jit
+
+  pkg = tmp_path / "pkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  source = open(kernels_jit.__file__).read()
+  (pkg / "kernels_lookup.py").write_text(
+    "from pkg.kernels_jit import _jit, VALUE\n\n\n@_jit\ndef f():\n  return VALUE\n"
+  )
+
+  def run(value):
+    (pkg / "kernels_jit.py").write_text(source + f"\nVALUE = {value}\n")
+    os.utime(pkg / "kernels_jit.py", ns=(value * 10**9, value * 10**9))  # a distinct mtime, whatever the clock
+    code = "from pkg.kernels_lookup import f; print(f(), sum(f.stats.cache_hits.values()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+  assert run(1) == ["1", "0"]  # compiled, then cached
+  assert run(1) == ["1", "1"]  # the same helper module: the cached kernel
+  assert run(2)[0] == "2"  # the helper module changed: not the cached kernel of VALUE = 1

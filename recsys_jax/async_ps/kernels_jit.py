@@ -15,6 +15,9 @@ module (a prefetch distance, ``_prefetch_row``), delete the ``kernels_*`` entrie
 
 from __future__ import annotations
 
+import glob
+import os
+
 import numba
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -68,3 +71,47 @@ def _prefetch_row(a, r):
   for j in range(0, dim, _LINE_FLOATS):
     _prefetch(a, r, j)
   _prefetch(a, r, dim - 1)  # the row need not start on a line boundary
+
+
+DEPENDENTS = ("kernels_lookup", "kernels_update")
+"""The modules whose cached kernels compile in code of this one."""
+
+
+def invalidate_dependent_caches(source: str = __file__, cache_dir: str | None = None) -> bool:
+  """Drops the dependents' numba cache indexes if ``source`` changed since the last call.
+
+  The stamp (mtime and size of ``source``) is kept in ``cache_dir`` (numba's in-tree cache:
+  ``__pycache__`` beside the source). A missing index makes numba compile again and write a
+  new one. Caches elsewhere (``NUMBA_CACHE_DIR``) are not touched.
+
+  Returns:
+    Whether indexes were dropped (the source is new or changed).
+  """
+  cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(source)), "__pycache__")
+  st = os.stat(source)
+  stamp = f"{st.st_mtime_ns} {st.st_size}"
+  stamp_path = os.path.join(cache_dir, os.path.basename(source) + ".stamp")
+  try:
+    with open(stamp_path) as f:
+      if f.read() == stamp:
+        return False
+  except OSError:
+    pass
+  for name in DEPENDENTS:
+    for index in glob.glob(os.path.join(cache_dir, f"{name}.*.nbi")):
+      try:
+        os.remove(index)
+      except OSError:
+        pass
+  try:
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{stamp_path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+      f.write(stamp)
+    os.replace(tmp, stamp_path)
+  except OSError:
+    pass  # a read-only install: numba caches elsewhere (or not at all) there too
+  return True
+
+
+invalidate_dependent_caches()  # before the dependents import this module's helpers
