@@ -30,6 +30,23 @@ class CheckpointError(RuntimeError):
   """A checkpoint that exists but cannot be read."""
 
 
+def _without_empty(tree: Any) -> Any:
+  """The tree with zero-size arrays as None: orbax refuses to save them, and they hold nothing
+  (a model's kernel over no dense features, and its optimizer state)."""
+  return jax.tree.map(lambda x: None if getattr(x, "size", 1) == 0 else x, tree)
+
+
+def _with_empty(restored: Any, template: Any) -> Any:
+  """Puts the template's zero-size arrays back where ``_without_empty`` left None."""
+
+  def empty(x):
+    return x is None or getattr(x, "size", 1) == 0
+
+  leaves, treedef = jax.tree.flatten(template, is_leaf=lambda x: x is None)
+  got = jax.tree.leaves(restored, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [t if empty(t) else r for t, r in zip(leaves, got, strict=True)])
+
+
 class Checkpointer:
   """Saves and restores (dense state, PS, meta) in a workdir.
 
@@ -77,7 +94,7 @@ class Checkpointer:
       self._mgr.save(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
+          state=ocp.args.StandardSave(_without_empty(state)),
           meta=ocp.args.JsonSave(dict(meta, step=int(step), ps_chain=chain)),
         ),
       )
@@ -120,7 +137,8 @@ class Checkpointer:
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
     try:
-      state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state_template))).state
+      args = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty(state_template)))
+      state = _with_empty(self._mgr.restore(step, args=args).state, state_template)
     except Exception as e:
       raise CheckpointError(
         f"checkpoint {path} cannot be restored ({type(e).__name__}: {e}). It was left as it is; "
