@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from recsys_jax.async_ps import snapshot
@@ -47,8 +49,39 @@ def _with_empty(restored: Any, template: Any) -> Any:
   return jax.tree.unflatten(treedef, [t if empty(t) else r for t, r in zip(leaves, got, strict=True)])
 
 
+def checksums(state: Any) -> Dict[str, str]:
+  """CRC32 of every non-empty array of a dense state, by tree path (hex strings).
+
+  Read from this process's own shards (``distributed.local_copy``), so every process
+  computes the same values without communication.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(_without_empty(state))[0]
+  arrays = distributed.local_copy([x for _, x in flat])
+  return {
+    jax.tree_util.keystr(path): f"{zlib.crc32(np.ascontiguousarray(a).tobytes()) & 0xFFFFFFFF:08x}"
+    for (path, _), a in zip(flat, arrays)
+  }
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+  """The first line of an error, cut: tensorstore's carry their whole JSON spec."""
+  text = (str(e).splitlines() or [""])[0]
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _first_mismatch(expected: Dict[str, str], got: Dict[str, str]) -> Optional[str]:
+  for name in sorted(set(expected) | set(got)):
+    if expected.get(name) != got.get(name):
+      return f"{name} (written {expected.get(name)}, read {got.get(name)})"
+  return None
+
+
 class Checkpointer:
   """Saves and restores (dense state, PS, meta) in a workdir.
+
+  Every save records a CRC32 of each dense array in the meta, reads the state back and
+  compares before older checkpoints are deleted, so the newest checkpoint kept is always a
+  verified one. A restore compares the checksums before the state is used.
 
   Args:
     workdir: the run directory.
@@ -62,10 +95,13 @@ class Checkpointer:
       raise ValueError(f"full_every must be >= 1, got {full_every}")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.ps_directory = os.path.abspath(os.path.join(workdir, "ps_snapshots"))
+    self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
     self.full_every = full_every
+    self.max_to_keep = max_to_keep
+    # Rotation is ours (``_rotate``): orbax would delete old checkpoints before the new one is verified.
     self._mgr = ocp.CheckpointManager(
       self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+      options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
       item_names=("state", "meta"),
     )
     self._chain: List[str] = []
@@ -81,6 +117,7 @@ class Checkpointer:
     chain = [name] if full else self._chain + [name]
     path = os.path.join(self.ps_directory, name)
     primary = jax.process_index() == 0
+    crc = checksums(state)
     if primary:
       shutil.rmtree(path, ignore_errors=True)  # an orphan from a crash after the PS write
     try:
@@ -95,16 +132,37 @@ class Checkpointer:
         step,
         args=ocp.args.Composite(
           state=ocp.args.StandardSave(_without_empty(state)),
-          meta=ocp.args.JsonSave(dict(meta, step=int(step), ps_chain=chain)),
+          meta=ocp.args.JsonSave(dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)),
         ),
       )
       self._mgr.wait_until_finished()
+      self._verify(step, self._read_state(step, state), crc)
     except BaseException:
       self._chain = []  # change tracking was reset by the snapshot: the next one must be full
       raise
     self._chain = chain
     self._since_full = 0 if full else self._since_full + 1
+    self._rotate()
     self._collect_garbage(primary)
+
+  def _rotate(self) -> None:
+    # Only after the newest checkpoint was read back intact.
+    steps = sorted(self._mgr.all_steps())
+    for s in steps[: max(0, len(steps) - self.max_to_keep)]:
+      self._mgr.delete(s)
+
+  def _read_state(self, step: int, template: Any) -> Any:
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty(template)))
+    return _with_empty(self._mgr.restore(step, args=args).state, template)
+
+  def _verify(self, step: int, state: Any, expected: Optional[Dict[str, str]]) -> None:
+    if expected is None:  # written before checksums were recorded
+      return
+    bad = _first_mismatch(expected, checksums(state))
+    if bad:
+      raise CheckpointError(
+        f"checkpoint {os.path.join(self.directory, str(step))} is damaged: {bad} does not match its checksum"
+      )
 
   def _collect_garbage(self, delete: bool = True) -> None:
     # Every process reads the metas (orbax reads are collective); only one deletes.
@@ -137,13 +195,13 @@ class Checkpointer:
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
     try:
-      args = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty(state_template)))
-      state = _with_empty(self._mgr.restore(step, args=args).state, state_template)
+      state = self._read_state(step, state_template)
     except Exception as e:
       raise CheckpointError(
-        f"checkpoint {path} cannot be restored ({type(e).__name__}: {e}). It was left as it is; "
+        f"checkpoint {path} cannot be restored ({type(e).__name__}: {_short(e)}). It was left as it is; "
         f"move it away to resume from an earlier one, or use a new workdir."
       ) from e
+    self._verify(step, state, meta.get("state_crc32"))
     chain = list(meta.get("ps_chain", []))
     paths = [os.path.join(self.ps_directory, n) for n in chain]
     try:
@@ -153,11 +211,56 @@ class Checkpointer:
         distributed.barrier(f"ps restored at step {step}")
       else:
         snapshot.load(ps, paths)
+    except ConnectionError:
+      raise  # a PS server out of reach says nothing about the checkpoint
     except (ValueError, OSError) as e:
       raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {e}") from e
     self._chain = chain
     self._since_full = len(chain) - 1
     return state, meta
+
+  def restore_newest_intact(
+    self, state_template: Any, ps, warn: Callable[[str], None]
+  ) -> Optional[Tuple[int, Any, Dict[str, Any]]]:
+    """Restores the newest checkpoint that reads back intact.
+
+    Damaged newer checkpoints are moved to ``<workdir>/checkpoints_damaged/`` (kept for a
+    look, out of the way of new saves), each named in one ``warn`` line.
+
+    Returns:
+      ``(step, state, meta)``, or None if the workdir holds no checkpoint.
+
+    Raises:
+      CheckpointError: if no checkpoint is intact; then every file is left as it is.
+    """
+    damaged: List[Tuple[int, CheckpointError]] = []
+    for step in sorted(self._mgr.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(step, state_template, ps)
+      except CheckpointError as e:
+        damaged.append((step, e))
+        continue
+      for s, e in damaged:
+        warn(f"{e}; moved to {self._set_aside(s)}, resuming from checkpoint {step}")
+      if damaged:
+        distributed.barrier(f"damaged checkpoints set aside before step {step}")
+        self._mgr.reload()
+      return step, state, meta
+    if len(damaged) == 1:
+      raise damaged[0][1]
+    if damaged:
+      raise CheckpointError(f"no checkpoint in {self.directory} is intact: " + "; ".join(str(e) for _, e in damaged))
+    return None
+
+  def _set_aside(self, step: int) -> str:
+    dst = os.path.join(self.damaged_directory, str(step))
+    n = 1
+    while os.path.exists(dst):
+      dst, n = os.path.join(self.damaged_directory, f"{step}.{n}"), n + 1
+    if jax.process_index() == 0:
+      os.makedirs(self.damaged_directory, exist_ok=True)
+      os.replace(os.path.join(self.directory, str(step)), dst)
+    return dst
 
   def close(self) -> None:
     self._mgr.close()

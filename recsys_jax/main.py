@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from recsys_jax import train
+from recsys_jax.checkpoint import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config file name>).")
@@ -66,7 +67,8 @@ def main(argv):
   print(f"workdir: {os.path.abspath(workdir)}", file=sys.stderr)
   try:
     summary = train.train_and_evaluate(config, workdir)
-  except (train.NonFiniteLossError, ValueError, ConnectionError) as e:  # ConnectionError: a PS server is gone
+  # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact.
+  except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   print(train.format_summary(summary))

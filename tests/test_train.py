@@ -162,6 +162,117 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(tiny_config, tmp_path):
   assert _tree_digest(str(tmp_path / "checkpoints")) == before
 
 
+def _flip_bytes_of_state_data(step_dir, n=64):
+  """Inverts n bytes in the middle of every data file of a checkpoint's dense state."""
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state")) if d.endswith("/d") for f in fs]
+  assert files, step_dir
+  for path in files:
+    with open(path, "r+b") as f:
+      data = bytearray(f.read())
+      mid = len(data) // 2
+      data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+      f.seek(0)
+      f.write(data)
+  return files
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_40(tmp_path_factory):
+  from configs import tiny
+
+  c = tiny.get_config()
+  c.num_steps = 40
+  return train.train_and_evaluate(c, str(tmp_path_factory.mktemp("tiny40")))
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path, capsys, uninterrupted_40):
+  """Bit flips inside the newest dense checkpoint: named in one line, set aside, and the run
+  resumes from the checkpoint before, ending as if it had never stopped (k = 0)."""
+  tiny_config.num_steps = 30
+  tiny_config.checkpoint_every = 10
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  ckpt_dir = tmp_path / "checkpoints"
+  assert sorted(os.listdir(ckpt_dir)) == ["20", "30"]
+  _flip_bytes_of_state_data(str(ckpt_dir / "30"))
+  capsys.readouterr()
+  tiny_config.num_steps = 40
+  s = train.train_and_evaluate(tiny_config, str(tmp_path))
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if "checkpoints/30" in line]
+  assert len(lines) == 1 and ("damaged" in lines[0] or "cannot be restored" in lines[0]), err[-2000:]
+  assert "resuming from checkpoint 20" in lines[0]
+  assert s["resumed_from"] == 20
+  assert os.listdir(tmp_path / "checkpoints_damaged") == ["30"]  # kept for a look, out of the way
+  assert s["auc"] == uninterrupted_40["auc"] and s["logloss"] == uninterrupted_40["logloss"]
+  assert sorted(os.listdir(ckpt_dir)) == ["30", "40"]  # 20 was deleted only once 40 read back intact
+
+
+def test_a_checkpoint_whose_arrays_do_not_match_their_checksums_is_not_used(tiny_config, tmp_path, capsys):
+  tiny_config.num_steps = 20
+  tiny_config.checkpoint_every = 10
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  meta_path = tmp_path / "checkpoints" / "20" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  name = ".params['top']['dense_0']['kernel']"
+  meta["state_crc32"][name] = "%08x" % (int(meta["state_crc32"][name], 16) ^ 1)  # as if the data had changed
+  meta_path.write_text(json.dumps(meta))
+  capsys.readouterr()
+  tiny_config.num_steps = 30
+  s = train.train_and_evaluate(tiny_config, str(tmp_path))
+  err = capsys.readouterr().err
+  assert s["resumed_from"] == 10
+  assert f"checkpoints/20 is damaged: {name} (written" in err and "resuming from checkpoint 10" in err, err[-2000:]
+
+
+def test_a_save_that_does_not_read_back_deletes_no_older_checkpoint(tiny_config, tmp_path, monkeypatch):
+  tiny_config.num_steps = 20
+  tiny_config.checkpoint_every = 10
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  ckpt_dir = tmp_path / "checkpoints"
+  assert sorted(os.listdir(ckpt_dir)) == ["10", "20"]
+  before = _tree_digest(str(ckpt_dir / "10")), _tree_digest(str(ckpt_dir / "20"))
+  real = checkpoint_lib.Checkpointer._read_state
+
+  def bad_disk(self, step, template):  # checkpoint 30 reads back with one weight changed
+    state = real(self, step, template)
+    if step != 30:
+      return state
+    return state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0) if x.size else x, state.params))
+
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "_read_state", bad_disk)
+  tiny_config.num_steps = 30
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r"checkpoints/30 is damaged: .*params"):
+    train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert (_tree_digest(str(ckpt_dir / "10")), _tree_digest(str(ckpt_dir / "20"))) == before
+
+
+def test_main_cli_names_an_unreadable_checkpoint_in_one_line(tiny_config, tmp_path):
+  tiny_config.num_steps = 20
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  for dirpath, _, filenames in os.walk(tmp_path / "checkpoints" / "20" / "state"):
+    for name in filenames:
+      with open(os.path.join(dirpath, name), "wb") as f:
+        f.write(b"garbage")
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "recsys_jax.main",
+      "--config=configs/tiny.py",
+      f"--workdir={tmp_path}",
+      "--config.num_steps=40",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 1
+  lines = out.stderr.strip().splitlines()
+  assert lines[-1].startswith(f"error: checkpoint {tmp_path}/checkpoints/20 cannot be restored"), out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+
+
 def test_main_cli_runs_and_writes_summary(tmp_path):
   workdir = tmp_path / "run"
   out = subprocess.run(

@@ -33,14 +33,15 @@ class RunCheckpoints:
       workdir, max_to_keep=config.max_checkpoints, full_every=config.checkpoint_full_every
     )
     self.directory = self.ckpt.directory
-    self.latest: Optional[int] = self.ckpt.latest_step()
-    """The checkpoint this run resumed from (None: a fresh run)."""
-    self.last_saved = self.latest
+    self.latest: Optional[int] = None
+    """The checkpoint this run resumed from (None: a fresh run); set by ``restore_latest``."""
+    self.last_saved: Optional[int] = None
     self.positions: Dict[int, Any] = {}
     """The reader's position after each step's batch, since the last save."""
 
   def restore_latest(self, state, ps) -> Tuple[Any, int, Any]:
-    """Loads the latest checkpoint, if any, into ``ps``.
+    """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
+    aside, each named in one line: :meth:`recsys_jax.checkpoint.Checkpointer.restore_newest_intact`).
 
     Returns:
       ``(state, start, position)``: the dense state, the first step to train and the
@@ -49,12 +50,14 @@ class RunCheckpoints:
     Raises:
       ValueError: if the checkpoint was written by a run that reads other data, in other
         batches or with another number of trainer processes.
-      CheckpointError: if it cannot be read; it is left as it is.
+      CheckpointError: if no checkpoint can be read; they are left as they are.
     """
-    config, latest = self.config, self.latest
+    config = self.config
     start, position = 0, None
-    if latest is not None:
-      state, meta = self.ckpt.restore(latest, state, ps)
+    restored = self.ckpt.restore_newest_intact(state, ps, warn=say)
+    self.latest = self.last_saved = restored[0] if restored else None
+    if restored is not None:
+      latest, state, meta = restored
       where = f"{self.directory}/{latest}"
       if meta.get("batch_size") != config.batch_size:
         raise ValueError(
