@@ -1,5 +1,6 @@
 """End-to-end tests of train_and_evaluate on configs/tiny.py."""
 
+import functools
 import hashlib
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from recsys_jax import checkpoint as checkpoint_lib
@@ -359,3 +361,58 @@ def test_dense_staleness_applies_each_gradient_that_many_steps_late(tiny_config,
     np.testing.assert_array_equal(two_late[k], init[k], err_msg=k)
     np.testing.assert_allclose(three_late[k], one_sync[k], rtol=1e-6, atol=1e-7, err_msg=k)
   assert max(float(np.max(np.abs(one_sync[k] - init[k]))) for k in one_sync) > 1e-3  # the step moved them
+
+
+def test_k0_equals_a_plain_sequential_loop(tiny_config, tmp_path):
+  """The whole PS path at k = 0 against a loop written here: SGD on the dense weights and on
+  the rows (SGD sees a gradient's scale, Adagrad and Adam hide it), rows initialised from
+  (table, id, seed), gradients of the mean loss summed over each row's occurrences."""
+  c = tiny_config
+  c.num_steps = 6
+  c.optimizer.name, c.optimizer.learning_rate = "sgd", 0.5
+  c.embeddings.optimizer, c.embeddings.learning_rate = "sgd", 2.0
+  c.eval_samples = c.eval_batch_size
+  job = train.build_job(c, str(tmp_path / "reference"))
+  assert all(f.max_len == 1 and f.kind == "pooled" for f in job.features)  # one id per feature: pooling = the row
+  fresh = train.build_ps(c, job.tables)  # only for the rows' initial values
+  model = job.model
+
+  def loss(params, embs, dense, label):
+    logits = model.apply({"params": params}, dense, embs)
+    return optax.sigmoid_binary_cross_entropy(logits, label).mean()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  params = jax.device_get(job.state.params)
+  rows = {}  # (table, id) -> float64 row
+  batches = job.reader.train(None)
+  for _ in range(c.num_steps):
+    b, _ = next(batches)
+    ids = {f.name: b["sparse"][f.name][:, 0] for f in job.features}
+    for f in job.features:
+      for i in np.unique(ids[f.name]):
+        if (f.table, i) not in rows:
+          init = fresh.lookup_many({f.table: np.array([i], np.uint64)}, create=True, step=0)[f.table][0]
+          rows[(f.table, i)] = init.astype(np.float64)
+    embs = {f.name: np.stack([rows[(f.table, i)] for i in ids[f.name]]).astype(np.float32) for f in job.features}
+    g_params, g_embs = jax.device_get(grad(params, embs, b["dense"], b["label"]))
+    params = jax.tree.map(lambda p, g: p - np.float32(c.optimizer.learning_rate) * g, params, g_params)
+    for f in job.features:
+      for i, g in zip(ids[f.name], np.asarray(g_embs[f.name], np.float64)):
+        rows[(f.table, i)] -= c.embeddings.learning_rate * g
+  fresh.close()
+
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(c, workdir)
+  ps = train.build_ps(c, job.tables)
+  ckpt = checkpoint_lib.Checkpointer(workdir)
+  state, _ = ckpt.restore(c.num_steps, job.state, ps)
+  ckpt.close()
+  for path, got in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]:
+    want = functools.reduce(lambda t, k: t[k.key], path, params)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  for t in job.tables:
+    ids = np.array(sorted(i for (name, i) in rows if name == t.name), np.uint64)
+    want = np.stack([rows[(t.name, i)] for i in ids])
+    got = ps.lookup_many({t.name: ids}, create=False)[t.name]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=t.name)
+  ps.close()
