@@ -107,6 +107,66 @@ def test_every_group_shape_and_micro_steps_on_8_devices_match_one_device(tiny_co
       assert four["by_op"][rs] == 4 * one["by_op"][rs] > 0, (r, p, one["by_op"], four["by_op"])
 
 
+def _sgd(c):
+  """SGD on the dense part and the rows: unlike Adagrad and Adam, it shows a gradient's scale."""
+  c.num_steps = STEPS
+  c.eval_samples = c.eval_batch_size = 4096
+  c.optimizer.name, c.optimizer.learning_rate = "sgd", 0.5
+  c.embeddings.optimizer, c.embeddings.learning_rate = "sgd", 2.0
+  return c
+
+
+def _rows(c, workdir):
+  """Every row of the run's final PS snapshot, by (table, id)."""
+  from recsys_jax.async_ps import snapshot
+
+  with open(os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")) as f:
+    chain = json.load(f)["ps_chain"]
+  job = train.build_job(c, workdir + "-probe")
+  snapshot.load(job.ps, [os.path.join(workdir, "ps_snapshots", name) for name in chain])
+  snap = job.ps.snapshot()
+  job.ps.close()
+  return {(t, int(i)): w for t, s in snap.items() for i, w in zip(s["ids"], s["weights"])}
+
+
+_SGD_RUN = r"""
+import sys
+from configs import tiny
+from recsys_jax import train
+sys.path.insert(0, "tests")
+import numpy as np
+from test_mesh import _dense_params, _sgd
+c = _sgd(tiny.get_config())
+c.mesh.replica, c.mesh.fsdp, c.micro_steps = 2, 4, 2
+train.train_and_evaluate(c, sys.argv[1])
+np.savez(sys.argv[1] + ".npz", **_dense_params(sys.argv[1]))  # orbax reads it back on its own topology only
+"""
+
+
+def test_rows_and_dense_weights_on_8_devices_match_one_device_with_sgd(tiny_config, tmp_path):
+  """2 groups x 4 devices x 2 micro-steps against one device: every dense weight and every row."""
+  c = _sgd(tiny_config)
+  train.train_and_evaluate(c, str(tmp_path / "single"))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    [sys.executable, "-c", _SGD_RUN, str(tmp_path / "mesh")],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  ref, got = _dense_params(str(tmp_path / "single")), dict(np.load(tmp_path / "mesh.npz"))
+  assert got.keys() == ref.keys()
+  for k in ref:
+    np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  ref_rows, got_rows = _rows(c, str(tmp_path / "single")), _rows(c, str(tmp_path / "mesh"))
+  assert got_rows.keys() == ref_rows.keys() and len(ref_rows) > 500
+  for key, w in ref_rows.items():
+    np.testing.assert_allclose(got_rows[key], w, rtol=1e-4, atol=1e-6, err_msg=str(key))
+
+
 def test_logical_shardings_fall_back_to_replication(tiny_config, tmp_path):
   """On one device every leaf is replicated, whatever the rules say."""
   job = train.build_job(tiny_config, str(tmp_path))
