@@ -89,8 +89,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
       state, g_rows, m = job.train_step(state, rows, batch)
-      pusher.push(t, (p.groups, g_rows, m))
       done = t + 1
+      save = _due(config.checkpoint_every, done, n)
+      if save:
+        gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+      pusher.push(t, (p.groups, g_rows, m))
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
@@ -99,8 +102,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         pusher.flush(t)
         distributed.barrier(f"eval at {done}")  # every trainer's pushes are in: the PS is one cut
         progress.log_eval(done, functools.partial(evaluate, state, job.eval_step, host, config))
-      if _due(config.checkpoint_every, done, n):
-        ckpts.save(done, state, ps, pusher)
+      if save:
+        try:
+          ckpts.save(done, state, ps, pusher)
+        finally:
+          gate.release()
     if n > start:
       ckpts.save(n, state, ps, pusher)
   except NonFiniteLossError as e:

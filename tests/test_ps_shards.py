@@ -641,21 +641,22 @@ def test_expiry_follows_the_reference_model_on_random_traffic(make_ps):
   model = RefCache(expire_after=6)
   universe = _pool(rng, 80)
   ps.snapshot()
-  gone, created = set(), set()
+  gone, touched = set(), set()
   for step in range(1, 61):
     ids = np.unique(rng.choice(universe, size=int(rng.integers(1, 12))))
-    created |= _ids_set(ids) - set(model.rows)
+    touched |= _ids_set(ids)
     ps.lookup("t", ids, step=step)
     model.lookup(ids, step)
     gone |= set(model.gone)
     assert ps.stats()["t"]["rows"] == len(model.rows), step
     if step % 10 == 0:
-      # An incremental snapshot holds the rows created since the last one that still exist,
-      # and as deleted the ids that expired since and did not come back.
+      # An incremental snapshot holds the rows created or looked up (their last-seen step
+      # changed) since the last one that still exist, and as deleted the ids that expired
+      # since and did not come back.
       inc = ps.snapshot(incremental=True)["t"]
-      assert _ids_set(inc["ids"]) == created & set(model.rows), step
+      assert _ids_set(inc["ids"]) == touched & set(model.rows), step
       assert _ids_set(inc["deleted"]) == gone - set(model.rows), step
-      gone, created = set(), set()
+      gone, touched = set(), set()
   assert _ids_set(ps.snapshot()["t"]["ids"]) == set(model.rows)
   assert ps.stats()["t"]["expirations"] == model.expirations > 50
 

@@ -20,21 +20,49 @@ class Aborted(RuntimeError):
 
 
 class StalenessGate:
-  """Tracks the last step whose pushes are applied; lookups wait on it."""
+  """Tracks the last step whose pushes are applied; lookups wait on it (and on a hold)."""
 
   def __init__(self, last_applied: int):
     self._cond = threading.Condition()
     self.last_applied = last_applied
     self._error: Optional[BaseException] = None
+    self._held_from: Optional[int] = None
 
-  def wait_applied(self, step: int, timeout: Optional[float] = None) -> None:
-    """Blocks until the pushes of all steps <= ``step`` are applied."""
+  def _wait(self, ready: Callable[[], bool], timeout: Optional[float], what: str) -> None:
     with self._cond:
-      ok = self._cond.wait_for(lambda: self.last_applied >= step or self._error is not None, timeout)
+      ok = self._cond.wait_for(lambda: ready() or self._error is not None, timeout)
       if self._error is not None:
         raise Aborted(f"pipeline stopped: {self._error!r}") from self._error
       if not ok:
-        raise TimeoutError(f"pushes up to step {step} not applied within {timeout} s")
+        raise TimeoutError(f"{what} within {timeout} s")
+
+  def wait_applied(self, step: int, timeout: Optional[float] = None) -> None:
+    """Blocks until the pushes of all steps <= ``step`` are applied."""
+    self._wait(lambda: self.last_applied >= step, timeout, f"pushes up to step {step} not applied")
+
+  def wait_lookup(self, step: int, staleness: int, timeout: Optional[float] = None) -> None:
+    """Blocks until the lookup of ``step`` may run: the pushes of steps <= step - staleness - 1
+    are applied and no ``hold`` covers ``step``."""
+    self._wait(
+      lambda: self.last_applied >= step - staleness - 1 and (self._held_from is None or step < self._held_from),
+      timeout,
+      f"the lookup of step {step} not allowed",
+    )
+
+  def hold(self, step: int) -> None:
+    """Until ``release``, lookups of steps >= ``step`` wait, however many pushes are applied.
+
+    A checkpoint after step - 1 holds from ``step`` before that step's push is made, so no
+    lookup of a later step runs into its PS snapshot: lookups change a bounded table (last
+    seen, counts, the admission sketch, evictions), and the resumed run makes them again.
+    """
+    with self._cond:
+      self._held_from = step
+
+  def release(self) -> None:
+    with self._cond:
+      self._held_from = None
+      self._cond.notify_all()
 
   def mark_applied(self, step: int) -> None:
     with self._cond:
@@ -88,7 +116,7 @@ class Prefetcher:
     try:
       for t in range(start, stop):
         host = prepare(t)
-        self._gate.wait_applied(t - self._k - 1)
+        self._gate.wait_lookup(t, self._k)
         if self._stop.is_set():
           return
         # Observed staleness: earlier steps whose pushes this lookup does not see.

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from recsys_jax.async_ps import optimizers
+from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
 from recsys_jax.async_ps.table import Table
 from recsys_jax.embeddings.specs import TableSpec
@@ -216,6 +217,36 @@ class ParameterServer:
         sub = {k: np.asarray(v)[sel] for k, v in part.items() if k != "deleted"}
         sub["deleted"] = deleted[d_order[d_b[s] : d_b[s + 1]]]
         self.shards[s][t].restore(sub, merge=merge)
+
+  def bounds_states(self) -> Dict[str, List[Dict[str, Any]]]:
+    """Per table, each shard's ``Table.bounds_state`` (step, last expiry check, admission
+    sketch) in shard order: what a snapshot keeps besides the rows."""
+    return {t: [shard[t].bounds_state() for shard in self.shards] for t in self.specs}
+
+  def restore_bounds_states(self, states: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """Merges ``bounds_states`` saved by a PS of any shard count into this one's (after its rows).
+
+    With as many shards as saved, shard s takes shard s's state: every id goes to the same
+    shard as before, so this is exact. With another count, every shard takes their
+    ``bounds.merge_states``: the latest step and expiry check of any, and the sketches'
+    maximum cell by cell, which never counts an id below its count wherever it goes now (a
+    count-min sketch may over-count, never under-count) and over-counts less than the sum
+    would. Tables this PS does not declare are an error; tables absent from ``states`` keep theirs.
+
+    Raises:
+      ValueError: an unknown table, or a sketch of another shape; nothing is changed then.
+    """
+    unknown = set(states) - set(self.specs)
+    if unknown:
+      raise ValueError(f"snapshot has tables {sorted(unknown)} that this PS does not declare")
+    for t, per in states.items():
+      for st in per:
+        self.shards[0][t].check_bounds_state(st)
+    for t, per in states.items():
+      if len(per) != self.num_shards:
+        per = [merge_states(per)] * self.num_shards
+      for s in range(self.num_shards):
+        self.shards[s][t].restore_bounds_state(per[s])
 
   def stats(self) -> Dict[str, Dict[str, float]]:
     """Per table, summed over shards: rows, bytes, counters, hit rate, mean latencies."""

@@ -1,9 +1,12 @@
 """PS snapshots on disk through tensorstore: full or incremental, restorable into any shard count.
 
 A snapshot directory holds, per table, numbered parts (one per shard and chunk of at most
-16,384 rows), each one zarr3 array per field (``ids``, ``weights``, ``slot_*``, and in the
-first part of an incremental snapshot ``deleted``), and a ``manifest.json`` written last with
-every array's shape and CRC32 (zarr would read a missing chunk as zeros).
+16,384 rows), each one zarr3 array per field (``ids``, ``weights``, ``slot_*``, a bounded
+table's ``last_seen``, ``freq`` and ``spilled``, and in the first part of an incremental
+snapshot ``deleted``); per table and shard the state of its bounds (step and last expiry
+check in the manifest, the admission sketch as ``<table>/bounds/<shard>/sketch``); and a
+``manifest.json`` written last with every array's shape and CRC32 (zarr would read a missing
+chunk as zeros). Older snapshots have no bounds state and load as before.
 It is written into ``<dir>.tmp`` and renamed when complete, so a directory that exists is
 whole. A checkpoint names a chain: one full snapshot followed by incremental ones, applied in
 order (``ParameterServer.restore`` then ``restore(..., merge=True)``).
@@ -60,31 +63,55 @@ class _Writer:
     shutil.rmtree(self.tmp, ignore_errors=True)
     os.makedirs(self.tmp)
     self.parts: Dict[str, List[Dict[str, Any]]] = {}
+    self.bounds: Dict[str, List[Dict[str, Any]]] = {}
     self.rows: Dict[str, int] = {}
+
+  def _write(self, path: str, arr: np.ndarray) -> Tuple["ts.Future", Dict[str, Any]]:
+    arr = np.ascontiguousarray(arr)
+    # zarr reads a missing chunk as zeros and has no checksum: the manifest keeps one.
+    info = {"shape": list(arr.shape), "crc32": zlib.crc32(arr.view(np.uint8).reshape(-1)) if arr.size else 0}
+    return _write_array(os.path.join(self.tmp, path), arr), info
 
   def add(self, table: str, arrays: Mapping[str, np.ndarray]) -> None:
     """Writes one part of ``table`` and waits for it (so the caller can drop it)."""
     p = len(self.parts.setdefault(table, []))
     futures, info = [], {}
     for key, arr in arrays.items():
-      arr = np.ascontiguousarray(arr)
-      futures.append(_write_array(os.path.join(self.tmp, table, str(p), key), arr))
-      # zarr reads a missing chunk as zeros and has no checksum: the manifest keeps one.
-      info[key] = {"shape": list(arr.shape), "crc32": zlib.crc32(arr.view(np.uint8).reshape(-1)) if arr.size else 0}
+      f, info[key] = self._write(os.path.join(table, str(p), key), arr)
+      futures.append(f)
     for f in futures:
       f.result()
     self.parts[table].append(info)
     self.rows[table] = self.rows.get(table, 0) + int(np.shape(arrays["ids"])[0])
 
+  def add_bounds(self, table: str, states: Sequence[Mapping[str, Any]]) -> None:
+    """Writes each shard's ``Table.bounds_state`` of ``table`` (in shard order)."""
+    entries = []
+    for s, st in enumerate(states):
+      entry = {"step": int(st["step"]), "last_expiry_check": int(st["last_expiry_check"]), "sketch": None}
+      if st.get("sketch") is not None:
+        f, entry["sketch"] = self._write(os.path.join(table, "bounds", str(s), "sketch"), st["sketch"])
+        f.result()
+      entries.append(entry)
+    self.bounds[table] = entries
+
   def finish(self, incremental: bool, meta: Optional[Dict[str, Any]]) -> None:
     manifest = {"format": 2, "parts": self.parts, "incremental": incremental, **(meta or {})}
+    if self.bounds:
+      manifest["bounds"] = self.bounds
     with open(os.path.join(self.tmp, MANIFEST), "w") as f:
       json.dump(manifest, f)
     os.rename(self.tmp, self.directory)
 
 
-def write(snap: Mapping[str, Mapping[str, np.ndarray]], directory: str, meta: Optional[Dict[str, Any]] = None) -> None:
-  """Writes an in-memory snapshot (``ParameterServer.snapshot``) to ``directory``, atomically.
+def write(
+  snap: Mapping[str, Mapping[str, np.ndarray]],
+  directory: str,
+  meta: Optional[Dict[str, Any]] = None,
+  bounds: Optional[Mapping[str, Sequence[Mapping[str, Any]]]] = None,
+) -> None:
+  """Writes an in-memory snapshot (``ParameterServer.snapshot``, and optionally its
+  ``bounds_states``) to ``directory``, atomically.
 
   Raises:
     FileExistsError: if ``directory`` exists (a snapshot is never overwritten).
@@ -92,6 +119,8 @@ def write(snap: Mapping[str, Mapping[str, np.ndarray]], directory: str, meta: Op
   w = _Writer(directory)
   for table, arrays in snap.items():
     w.add(table, arrays)
+  for table, states in (bounds or {}).items():
+    w.add_bounds(table, states)
   w.finish(any("deleted" in a for a in snap.values()), meta)
 
 
@@ -109,6 +138,7 @@ def save(ps, directory: str, incremental: bool = False, meta: Optional[Dict[str,
     for shard in ps.shards:
       for part in shard[table].snapshot_parts(incremental):
         w.add(table, part)
+    w.add_bounds(table, [shard[table].bounds_state() for shard in ps.shards])
   w.finish(incremental, meta)
   return dict(w.rows)
 
@@ -125,6 +155,31 @@ def _manifest(directory: str) -> Dict[str, Any]:
   return manifest
 
 
+def _read_checked(directory: str, arrays: Mapping[str, Tuple[str, Mapping[str, Any]]]) -> Dict[str, np.ndarray]:
+  """Reads arrays ``{label: (path in directory, manifest info)}`` at once, each checked
+  against its shape and CRC32; errors name the directory and the label."""
+  futures = {}
+  for label, (path, _) in arrays.items():
+    try:
+      futures[label] = ts.open(_spec(os.path.join(directory, path))).result().read()
+    except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
+      raise ValueError(f"PS snapshot {directory}: array {label} cannot be opened ({e})") from None
+  out = {}
+  for label, fut in futures.items():
+    info = arrays[label][1]
+    try:
+      arr = np.asarray(fut.result())
+    except Exception as e:
+      raise ValueError(f"PS snapshot {directory}: array {label} cannot be read ({e})") from None
+    if list(arr.shape) != info["shape"]:
+      raise ValueError(f"PS snapshot {directory}: {label} has shape {list(arr.shape)}, manifest says {info['shape']}")
+    got = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
+    if got != info["crc32"]:
+      raise ValueError(f"PS snapshot {directory}: {label} fails its checksum (damaged or missing chunks)")
+    out[label] = arr
+  return out
+
+
 def iter_parts(directory: str) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   """Yields (table, part) from a snapshot directory, one part in RAM at a time, each checked.
 
@@ -134,31 +189,28 @@ def iter_parts(directory: str) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   manifest = _manifest(directory)
   for table, parts in manifest["parts"].items():
     for p, info in enumerate(parts):
-      futures = {}
-      for key in info:
-        path = os.path.join(directory, table, str(p), key)
-        try:
-          futures[key] = ts.open(_spec(path)).result().read()
-        except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
-          raise ValueError(f"PS snapshot {directory}: array {table}/{key} (part {p}) cannot be opened ({e})") from None
-      part = {}
-      for key, fut in futures.items():
-        try:
-          arr = np.asarray(fut.result())
-        except Exception as e:
-          raise ValueError(f"PS snapshot {directory}: array {table}/{key} (part {p}) cannot be read ({e})") from None
-        if list(arr.shape) != info[key]["shape"]:
-          raise ValueError(
-            f"PS snapshot {directory}: {table}/{key} (part {p}) has shape {list(arr.shape)}, "
-            f"manifest says {info[key]['shape']}"
-          )
-        got = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
-        if got != info[key]["crc32"]:
-          raise ValueError(
-            f"PS snapshot {directory}: {table}/{key} (part {p}) fails its checksum (damaged or missing chunks)"
-          )
-        part[key] = arr
-      yield table, part
+      arrays = {f"{table}/{key} (part {p})": (os.path.join(table, str(p), key), info[key]) for key in info}
+      got = _read_checked(directory, arrays)
+      yield table, {key: got[f"{table}/{key} (part {p})"] for key in info}
+
+
+def iter_bounds(directory: str) -> Iterator[Tuple[str, List[Dict[str, Any]]]]:
+  """Yields (table, per-shard bounds states as ``ParameterServer.bounds_states`` has them) from
+  a snapshot directory, one table's sketches in RAM at a time; nothing for a snapshot written
+  before snapshots kept them.
+
+  Raises:
+    ValueError: naming the directory, table and shard, if a sketch is missing or damaged.
+  """
+  for table, entries in _manifest(directory).get("bounds", {}).items():
+    states = []
+    for s, e in enumerate(entries):
+      st = {"step": int(e["step"]), "last_expiry_check": int(e["last_expiry_check"]), "sketch": None}
+      if e.get("sketch") is not None:
+        label = f"{table}/bounds/{s}/sketch"
+        st["sketch"] = _read_checked(directory, {label: (label, e["sketch"])})[label]
+      states.append(st)
+    yield table, states
 
 
 def read(directory: str) -> Dict[str, Dict[str, np.ndarray]]:
@@ -178,7 +230,8 @@ def is_incremental(directory: str) -> bool:
 
 def load(ps, chain: Sequence[str]) -> None:
   """Restores ``ps`` from a chain of snapshot directories (one full, then incrementals),
-  one part at a time; the PS may have any number of shards.
+  one part at a time, then each table's bounds state (``ParameterServer.restore_bounds_states``:
+  exact with the saved shard count, merged with another); the PS may have any number of shards.
 
   Raises:
     ValueError: for a chain that does not start with one full snapshot, or a damaged part
@@ -193,3 +246,5 @@ def load(ps, chain: Sequence[str]) -> None:
   for d in chain:
     for table, part in iter_parts(d):
       ps.restore({table: part}, merge=True)
+    for table, states in iter_bounds(d):
+      ps.restore_bounds_states({table: states})  # merged by max: the chain's last state wins

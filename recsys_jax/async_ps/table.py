@@ -3,13 +3,15 @@
 Optionally bounded: a row capacity with eviction (LRU, or LFU with LRU tie-break), expiry of
 rows unseen for T steps, and admission (a row is created only once its id has been seen m
 times, counted in a count-min sketch, or with probability p; until then it reads as zeros
-and its gradient is dropped). With a disk tier, evicted rows spill to it and misses are
-read back, so the table can be larger than its RAM cache.
+and its gradient is dropped); those decisions and the state they keep are ``bounds``. With a
+disk tier, evicted rows spill to it and misses are read back, so the table can be larger than
+its RAM cache.
 
 Rows are stored in float32, bfloat16 or float16 (``TableSpec.storage_dtype``); the optimizer
 always computes in float32 and its slots stay float32. Every row also carries the step it was
 last looked up (for LRU and expiry), a lookup count (LFU) and a dirty flag (changed since the
-last snapshot, for incremental snapshots).
+last snapshot, for incremental snapshots). Snapshots carry the first two as well, so a
+restored bounded table goes on exactly as the original would have.
 """
 
 from __future__ import annotations
@@ -22,21 +24,21 @@ import ml_dtypes
 import numpy as np
 
 from recsys_jax.async_ps import initializers, kernels, optimizers
-from recsys_jax.async_ps.hashing import name_seed, splitmix64, uniform01
+from recsys_jax.async_ps.bounds import Bounds
+from recsys_jax.async_ps.hashing import name_seed
 from recsys_jax.async_ps.idmap import IdMap
 from recsys_jax.embeddings.specs import TableSpec
 
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
-_EVICT_FRACTION = 0.2  # evict down to 80% of capacity, so rebuilds are amortised
-_SKETCH_DEPTH = 4
 
 
-class Table:
+class Table(Bounds):
   """A growable, optionally bounded table; ``lookup`` creates rows, ``apply`` runs the optimizer.
 
   Thread-safe: one lock per table, so a prefetcher and a pusher can work on different
-  tables (or shards) at once; numpy drops the GIL for large copies.
+  tables (or shards) at once; numpy drops the GIL for large copies. Admission, eviction and
+  expiry, and the table's state they keep, are ``bounds.Bounds``.
 
   Args:
     spec: the table's spec.
@@ -56,14 +58,10 @@ class Table:
     self.protect_steps = int(protect_steps)
     self.lock = threading.Lock()
     self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
-    self._admission = spec.admit_after > 1 or spec.admit_probability < 1.0
-    self._sketch = np.zeros((_SKETCH_DEPTH, spec.admission_sketch_width), np.uint8) if spec.admit_after > 1 else None
-    self._sketch_salts = splitmix64(np.arange(1, _SKETCH_DEPTH + 1, dtype=np.uint64) ^ self.seed)
-    self.step = 0
-    self._last_expiry_check = 0
+    self._init_bounds()
     self._clear(0)
     self._deleted: List[np.ndarray] = []  # ids dropped (eviction without tier, expiry) since the last snapshot
-    self._dirty_spilled: List[np.ndarray] = []  # dirty rows that went to the tier since the last snapshot
+    self._spilled_ids: List[np.ndarray] = []  # rows that went to the tier since the last snapshot
     self.counters = {
       k: 0
       for k in (
@@ -142,65 +140,6 @@ class Table:
     self._ids = IdMap(capacity=max(ids.shape[0], 1), salt=int(self.seed))
     self._ids.insert(ids)
 
-  # -- admission ----------------------------------------------------------------------
-  def _admit(self, ids: np.ndarray) -> np.ndarray:
-    """Which of these unseen ids may get a row now (counts them in the sketch first)."""
-    s = self.spec
-    ok = np.ones(ids.shape[0], bool)
-    if self._sketch is not None:
-      w = self._sketch.shape[1]
-      cols = (splitmix64(ids[None, :] ^ self._sketch_salts[:, None]) % np.uint64(w)).astype(np.int64)
-      flat = (np.arange(_SKETCH_DEPTH)[:, None] * w + cols).ravel()
-      # Several ids of one call may share a cell: add their counts (a count-min sketch must
-      # never under-count), saturating at 255.
-      cells, n = np.unique(flat, return_counts=True)
-      sk = self._sketch.reshape(-1)
-      sk[cells] = np.minimum(sk[cells].astype(np.int64) + n, 255).astype(np.uint8)
-      ok &= sk[flat].reshape(_SKETCH_DEPTH, -1).min(axis=0) >= s.admit_after
-    if s.admit_probability < 1.0:
-      u = uniform01(splitmix64(ids ^ self.seed ^ np.uint64(self.step * 0x9E3779B97F4A7C15 % 2**64)))
-      ok &= u < s.admit_probability
-    return ok
-
-  # -- bounds -------------------------------------------------------------------------
-  def _evict(self) -> None:
-    n = self.num_rows
-    s = self.spec
-    if s.expire_after and self.step - self._last_expiry_check >= max(1, s.expire_after // 8):
-      self._last_expiry_check = self.step
-      old = self._last_seen[:n] < self.step - s.expire_after
-      if old.any():
-        # Expired rows are forgotten (not spilled); rows already in the tier stay there.
-        self._deleted.append(self._ids.keys()[old].copy())
-        self.counters["expirations"] += int(old.sum())
-        self._keep_only(~old)
-        n = self.num_rows
-    if not self.capacity or n <= self.capacity:
-      return
-    target = int(self.capacity * (1 - _EVICT_FRACTION))
-    candidates = np.flatnonzero(self._last_seen[:n] < self.step - self.protect_steps + 1)
-    k = min(n - target, candidates.shape[0])
-    if k <= 0:
-      return
-    if s.eviction == "lfu":
-      score = self._freq[candidates].astype(np.int64) * (2**40) + self._last_seen[candidates]
-    else:
-      score = self._last_seen[candidates]
-    victims = candidates[np.argpartition(score, k - 1)[:k]]
-    ids = self._ids.keys()[victims].copy()
-    if self.tier is not None:
-      self.tier.write(ids, self._weights[victims], {k2: v[victims] for k2, v in self._slots.items()})
-      dirty = self._dirty[victims]
-      if dirty.any():
-        self._dirty_spilled.append(ids[dirty])
-      self.counters["spilled"] += k
-    else:
-      self._deleted.append(ids)
-    self.counters["evictions"] += k
-    keep = np.ones(n, bool)
-    keep[victims] = False
-    self._keep_only(keep)
-
   # -- the interface ------------------------------------------------------------------
   def lookup(self, ids: np.ndarray, create: bool = True, step: Optional[int] = None) -> np.ndarray:
     """Returns float32 rows [len(ids), dim] (a copy) for distinct ids.
@@ -218,6 +157,8 @@ class Table:
     with self.lock:
       if step is not None and create:
         self.step = max(self.step, int(step))
+      if create and self._unstamped:
+        self._stamp()
       rows = self._ids.find(ids)
       hit = rows >= 0
       n_miss = int((~hit).sum())
@@ -226,10 +167,11 @@ class Table:
         self.counters["lookups"] += ids.shape[0]
         self.counters["hits"] += ids.shape[0] - n_miss
         self.counters["misses"] += n_miss
-        if self.capacity or self.spec.expire_after:  # only eviction and expiry read these
+        if self.tracks_use:
           hr = rows[hit]
           self._last_seen[hr] = self.step
           self._freq[hr] += 1
+          self._dirty[hr] = True  # an incremental snapshot must carry the new last-seen and count
       if n_miss:
         miss = np.flatnonzero(~hit)
         mids = ids[miss]
@@ -313,11 +255,16 @@ class Table:
     """Yields the table in parts of at most ``max_rows`` rows: ``ids`` [n], ``weights`` [n, dim]
     (float32), one array per slot; the first part also carries ``deleted`` when incremental.
 
+    A bounded table's parts also carry what its bounds read of each row: with a capacity or
+    expiry, ``last_seen`` (int64; -1 for rows in the tier, which keep none) and ``freq``
+    (uint32); with a tier, ``spilled`` (bool: the row is in the tier, not in RAM). The table's
+    own state (step, expiry cadence, sketch) is ``bounds_state``.
+
     Includes the rows spilled to the tier, read back ``max_rows`` at a time, so a snapshot
     never holds more than one part in RAM. With ``incremental``, only rows changed (created,
-    updated, or read back) since the previous snapshot, plus ``deleted``: ids dropped since
-    then (evicted without a tier, or expired). The table is locked until the last part is
-    taken; the change tracking is reset only when every part was taken.
+    updated, looked up, read back or spilled) since the previous snapshot, plus ``deleted``:
+    ids dropped since then (evicted without a tier, or expired). The table is locked until the
+    last part is taken; the change tracking is reset only when every part was taken.
     """
     with self.lock:
       n = self.num_rows
@@ -326,7 +273,7 @@ class Table:
       if self.tier is not None:
         live = self.tier.live_ids()
         if incremental:
-          spilled = np.unique(np.concatenate(self._dirty_spilled)) if self._dirty_spilled else extra
+          spilled = np.unique(np.concatenate(self._spilled_ids)) if self._spilled_ids else extra
           extra = spilled[np.isin(spilled, live)]
           extra = extra[self._ids.find(extra) < 0]
         else:
@@ -341,6 +288,7 @@ class Table:
         rows = sel[a : a + max_rows]
         part = {"ids": self._ids.keys()[rows], "weights": self._weights[rows].astype(np.float32)}
         part.update({f"slot_{k}": v[rows] for k, v in self._slots.items()})
+        self._add_row_state(part, self._last_seen[rows], self._freq[rows], spilled=False)
         if incremental and first:
           part["deleted"] = deleted
         first = False
@@ -350,9 +298,17 @@ class Table:
         found, w, slots = self.tier.read(ids)
         part = {"ids": ids[found], "weights": w[found]}
         part.update({f"slot_{k}": v[found] for k, v in slots.items()})
+        m = int(found.sum())
+        self._add_row_state(part, np.full(m, -1, np.int64), np.zeros(m, np.uint32), spilled=True)
         yield part
       self._dirty[:n] = False
-      self._deleted, self._dirty_spilled = [], []
+      self._deleted, self._spilled_ids = [], []
+
+  def _add_row_state(self, part: Dict[str, np.ndarray], last_seen, freq, spilled: bool) -> None:
+    if self.tracks_use:
+      part["last_seen"], part["freq"] = last_seen, freq
+    if self.tier is not None:
+      part["spilled"] = np.full(last_seen.shape[0], spilled)
 
   def snapshot(self, incremental: bool = False) -> Dict[str, np.ndarray]:
     """The whole table in one dict (``snapshot_parts`` concatenated); see there."""
@@ -377,6 +333,9 @@ class Table:
       )
     if np.unique(ids).shape[0] != n:
       raise ValueError(f"table {self.spec.name!r}: snapshot ids are not distinct")
+    for k in ("last_seen", "freq", "spilled"):
+      if k in snap and np.shape(snap[k]) != (n,):
+        raise ValueError(f"table {self.spec.name!r}: snapshot {k} {np.shape(snap[k])} does not match ids ({n},)")
     slots = self.opt.init(n, self.spec.dim)
     for k in slots:
       arr = snap.get(f"slot_{k}")
@@ -389,13 +348,20 @@ class Table:
     """Loads a ``snapshot()``: replaces the contents, or with ``merge`` upserts its rows and
     removes its ``deleted`` ids (applying an incremental snapshot on top of a full one).
 
-    Rows beyond the RAM capacity go to the tier (if any); restored rows are not dirty.
+    Rows go where they were (RAM or tier, by ``spilled``), with their last-seen step and
+    count; restored rows are not dirty. A full restore also resets the table's step, expiry
+    cadence and sketch (``restore_bounds_state`` brings them back). A snapshot without these
+    arrays (older ones) puts rows in RAM up to the capacity and the rest in the tier, and its
+    rows count as seen at the next training lookup.
     """
     ids, weights, slots = self.validate_snapshot(snap)
     n = ids.shape[0]
+    last_seen = np.asarray(snap["last_seen"], np.int64) if "last_seen" in snap else np.full(n, -1, np.int64)
+    freq = np.asarray(snap["freq"], np.uint32) if "freq" in snap else np.zeros(n, np.uint32)
     with self.lock:
       if not merge:
         self._clear(0)
+        self._init_bounds()
         if self.tier is not None:
           self.tier.remove(self.tier.live_ids())
       else:
@@ -409,13 +375,22 @@ class Table:
           self.tier.remove(gone)
       # Without a tier every row goes to RAM, even past the capacity (a snapshot restored into
       # more shards can give one shard more than its share); later lookups evict as usual.
-      in_ram = n if not self.capacity or self.tier is None else max(0, min(n, self.capacity - self.num_rows))
-      if in_ram:
-        self._insert(ids[:in_ram], weights[:in_ram], {k: v[:in_ram] for k, v in slots.items()})
-      if in_ram < n:
-        self.tier.write(ids[in_ram:], weights[in_ram:].astype(self._wdtype), {k: v[in_ram:] for k, v in slots.items()})
+      if self.tier is None or not self.capacity:
+        to_ram = np.ones(n, bool)
+      elif "spilled" in snap:
+        to_ram = ~np.asarray(snap["spilled"], bool)
+      else:
+        to_ram = np.arange(n) < self.capacity - self.num_rows
+      ram = slice(None) if to_ram.all() else np.flatnonzero(to_ram)
+      if ids[ram].shape[0]:
+        rows = self._insert(ids[ram], weights[ram], {k: v[ram] for k, v in slots.items()})
+        self._last_seen[rows], self._freq[rows] = last_seen[ram], freq[ram]
+        self._unstamped |= self.tracks_use and bool((last_seen[ram] < 0).any())
+      if not to_ram.all():
+        disk = np.flatnonzero(~to_ram)
+        self.tier.write(ids[disk], weights[disk].astype(self._wdtype), {k: v[disk] for k, v in slots.items()})
       self._dirty[: self.num_rows] = False
-      self._deleted, self._dirty_spilled = [], []
+      self._deleted, self._spilled_ids = [], []
 
   def stats(self) -> Dict[str, float]:
     """Rows (RAM and tier), bytes in RAM, counters and mean latencies."""
