@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from recsys_jax.async_ps import snapshot_chain, wire
+from recsys_jax.async_ps.ids import as_ids
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
 from recsys_jax.async_ps.snapshot_chain import load_into as load_into
@@ -175,7 +176,7 @@ class RemotePS:
     """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}.
 
     Args:
-      ids: distinct uint64 ids per table.
+      ids: distinct uint64 ids per table (or non-negative integers).
       create: training lookup (unseen ids get rows); False reads without changing anything.
       step: the training step; the servers first wait for the pushes of steps <= step - k - 1.
 
@@ -184,12 +185,13 @@ class RemotePS:
 
     Raises:
       KeyError: an unknown table.
-      ValueError: ids that are not 1-D.
+      ValueError: ids that are not 1-D, or not unsigned or non-negative integers.
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
     """
-    ids = {t: np.asarray(v, np.uint64) for t, v in ids.items()}
-    for t, v in ids.items():
+    for t in ids:
       self._check(t)
+    ids = {t: as_ids(v, t) for t, v in ids.items()}
+    for t, v in ids.items():
       if v.ndim != 1:
         raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
     routes = self._route(ids)
@@ -234,19 +236,20 @@ class RemotePS:
     server applies a request id at most once, so re-sending the same ``request_id`` is safe).
 
     Args:
-      grads: per table, distinct uint64 ids and their gradients.
+      grads: per table, distinct uint64 ids (or non-negative integers) and their gradients.
       step: the training step (required with several workers; steps must increase).
       request_id: identifies the push for de-duplication (default: a fresh unique id).
 
     Raises:
       KeyError: an unknown table.
-      ValueError: gradients that are not [len(ids), dim].
+      ValueError: gradients that are not [len(ids), dim]; ids that are not unsigned or
+        non-negative integers (nothing is sent then).
       RemotePSError: a server failed or refused.
     """
     arrays = {}
     for t, (i, g) in grads.items():
       self._check(t)
-      i, g = np.asarray(i, np.uint64), np.asarray(g, np.float32)
+      i, g = as_ids(i, t), np.asarray(g, np.float32)
       if i.ndim != 1 or g.shape != (i.shape[0], self.specs[t].dim):
         raise ValueError(
           f"table {t!r}: gradient shape {g.shape} does not match ({np.shape(i)[0]}, {self.specs[t].dim})"

@@ -9,12 +9,14 @@ call ``service.ShardService``, which holds the tables and the steps in flight:
 - ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
 - ``Stats``, ``Health``.
 
-Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, wrong dtype or
-shape, non-finite gradients), FAILED_PRECONDITION (out of order, not configured, mismatched
-configuration), UNAUTHENTICATED (a token is set and no ``authorization: Bearer <token>``
-metadata) or RESOURCE_EXHAUSTED (over ``max_message_mb``, enforced by gRPC); the server
-keeps serving. The PS trusts its callers to name snapshot directories: ``snapshot_root``
-keeps them under one directory.
+Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids that are not
+uint64, wrong shape, non-finite gradients, a step outside +-2**62), FAILED_PRECONDITION (out
+of order, not configured, mismatched configuration), OUT_OF_RANGE (a step too far ahead),
+UNAUTHENTICATED (a token is set and no ``authorization: Bearer <token>`` metadata) or
+RESOURCE_EXHAUSTED (over ``max_message_mb``, enforced by gRPC); the server keeps serving.
+Waits for pushes end with CANCELLED, DEADLINE_EXCEEDED or UNAVAILABLE (see ``service``);
+``serve`` keeps two RPC threads out of them, for pushes and Health. The PS trusts its callers
+to name snapshot directories: ``snapshot_root`` keeps them under one directory.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from absl import logging
 
 from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.service import Grads, ServiceError, ShardService
+from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW, Grads, ServiceError, ShardService
 
 _RESERVED_META = ("format", "parts", "incremental")  # keys of snapshot.save's own manifest
 _C = grpc.StatusCode
+_MAX_STEP = 2**62  # steps go into int64 arrays (a row's last step), with room for arithmetic
+_FREE_THREADS = 2  # RPC threads no wait for pushes may take: one for pushes, one for Health
 
 
 def _json_number(v: Any) -> Any:
@@ -55,6 +59,7 @@ class ShardServer:
     local_shards: shards of the in-process PS (threads working one request in parallel).
     token: if set, every call must carry ``authorization: Bearer <token>`` metadata.
     snapshot_root: if set, Snapshot and Restore only touch directories under it.
+    **limits: ``max_wait_s``, ``step_window``, ``max_waiters`` of ``ShardService``.
   """
 
   def __init__(
@@ -64,8 +69,9 @@ class ShardServer:
     local_shards: int = 1,
     token: Optional[str] = None,
     snapshot_root: Optional[str] = None,
+    **limits: Any,
   ):
-    self.service = ShardService(shard_index, num_shards, local_shards)
+    self.service = ShardService(shard_index, num_shards, local_shards, **limits)
     self._token = None if token is None else f"Bearer {token}".encode("utf-8")
     self._root = None if not snapshot_root else os.path.realpath(snapshot_root)
     self._counts = collections.Counter()  # refused calls by (method, status)
@@ -104,7 +110,7 @@ class ShardServer:
         code, text = _C.INTERNAL, f"{type(e).__name__}: {e}"
       with self._counts_lock:
         self._counts[f"{method}:{code.name}"] += 1
-      if code != _C.DEADLINE_EXCEEDED:
+      if code not in (_C.DEADLINE_EXCEEDED, _C.CANCELLED):
         logging.warning("%s refused: %s: %s", method, code.name, text)
       context.abort(code, f"{method}: {text}")
 
@@ -129,6 +135,13 @@ class ShardServer:
     return real
 
   # -- request validation --------------------------------------------------------------
+  @staticmethod
+  def _step(fields: Dict[str, Any]) -> Optional[int]:
+    step = wire.get_field(fields, "step", int, None, optional=True)
+    if step is not None and not -_MAX_STEP < step < _MAX_STEP:
+      raise wire.WireError(f"step {step} is outside (-2**62, 2**62)")
+    return step
+
   def _arrays_by_table(self, msg: wire.Message, kinds: Sequence[str]) -> Dict[str, Dict[str, np.ndarray]]:
     out: Dict[str, Dict[str, np.ndarray]] = {}
     for name, arr in msg.arrays.items():
@@ -189,20 +202,20 @@ class ShardServer:
 
   def _rpc_lookup(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
-    step = wire.get_field(f, "step", int, None, optional=True)
+    step = self._step(f)
     create = wire.get_field(f, "create", bool, True)
     wire_dtype = wire.check_wire_dtype(wire.get_field(f, "wire_dtype", str, "float32"))
     ids = {}
     for t, arrs in self._arrays_by_table(msg, ("ids",)).items():
       ids[t] = self._check_ids(t, arrs["ids"])
-    rows = self.service.lookup(ids, create, step, context.time_remaining)
+    rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active)
     return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
 
   def _rpc_push(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
     nw = self.service.config["num_workers"]
     worker = wire.get_field(f, "worker", int)
-    step = wire.get_field(f, "step", int, None, optional=True)
+    step = self._step(f)
     request_id = wire.get_field(f, "request_id", str)
     if not 0 <= worker < nw:
       raise wire.WireError(f"worker {worker} is not in [0, num_workers={nw})")
@@ -222,17 +235,17 @@ class ShardServer:
     f = msg.fields
     directory = self._check_path(wire.get_field(f, "directory", str), "directory")
     incremental = wire.get_field(f, "incremental", bool, False)
-    step = wire.get_field(f, "step", int, None, optional=True)
+    step = self._step(f)
     meta = wire.get_field(f, "meta", dict, {})
     if any(k in meta for k in _RESERVED_META):
       raise wire.WireError(f"meta may not set {[k for k in _RESERVED_META if k in meta]} (the snapshot manifest's own)")
-    rows = self.service.snapshot(directory, incremental, step, meta, context.time_remaining)
+    rows = self.service.snapshot(directory, incremental, step, meta, context.time_remaining, context.is_active)
     return wire.encode({"rows": {t: int(n) for t, n in rows.items()}, "directory": directory})
 
   def _rpc_restore(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
     chain = wire.get_field(f, "chain", list)
-    step = wire.get_field(f, "step", int, None, optional=True)
+    step = self._step(f)
     if not chain or not all(isinstance(link, list) and link for link in chain):
       raise wire.WireError("field 'chain' must be a non-empty list of non-empty lists of directories")
     links = [[self._check_path(d, "snapshot directory") for d in link] for link in chain]
@@ -264,6 +277,8 @@ def serve(
   max_message_mb: int = 256,
   threads: int = 32,
   snapshot_root: Optional[str] = None,
+  max_wait_s: float = MAX_WAIT_S,
+  step_window: int = STEP_WINDOW,
 ) -> Tuple[grpc.Server, int, ShardServer]:
   """Starts a shard server (in this process) and returns (grpc server, bound port, handlers).
 
@@ -272,7 +287,9 @@ def serve(
     shard_index, num_shards, local_shards, token, snapshot_root: see ``ShardServer``.
     tls_cert, tls_key: PEM bytes; both or neither (then plaintext).
     max_message_mb: the largest request and response, in MiB (larger: RESOURCE_EXHAUSTED).
-    threads: RPCs served at once (lookups waiting for pushes hold one each).
+    threads: RPCs served at once (lookups waiting for pushes hold one each; at most threads - 2
+      may wait, the rest are refused with UNAVAILABLE, so pushes and Health always find one).
+    max_wait_s, step_window: see ``ShardService``.
 
   Returns:
     The started server (stop it with ``.stop(grace)``), the port it listens on, the handlers.
@@ -280,7 +297,9 @@ def serve(
   Raises:
     RuntimeError: the address cannot be bound.
   """
-  service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root)
+  waiters = max(1, threads - _FREE_THREADS)
+  limits = {"max_wait_s": max_wait_s, "step_window": step_window, "max_waiters": waiters}
+  service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root, **limits)
   limit = int(max_message_mb * (1 << 20))
   server = grpc.server(
     concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),

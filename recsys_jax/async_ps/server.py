@@ -4,7 +4,8 @@ Run it as::
 
   python -m recsys_jax.async_ps.server --port=5051 [--host=127.0.0.1] \
     [--shard_index=I --num_shards=K] [--token_file=F] [--tls_cert=C --tls_key=K] \
-    [--max_message_mb=256] [--local_shards=1] [--threads=32] [--snapshot_root=DIR]
+    [--max_message_mb=256] [--local_shards=1] [--threads=32] [--snapshot_root=DIR] \
+    [--max_wait_s=300] [--step_window=1000]
 
 It prints ``ready <host>:<port>`` on stdout once it serves (``--port=0`` picks a free port),
 so launchers can wait for that line. Binds 127.0.0.1 unless ``--host`` says otherwise: the PS
@@ -14,8 +15,8 @@ a trusted network.
 This module is the command line; the server's parts live in:
 
 - ``service``: the shard's service logic (``ShardService``: configure, lookups with the
-  staleness wait, pushes buffered per step and summed in worker order by ``sum_pushes``,
-  snapshots and restores), independent of gRPC.
+  staleness wait, pushes buffered per step, snapshots and restores), independent of gRPC;
+  the steps' pushes are summed in worker order by ``pushes.sum_pushes``.
 - ``rpc``: the gRPC side (``ShardServer``: request decoding and checks, authentication,
   status codes; ``serve`` starts a server in this process).
 """
@@ -29,10 +30,11 @@ from typing import Optional, Sequence
 
 from absl import app, flags
 
+from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
 from recsys_jax.async_ps.rpc import ShardServer as ShardServer
 from recsys_jax.async_ps.rpc import serve as serve
+from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW
 from recsys_jax.async_ps.service import ShardService as ShardService
-from recsys_jax.async_ps.service import sum_pushes as sum_pushes
 
 
 def _define_flags() -> None:
@@ -45,8 +47,12 @@ def _define_flags() -> None:
   flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
   flags.DEFINE_integer("max_message_mb", 256, "Largest request or response, MiB.")
   flags.DEFINE_integer("local_shards", 1, "Shards (threads) of the in-process PS.")
-  flags.DEFINE_integer("threads", 32, "RPCs served at once.")
+  flags.DEFINE_integer("threads", 32, "RPCs served at once (all but 2 may wait for pushes).")
   flags.DEFINE_string("snapshot_root", None, "If set, snapshots may only be written and read under it.")
+  flags.DEFINE_float("max_wait_s", MAX_WAIT_S, "Longest wait of a call for pushes, whatever its deadline.")
+  flags.DEFINE_integer(
+    "step_window", STEP_WINDOW, "Steps more than staleness + this ahead of the applied step are refused (>= 2)."
+  )
   flags.mark_flag_as_required("port")
 
 
@@ -87,6 +93,8 @@ def main(argv: Sequence[str]) -> None:
       max_message_mb=fl.max_message_mb,
       threads=fl.threads,
       snapshot_root=fl.snapshot_root,
+      max_wait_s=fl.max_wait_s,
+      step_window=fl.step_window,
     )
   except (ValueError, RuntimeError) as e:
     raise app.UsageError(str(e)) from None

@@ -1,16 +1,23 @@
-"""A PS shard's service logic, independent of the RPC layer: ``ShardService`` and ``sum_pushes``.
+"""A PS shard's service logic, independent of the RPC layer: ``ShardService``.
 
 It holds the in-process ``ParameterServer`` of the rows routed to this server and the state of
 the steps in flight (``rpc`` decodes and checks the requests and calls it):
 
 - ``configure``: creates the tables on the first call; later calls must agree with the first.
-- ``lookup``: rows of distinct ids. With a step t, first waits (bounded by the caller's
-  deadline) until the pushes of every step <= t - staleness - 1 are applied.
+- ``lookup``: rows of distinct ids. With a step t, first waits until the pushes of every
+  step <= t - staleness - 1 are applied.
 - ``push``: a worker's row gradients of a step. A step is applied once every worker has
-  pushed it (or moved past it): the gradients summed in worker order, one ``apply_many``.
+  pushed it (or moved past it): the gradients summed in worker order (``pushes.sum_pushes``),
+  one ``apply_many``.
   A repeated (worker, request_id) is acknowledged without being applied again.
 - ``snapshot`` / ``restore``: ``snapshot.save`` of the local PS after the pushes of the steps
   before ``step``; restore from the parts of any number of servers, keeping this server's ids.
+
+One client must not be able to jam the server: a wait ends when the caller cancels, before
+its deadline, and after ``max_wait_s`` whatever the deadline; at most ``max_waiters`` calls
+wait at once (the rest of the RPC threads stay free for pushes and Health); a step more than
+staleness + ``step_window`` ahead of the applied one is refused (no trainer can be there, and
+it would move the step for everyone).
 
 A refusal is a ``ServiceError`` whose ``code`` names the status the server answers with, so
 this module needs no gRPC.
@@ -29,17 +36,23 @@ from absl import logging
 
 from recsys_jax.async_ps import snapshot, wire
 from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.pushes import Grads as Grads
+from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
 from recsys_jax.embeddings.specs import TableSpec
 
 _SEEN_PER_WORKER = 4096  # request ids remembered per worker: far more than pushes in flight
 # Steps buffered while waiting for the other workers. The staleness bound keeps a worker at
 # most k + 1 steps ahead, so this only stops a misbehaving client from filling the memory.
 _MAX_PENDING_STEPS = 1024
-_MAX_WAIT_S = 3600.0  # a wait without a client deadline still ends
+# Defaults of the server's --max_wait_s and --step_window. A wait only lasts until the slowest
+# worker's push, and RemotePS's own deadline (ps.timeout_s, 30 s by default) ends it sooner.
+MAX_WAIT_S = 300.0
+STEP_WINDOW = 1000
 _WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
+_POLL_S = 0.1  # how often a waiting call checks that its caller is still there
 
-Grads = Dict[str, Tuple[np.ndarray, np.ndarray]]
 TimeLeft = Callable[[], Optional[float]]  # seconds until the caller's deadline (None: no deadline)
+Active = Callable[[], bool]  # False once the caller cancelled or its deadline passed
 
 
 class ServiceError(Exception):
@@ -54,39 +67,8 @@ def _no_deadline() -> Optional[float]:
   return None
 
 
-def sum_pushes(pushes: Mapping[int, Grads], dims: Mapping[str, int]) -> Grads:
-  """Sums the pushes of one step: {worker: {table: (ids, grads)}} -> {table: (ids, grads)}.
-
-  The ids of a table are the union of the workers' ids; each id's gradient is added up in
-  worker-index order (starting from 0.0), so the sum does not depend on arrival order.
-
-  Args:
-    pushes: each worker's distinct ids and float32 gradients per table.
-    dims: row width per table.
-
-  Returns:
-    Distinct ids (sorted where several workers sent the table) and summed float32 gradients.
-  """
-  workers = sorted(pushes)
-  if len(workers) == 1:
-    return dict(pushes[workers[0]])
-  tables: List[str] = []
-  for w in workers:
-    tables.extend(t for t in pushes[w] if t not in tables)
-  out = {}
-  for t in tables:
-    parts = [pushes[w][t] for w in workers if t in pushes[w]]
-    if len(parts) == 1:
-      out[t] = parts[0]
-      continue
-    uniq, inv = np.unique(np.concatenate([i for i, _ in parts]), return_inverse=True)
-    total = np.zeros((uniq.shape[0], dims[t]), np.float32)
-    pos = 0
-    for i, g in parts:
-      total[inv[pos : pos + i.shape[0]]] += g  # ids are distinct within a worker's push
-      pos += i.shape[0]
-    out[t] = (uniq, total)
-  return out
+def _always() -> bool:
+  return True
 
 
 class ShardService:
@@ -98,15 +80,35 @@ class ShardService:
     shard_index, num_shards: this server's place among the servers, if fixed at launch
       (else taken from the first configure). Restore keeps the ids routed to it.
     local_shards: shards of the in-process PS (threads working one request in parallel).
+    max_wait_s: the longest a call waits for pushes, whatever its deadline.
+    step_window: a step more than staleness + this ahead of the applied step is refused.
+    max_waiters: calls that may wait for pushes at once (None: any number); more are refused.
   """
 
-  def __init__(self, shard_index: Optional[int] = None, num_shards: Optional[int] = None, local_shards: int = 1):
+  def __init__(
+    self,
+    shard_index: Optional[int] = None,
+    num_shards: Optional[int] = None,
+    local_shards: int = 1,
+    *,
+    max_wait_s: float = MAX_WAIT_S,
+    step_window: int = STEP_WINDOW,
+    max_waiters: Optional[int] = None,
+  ):
     if (shard_index is None) != (num_shards is None):
       raise ValueError("--shard_index and --num_shards go together")
     if num_shards is not None and not 0 <= shard_index < num_shards:
       raise ValueError(f"--shard_index={shard_index} must be in [0, --num_shards={num_shards})")
     if local_shards < 1:
       raise ValueError(f"--local_shards must be >= 1, got {local_shards}")
+    if not max_wait_s > 0:
+      raise ValueError(f"--max_wait_s must be positive, got {max_wait_s}")
+    if step_window < 2:  # a trainer's lookup may be staleness + 2 steps ahead
+      raise ValueError(f"--step_window must be >= 2, got {step_window}")
+    if max_waiters is not None and max_waiters < 1:
+      raise ValueError(f"max_waiters must be >= 1, got {max_waiters}")
+    self._max_wait_s, self._step_window, self._max_waiters = float(max_wait_s), int(step_window), max_waiters
+    self._waiting = 0  # calls in _wait_applied
     self._fixed_place = None if num_shards is None else (shard_index, num_shards)
     self._local_shards = local_shards
     self._cond = threading.Condition()
@@ -131,20 +133,60 @@ class ShardService:
     """Why the tables cannot be used (a failed restore), or None."""
     return self._broken
 
-  def _wait_applied(self, target: int, time_left: TimeLeft, what: str) -> None:
-    """Waits, holding ``_cond``, until every step <= ``target`` is applied."""
-    left = time_left()
-    deadline = time.monotonic() + min(_MAX_WAIT_S, _MAX_WAIT_S if left is None else left - _WAIT_MARGIN_S)
-    while self._applied is not None and self._applied < target and self._broken is None:
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
-        waiting = {s: sorted(p) for s, p in sorted(self._pending.items())[:4]}
+  def _check_step(self, step: int, what: str) -> None:
+    """Refuses (holding ``_cond``) a step too far ahead of the applied one; changes nothing."""
+    a, k = self._applied, self._config["staleness"]
+    if a is not None and step > a + k + self._step_window:
+      raise ServiceError(
+        "OUT_OF_RANGE",
+        f"{what}: step {step} is {step - a} steps ahead of the applied step {a}; this server takes steps "
+        f"up to {a + k + self._step_window} (staleness {k} + --step_window {self._step_window})",
+      )
+
+  def _wait_applied(self, target: int, time_left: TimeLeft, active: Active, what: str) -> None:
+    """Waits, holding ``_cond``, until every step <= ``target`` is applied.
+
+    Ends with a refusal naming the steps when the caller went away, before its deadline, after
+    ``max_wait_s``, or at once when ``max_waiters`` calls already wait.
+    """
+
+    def behind() -> bool:
+      return self._applied is not None and self._applied < target and self._broken is None
+
+    if behind():
+      if self._max_waiters is not None and self._waiting >= self._max_waiters:
         raise ServiceError(
-          "DEADLINE_EXCEEDED",
-          f"{what} waits for the pushes of steps <= {target}, but only steps <= {self._applied} are applied "
-          f"(pending steps -> workers that pushed them: {waiting}; num_workers={self._config['num_workers']})",
+          "UNAVAILABLE",
+          f"{what} would wait for the pushes of steps <= {target} (steps <= {self._applied} are applied), but "
+          f"{self._waiting} calls already wait, the most this server lets wait so that pushes and Health keep "
+          "a thread (start it with more --threads)",
         )
-      self._cond.wait(remaining)
+      left = time_left()
+      limit = self._max_wait_s if left is None else min(self._max_wait_s, left - _WAIT_MARGIN_S)
+      start = time.monotonic()
+      self._waiting += 1
+      try:
+        while behind():
+          waited = time.monotonic() - start
+          if not active():
+            raise ServiceError(
+              "CANCELLED",
+              f"{what}: the caller went away after {waited:.1f} s of waiting for the pushes of steps <= {target}",
+            )
+          if waited >= limit:
+            waiting = {s: sorted(p) for s, p in sorted(self._pending.items())[:4]}
+            bound = f"the server's --max_wait_s={self._max_wait_s:g}" if limit == self._max_wait_s else "its deadline"
+            raise ServiceError(
+              "DEADLINE_EXCEEDED",
+              f"{what} waited {waited:.1f} s ({bound}) for the pushes of steps <= {target}, but only steps <= "
+              f"{self._applied} are applied (pending steps -> workers that pushed them: {waiting}; "
+              f"num_workers={self._config['num_workers']})",
+            )
+          # Polled, not woken: gRPC runs cancellation callbacks on its serving thread, which must
+          # never block on _cond.
+          self._cond.wait(min(_POLL_S, limit - waited))
+      finally:
+        self._waiting -= 1
     if self._broken is not None:
       raise ServiceError("FAILED_PRECONDITION", self._broken)
 
@@ -201,7 +243,12 @@ class ShardService:
       return {"created": created, "applied_step": self._applied, "pid": os.getpid()}
 
   def lookup(
-    self, ids: Mapping[str, np.ndarray], create: bool, step: Optional[int], time_left: TimeLeft = _no_deadline
+    self,
+    ids: Mapping[str, np.ndarray],
+    create: bool,
+    step: Optional[int],
+    time_left: TimeLeft = _no_deadline,
+    active: Active = _always,
   ) -> Dict[str, np.ndarray]:
     """Rows of distinct ids per table, after the staleness wait when ``step`` is given."""
     with self._cond:
@@ -209,7 +256,9 @@ class ShardService:
         if self._applied is None:
           # The first step seen: no push of an earlier step can come any more.
           self._applied = step - 1
-        self._wait_applied(step - self._config["staleness"] - 1, time_left, f"the lookup of step {step}")
+        what = f"the lookup of step {step}"
+        self._check_step(step, what)
+        self._wait_applied(step - self._config["staleness"] - 1, time_left, active, what)
       elif self._broken is not None:
         raise ServiceError("FAILED_PRECONDITION", self._broken)
     return self.ps.lookup_many(ids, create, step)
@@ -231,6 +280,7 @@ class ShardService:
       if step is not None:
         if self._applied is None:
           self._applied = step - 1
+        self._check_step(step, f"push of step {step} from worker {worker}")
         if step <= self._applied:
           raise ServiceError(
             "FAILED_PRECONDITION",
@@ -293,6 +343,7 @@ class ShardService:
     step: Optional[int],
     meta: Mapping[str, Any],
     time_left: TimeLeft = _no_deadline,
+    active: Active = _always,
   ) -> Dict[str, int]:
     """``snapshot.save`` of the tables into ``directory``, after the pushes of the steps < ``step``.
 
@@ -301,7 +352,8 @@ class ShardService:
     """
     with self._cond:
       if step is not None:
-        self._wait_applied(step - 1, time_left, f"the snapshot at step {step}")
+        self._check_step(step, f"the snapshot at step {step}")
+        self._wait_applied(step - 1, time_left, active, f"the snapshot at step {step}")
       elif self._broken is not None:
         raise ServiceError("FAILED_PRECONDITION", self._broken)
       self._apply_lock.acquire()
@@ -377,5 +429,6 @@ class ShardService:
         "num_shards": self._config.get("num_shards"),
         "applied_step": self._applied,
         "pending_steps": sorted(self._pending),
+        "waiting_calls": self._waiting,
         "broken": self._broken,
       }

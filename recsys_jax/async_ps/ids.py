@@ -1,0 +1,34 @@
+"""What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``).
+
+numpy turns -1 into 2**64 - 1 and 1.5 into 1 without a word when it casts to uint64, and the PS
+would create rows for those ids; so the clients of the PS check the ids before they cast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def as_ids(ids: Any, table: str) -> np.ndarray:
+  """``ids`` as a uint64 array, refusing anything but unsigned or non-negative integers.
+
+  Args:
+    ids: an array or sequence of ids (any shape).
+    table: the table they are for, named in the error.
+
+  Returns:
+    The ids as uint64 (no copy when they already are).
+
+  Raises:
+    ValueError: naming the table, for float, bool, object or negative ids.
+  """
+  a = np.asarray(ids)
+  if a.dtype.kind == "u" or a.size == 0:  # [] is float64 to numpy
+    return a.astype(np.uint64, copy=False)
+  if a.dtype.kind != "i":
+    raise ValueError(f"table {table!r}: ids must be unsigned or non-negative integers, got dtype {a.dtype}")
+  if (a < 0).any():
+    raise ValueError(f"table {table!r}: ids must be non-negative, got {int(a.min())}")
+  return a.astype(np.uint64)
