@@ -291,3 +291,20 @@ def test_errors():
     ps.apply("nope", ids, np.zeros((3, 8), np.float32))
   with pytest.raises(ValueError):
     ParameterServer([TableSpec(name="x", dim=2, optimizer="adamw")])
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.parametrize("bad", [np.array([3, -1], np.int64), np.array([3.0, 1.5]), np.array([True, False])])
+def test_ids_that_are_not_non_negative_integers_are_refused(num_shards, bad):
+  """numpy would cast -1 to 2**64 - 1 and 1.5 to 1 and the PS would create rows for them."""
+  ps = ParameterServer(
+    [TableSpec(name="t", dim=4, optimizer="sgd", optimizer_kwargs=(("learning_rate", 0.1),))], num_shards
+  )
+  with pytest.raises(ValueError, match="table 't'"):
+    ps.lookup_many({"t": bad})
+  with pytest.raises(ValueError, match="table 't'"):
+    ps.apply_many({"t": (bad, np.ones((2, 4), np.float32))})
+  assert ps.stats()["t"]["rows"] == 0
+  ok = ps.lookup_many({"t": np.array([3, 4], np.int64)})["t"]  # non-negative signed ids are fine
+  np.testing.assert_array_equal(ok, ps.lookup_many({"t": np.array([3, 4], np.uint64)})["t"])
+  ps.close()

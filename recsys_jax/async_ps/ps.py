@@ -21,6 +21,7 @@ import numpy as np
 from recsys_jax.async_ps import optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
+from recsys_jax.async_ps.ids import as_ids
 from recsys_jax.async_ps.table import Table
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -134,9 +135,9 @@ class ParameterServer:
     self, ids: Mapping[str, np.ndarray], create: bool = True, step: Optional[int] = None
   ) -> Dict[str, np.ndarray]:
     """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}."""
-    ids = {t: np.asarray(v, np.uint64) for t, v in ids.items()}
     for t in ids:
       self._check(t)
+    ids = {t: as_ids(v, t) for t, v in ids.items()}
     if self.num_shards == 1:
       return {t: self.shards[0][t].lookup(v, create, step) for t, v in ids.items()}
     out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
@@ -150,17 +151,18 @@ class ParameterServer:
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""
     # Every table is checked before any is changed, so a bad request changes nothing.
+    arrays = {}
     for t, (i, g) in grads.items():
       self._check(t)
       if np.shape(g) != (np.shape(i)[0], self.specs[t].dim):
         raise ValueError(
           f"table {t!r}: gradient shape {np.shape(g)} does not match ({np.shape(i)[0]}, {self.specs[t].dim})"
         )
+      arrays[t] = (as_ids(i, t), np.asarray(g, np.float32))
     if self.num_shards == 1:
-      for t, (i, g) in grads.items():
+      for t, (i, g) in arrays.items():
         self.shards[0][t].apply(i, g, step)
       return
-    arrays = {t: (np.asarray(i, np.uint64), np.asarray(g, np.float32)) for t, (i, g) in grads.items()}
 
     def push(table, t, sel):
       i, g = arrays[t]
