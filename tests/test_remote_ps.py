@@ -503,3 +503,44 @@ def test_wire_round_trip_and_checks():
   local = ParameterServer(SPECS, num_shards=2, seed=SEED).shard_of("user", ids)
   inside = local[wire.server_of("user", ids, SEED, 2) == 0]
   assert 0.45 < inside.mean() < 0.55  # a server's ids still spread over its local shards
+
+
+def test_bounded_tables_resume_exactly_on_servers(servers, tmp_path):
+  """Admission sketch, table step and expiry cadence survive a snapshot onto fresh servers,
+  as many as before and one (in-process too): a resumed PS then answers as the one that went on."""
+  specs = [
+    TableSpec(name=t, dim=d, optimizer="sgd", optimizer_kwargs=(("learning_rate", 0.1),), admit_after=3, expire_after=3)
+    for t, d in DIMS.items()
+  ]
+  started = servers.start(5)
+  src_addrs, same, one = [a for a, _ in started[:2]], [a for a, _ in started[2:4]], [started[4][0]]
+
+  def train(pss, steps, start, seed):
+    rng = np.random.default_rng(seed)
+    for step in range(start, start + steps):
+      ids = {t: _ids(rng, 150, high=400) for t in DIMS}
+      rows = [ps.lookup_many(ids, True, step) for ps in pss]
+      for r in rows[1:]:
+        _assert_rows_equal(rows[0], r, rtol=0)
+      g = _grads(rng, ids)
+      for ps in pss:
+        ps.apply_many(g, step)
+
+  every = {t: np.arange(400, dtype=np.uint64) for t in DIMS}
+  with (
+    RemotePS(src_addrs, specs, seed=SEED) as src,
+    RemotePS(same, specs, seed=SEED) as two,
+    RemotePS(one, specs, seed=SEED) as single,
+  ):
+    train([src], 6, 0, seed=1)
+    snap = str(tmp_path / "snap")
+    src.save_snapshot(snap, step=6)
+    two.load_snapshot([snap], step=6)
+    single.load_snapshot([snap], step=6)
+    local = ParameterServer(specs, num_shards=2, seed=SEED)
+    load_into(local, [snap])
+    train([src, two, single, local], 6, 6, seed=2)  # every lookup equal: ids admitted and expired alike
+    want = src.lookup_many(every, create=False)
+    for ps in (two, single, local):
+      _assert_rows_equal(ps.lookup_many(every, create=False), want, rtol=0)
+    local.close()

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from absl import logging
 
-from recsys_jax.async_ps import snapshot, wire
+from recsys_jax.async_ps import snapshot, snapshot_chain, wire
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.pushes import Grads as Grads
 from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
@@ -408,6 +408,7 @@ class ShardService:
                   sub["deleted"] = part["deleted"][wire.server_of(table, part["deleted"], seed, k) == me]
                 self.ps.restore({table: sub}, merge=True)
                 rows[table] += int(keep.sum())
+          self.ps.restore_bounds_states(snapshot_chain.bounds_for(links[-1], me, k))
         except Exception as e:  # noqa: BLE001 - the tables are now partial: refuse to serve them
           self._broken = f"a Restore failed ({type(e).__name__}: {e}); the tables are partial: Restore again"
           self._cond.notify_all()

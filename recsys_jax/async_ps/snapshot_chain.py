@@ -13,7 +13,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from recsys_jax.async_ps import snapshot
+from recsys_jax.async_ps import bounds, snapshot
 
 if TYPE_CHECKING:
   from recsys_jax.async_ps.transport import Transport
@@ -129,3 +129,20 @@ def load_into(ps, chain: Sequence[str]) -> None:
     for d in link:
       for table, part in snapshot.iter_parts(d):
         ps.restore({table: part}, merge=True)
+  ps.restore_bounds_states(bounds_for(links[-1]))
+
+
+def bounds_for(link: Sequence[str], me: int = 0, num_servers: int = 1) -> Dict[str, List[Dict[str, Any]]]:
+  """The bounded tables' state (steps, admission sketch) server ``me`` of ``num_servers`` takes
+  from the parts of a snapshot (the newest of a chain: every snapshot carries the whole state).
+
+  From as many parts as servers (``server-<i>``, or one in-process snapshot for one server),
+  each server takes its own part's per-shard states, exact. Otherwise an id may have moved to
+  another server: every old shard's state is merged into one (``bounds.merge_states``).
+  """
+  parts = [dict(snapshot.iter_bounds(d)) for d in link]
+  names = [os.path.basename(os.path.normpath(d)) for d in link]
+  if num_servers == len(link) and (num_servers == 1 or names == [f"server-{i}" for i in range(num_servers)]):
+    return parts[me]
+  tables = {t for p in parts for t in p}
+  return {t: [bounds.merge_states([st for p in parts for st in p.get(t, [])])] for t in tables}
