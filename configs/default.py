@@ -102,7 +102,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.ps.token_file = ""  # remote: a file holding the shared token the servers expect ('' = none).
   c.ps.tls_ca = ""  # remote: CA certificate (PEM) to verify the servers' TLS ('' = plaintext).
   c.ps.wire_dtype = "float32"  # remote: rows and gradients on the wire: float32, bfloat16, float16.
-  c.ps.timeout_s = 30.0  # remote: deadline of every call; a dead server stops the run within it.
+  # remote: deadline of every call, its retries included; a dead or hung server stops the run within it.
+  c.ps.timeout_s = 30.0
+  # remote: deadline of a snapshot or restore call, which moves a whole shard to or from disk
+  # (0: 10 x timeout_s). A server that hangs during one is detected within it.
+  c.ps.snapshot_timeout_s = 0.0
 
   # The dense model, picked from recsys_jax.models.MODELS.
   c.model = ml_collections.ConfigDict()

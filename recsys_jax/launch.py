@@ -14,6 +14,12 @@ Arguments of the form ``--config.<field>=<value>`` are not launcher flags: they 
 verbatim to every trainer (the trainer's ``config_flags`` validates them), as is everything after
 ``--``. The launcher's own flags are parsed strictly, so a typo there is an error.
 
+The servers demand a bearer token: by default the launcher writes a fresh random one for the job
+to a file only the user can read (mode 0600, in a private temporary directory removed when the
+launcher exits) and passes it to the servers (``--token_file``) and the trainers
+(``--config.ps.token_file``); ``--token_file`` names your own instead, ``--noauth`` runs without.
+The children die with the launcher, even when it is SIGKILLed (``recsys_jax/supervisor.py``).
+
 If any child exits non-zero or dies by a signal (or a server exits at all while the trainers
 run), the launcher stops all the others (SIGTERM, then SIGKILL after ``--grace_s``) and exits 1
 with a last line naming the process and its exit code; ``--timeout_s`` gives 124, SIGINT or
@@ -28,10 +34,14 @@ it takes plain argv lists, so tests drive it with fake children.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
 import socket
 import sys
-from typing import Mapping, Sequence
+import tempfile
+from typing import Iterator, Mapping, Sequence
 
 from absl import app, flags
 
@@ -66,6 +76,7 @@ __all__ = [
   "describe_exit",
   "free_port",
   "install_signal_handlers",
+  "job_token_file",
   "launch",
   "main",
   "ps_argv",
@@ -262,8 +273,35 @@ _READY_TIMEOUT = flags.DEFINE_float("ready_timeout_s", 120.0, "Seconds the serve
 _GRACE = flags.DEFINE_float("grace_s", 10.0, "Seconds between SIGTERM and SIGKILL when stopping children.")
 _PLATFORMS = flags.DEFINE_string("platforms", "cpu", "JAX_PLATFORMS of the trainers ('': keep the environment's).")
 _TOKEN_FILE = flags.DEFINE_string(
-  "token_file", "", "Shared PS token file: servers' --token_file and trainers' --config.ps.token_file."
+  "token_file",
+  "",
+  "Shared PS token file: servers' --token_file and trainers' --config.ps.token_file "
+  "('': the launcher writes a random token for the job, readable only by you).",
 )
+_AUTH = flags.DEFINE_bool(
+  "auth", True, "Servers demand a token (--token_file, or a random one). --noauth: any local process may call them."
+)
+
+
+_TOKEN_NAME = "ps-token"
+
+
+@contextlib.contextmanager
+def job_token_file() -> Iterator[str]:
+  """A fresh random token in a file only this user can read, removed on exit.
+
+  Yields:
+    The path of the file (mode 0600, in a new mode 0700 temporary directory).
+  """
+  directory = tempfile.mkdtemp(prefix="recsys_jax-launch-")
+  try:
+    path = os.path.join(directory, _TOKEN_NAME)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+      f.write(secrets.token_hex(32) + "\n")
+    yield path
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _parse_flags(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -294,20 +332,36 @@ def main(parsed: tuple[list[str], list[str], list[str]]) -> int:
   if num_ps == 0 and num_workers > 1:
     # Each trainer would train its own in-process embeddings; the trainer refuses it too, later.
     raise app.UsageError("several workers need PS servers (--num_ps >= 1)")
-  base = _BASE_PORT.value
   workdir = os.path.abspath(_WORKDIR.value or _default_workdir(_CONFIG.value))
   coordinator = None
   if num_workers > 1:
-    coordinator = f"127.0.0.1:{base + num_ps if base else free_port()}"
+    coordinator = f"127.0.0.1:{_BASE_PORT.value + num_ps if _BASE_PORT.value else free_port()}"
+  if not _AUTH.value and _TOKEN_FILE.value:
+    raise app.UsageError("--noauth and --token_file contradict each other")
+  job = (num_ps, num_workers, workdir, coordinator)
+  if _AUTH.value and num_ps and not _TOKEN_FILE.value:
+    with job_token_file() as token_file:
+      return _run(*job, token_file, overrides, extra)
+  return _run(*job, _TOKEN_FILE.value, overrides, extra)
+
+
+def _run(
+  num_ps: int,
+  num_workers: int,
+  workdir: str,
+  coordinator: str | None,
+  token_file: str,
+  overrides: list[str],
+  extra: list[str],
+) -> int:
+  """Runs the job with the token file ``token_file`` ('' = none); returns the exit status."""
+  base = _BASE_PORT.value
   servers = [
-    Spec(f"ps-{i}", ps_argv(i, num_ps, port=base + i if base else 0, token_file=_TOKEN_FILE.value))
-    for i in range(num_ps)
+    Spec(f"ps-{i}", ps_argv(i, num_ps, port=base + i if base else 0, token_file=token_file)) for i in range(num_ps)
   ]
 
   def workers(addresses: list[str]) -> list[Spec]:
-    argv = trainer_argv(
-      _CONFIG.value, workdir, addresses, overrides=overrides, extra=extra, token_file=_TOKEN_FILE.value
-    )
+    argv = trainer_argv(_CONFIG.value, workdir, addresses, overrides=overrides, extra=extra, token_file=token_file)
     return [
       Spec(
         f"worker-{i}",
@@ -321,6 +375,8 @@ def main(parsed: tuple[list[str], list[str], list[str]]) -> int:
   install_signal_handlers(stop)
   output = Output()
   output.write(LAUNCHER, f"workdir: {workdir}" + (f"; coordinator: {coordinator}" if coordinator else ""))
+  if num_ps:
+    output.write(LAUNCHER, f"PS token: {token_file}" if token_file else "PS servers without a token (--noauth)")
   outcome = launch(
     servers,
     workers,

@@ -60,6 +60,9 @@ def main(argv):
     from recsys_jax.parallel import distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    # jax.distributed's preemption notifier catches SIGTERM and only records it; nothing here uses
+    # it, and a trainer told to stop (by the launcher, by Kubernetes) must stop: the default again.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join(
     "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
@@ -70,6 +73,12 @@ def main(argv):
   # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact.
   except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
+    if isinstance(e, ConnectionError) and _NUM_PROCESSES.value > 1:
+      # A lost PS server, which the other trainers may not have met yet: a normal exit would wait
+      # in jax's shutdown barrier for them (up to 5 minutes), so a hung server would hold the job.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)
     sys.exit(1)
   print(train.format_summary(summary))
   print(f"summary: {os.path.join(os.path.abspath(workdir), 'summary.json')}")

@@ -8,7 +8,9 @@ behind ``[ps-0] ``, ``[worker-1] `` etc., whole lines under one lock (``Output``
 to exit at all) makes it stop all the others (SIGTERM, then SIGKILL after ``grace_s``) and return
 an ``Outcome`` naming it. ``launch`` is the whole sequence: servers, their addresses, workers,
 supervision. Whatever ends a launch, every child is stopped before it returns; SIGINT and SIGTERM
-to the launcher only request that (``Stop``, ``install_signal_handlers``).
+to the launcher only request that (``Stop``, ``install_signal_handlers``). A launcher killed
+outright (SIGKILL, a crash) cannot stop anyone, so on Linux each child asks the kernel to SIGKILL
+it when the launcher dies (``PR_SET_PDEATHSIG``): no server or trainer outlives its launcher.
 
 Everything here takes plain argv lists, so tests drive it with fake children; the real command
 lines and the launcher's flags are in ``recsys_jax.launch``.
@@ -16,6 +18,7 @@ lines and the launcher's flags are in ``recsys_jax.launch``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -125,6 +128,36 @@ def describe_exit(code: int) -> str:
     return f"signal {-code}"
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Callable[..., int] | None:
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    return ctypes.CDLL(None).prctl  # the C library the interpreter is linked with
+  except (OSError, AttributeError):
+    return None
+
+
+# Looked up once, in the launcher: the child runs only this between fork and exec.
+_PRCTL = _prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+  """What a child runs before exec so that the kernel SIGKILLs it once ``parent`` dies."""
+  prctl = _PRCTL
+  if prctl is None:
+    return None
+
+  def preexec() -> None:
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the launcher died before the request took effect
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  return preexec
+
+
 def _local_address(host: str, port: str) -> str:
   return f"{'127.0.0.1' if host in _WILDCARD_HOSTS else host}:{port}"
 
@@ -163,7 +196,9 @@ def start(
     output: where lines go (default: stdout).
 
   Returns:
-    The running child.
+    The running child. On Linux it is SIGKILLed when the thread that started it ends (the
+    kernel ties ``PR_SET_PDEATHSIG`` to that thread): call this from a thread that lives as long
+    as the child, as the launcher's main thread does.
   """
   env = dict(os.environ if env is None else env)
   env.setdefault("PYTHONUNBUFFERED", "1")
@@ -176,6 +211,7 @@ def start(
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     start_new_session=True,
+    preexec_fn=_die_with(os.getpid()),
   )
   child = Child(name=name, proc=proc, service=service)
   output = output or Output()
@@ -190,13 +226,15 @@ def _signal(child: Child, signum: int) -> None:
   # Only children not yet reaped are signalled: a reaped pid (and its group id) may be reused.
   if child.proc.poll() is not None:
     return
-  try:
-    os.killpg(child.proc.pid, signum)
-  except (ProcessLookupError, PermissionError):
+  # A stopped child (SIGSTOP, a debugger) acts on SIGTERM only once continued.
+  for sig in (signum, signal.SIGCONT) if signum == signal.SIGTERM else (signum,):
     try:
-      child.proc.send_signal(signum)
-    except ProcessLookupError:
-      pass
+      os.killpg(child.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+      try:
+        child.proc.send_signal(sig)
+      except ProcessLookupError:
+        pass
 
 
 def terminate(children: Sequence[Child], grace_s: float = 10.0) -> None:
@@ -310,6 +348,10 @@ def supervise(
     terminate(children, grace_s)
 
 
+def _started(output: Output, child: Child, spec: Spec) -> None:
+  output.write(LAUNCHER, f"started {spec.name} (pid {child.proc.pid}): {shlex.join(spec.argv)}")
+
+
 def launch(
   servers: Sequence[Spec],
   make_workers: Callable[[list[str]], Sequence[Spec]],
@@ -338,14 +380,14 @@ def launch(
   children: list[Child] = []
   try:
     for spec in servers:
-      output.write(LAUNCHER, f"starting {spec.name}: {shlex.join(spec.argv)}")
       children.append(start(spec.name, spec.argv, spec.env, service=True, output=output))
+      _started(output, children[-1], spec)
     addresses = wait_ready(children, ready_timeout_s, stop=stop)
     if addresses:
       output.write(LAUNCHER, f"servers ready at {','.join(addresses)}")
     for spec in make_workers(addresses):
-      output.write(LAUNCHER, f"starting {spec.name}: {shlex.join(spec.argv)}")
       children.append(start(spec.name, spec.argv, spec.env, output=output))
+      _started(output, children[-1], spec)
   except LaunchError as e:
     terminate(children, grace_s)
     return Outcome(e.code, str(e), e.name)

@@ -111,6 +111,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
       ckpts.save(n, state, ps, pusher)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
+  except ConnectionError as e:
+    # A PS server is lost: wake a prefetcher waiting for pushes that will not come and end the
+    # other calls in flight, so that the threads below stop at once.
+    gate.abort(e)
+    ps.close()
+    raise
   finally:
     progress.bar.close()
     pre.close()

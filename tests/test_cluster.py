@@ -3,17 +3,22 @@
 The servers are ``python -m recsys_jax.async_ps.server``; the trainers are ``python -m
 recsys_jax.main`` joined by ``jax.distributed`` (one CPU device each), each reading its half of
 every batch and doing its own lookups and pushes. The first test starts them all with
-``python -m recsys_jax.launch``; the failure test starts them itself, to kill one server.
+``python -m recsys_jax.launch``; the failure test starts them itself, to kill one server. The
+last ones run the launcher in the background: its token, a SIGKILL of it, a SIGSTOPped server.
 """
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import grpc
 import pytest
 
 from recsys_jax import train
@@ -161,3 +166,144 @@ def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failu
   s = json.load(open(run / "summary.json"))
   assert s["resumed_from"] == resumed_at
   assert s["auc"] == ref["auc"] and s["logloss"] == ref["logloss"], (s["auc"], ref["auc"])
+
+
+# -- the launcher in the background ---------------------------------------------------------------
+
+
+def _running(pid):
+  """Whether a process exists and is not a zombie (killed, not reaped yet)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+  except (FileNotFoundError, ProcessLookupError, IndexError):
+    return False
+
+
+class _Job:
+  """``python -m recsys_jax.launch`` (2 servers, 2 trainers, endless) with its lines collected."""
+
+  def __init__(self, workdir, *args):
+    self.workdir = workdir
+    argv = [sys.executable, "-m", "recsys_jax.launch", "--config=configs/tiny.py", "--num_ps=2", "--num_workers=2"]
+    argv += [f"--workdir={workdir}", "--config.num_steps=1000000", *args]
+    self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines = []
+    self._reader = threading.Thread(target=self._read)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line.rstrip("\n"))
+
+  def tail(self):
+    return "\n".join(self.lines[-60:])
+
+  def wait_for(self, pattern, timeout=240):
+    """The first line matching ``pattern`` (a regex), waiting for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      for line in list(self.lines):
+        m = re.search(pattern, line)
+        if m:
+          return m
+      if self.proc.poll() is not None and not self._reader.is_alive():
+        break
+      time.sleep(0.05)
+    pytest.fail(f"no line {pattern!r} from the launcher:\n{self.tail()}")
+
+  def pids(self):
+    """{child name: pid} from the launcher's 'started' lines."""
+    return {
+      m[1]: int(m[2]) for ln in list(self.lines) if (m := re.match(r"\[launch\] started (\S+) \(pid (\d+)\)", ln))
+    }
+
+  def wait_training(self, timeout=240):
+    """Waits until process 0 logged its first training metrics (the trainers are past their start)."""
+    path = os.path.join(self.workdir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and self.proc.poll() is None:
+      if os.path.exists(path) and '"train"' in open(path).read():
+        return
+      time.sleep(0.1)
+    pytest.fail(f"the job did not train:\n{self.tail()}")
+
+  def end(self):
+    """Kills the launcher and whatever of its children is left (a test's finally)."""
+    pids = self.pids()
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait()
+    for pid in pids.values():
+      if _running(pid):
+        try:
+          os.kill(pid, signal.SIGKILL)  # a stopped process too
+        except ProcessLookupError:
+          pass
+    self._reader.join(10)
+
+
+def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
+  """The job's servers demand a token only the user can read; SIGKILL of the launcher ends every child."""
+  from recsys_jax.async_ps.transport import RemotePSError, Transport
+
+  job = _Job(str(tmp_path / "run"))
+  token_file = None
+  try:
+    token_file = job.wait_for(r"^\[launch\] PS token: (\S+)$")[1]
+    addresses = job.wait_for(r"^\[launch\] servers ready at (\S+)$")[1].split(",")
+    assert os.stat(token_file).st_mode & 0o777 == 0o600
+    job.wait_training()  # the trainers have the token
+    stranger = Transport(addresses, timeout_s=10)
+    with pytest.raises(RemotePSError) as err:
+      stranger.call(1, "Health", {})
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    stranger.close()
+    with open(token_file) as f:
+      member = Transport(addresses, token=f.read().strip(), timeout_s=10)
+    assert member.call(1, "Health", {}).fields["configured"]
+    member.close()
+
+    pids = job.pids()
+    assert sorted(pids) == ["ps-0", "ps-1", "worker-0", "worker-1"] and all(map(_running, pids.values()))
+    job.proc.kill()
+    job.proc.wait()
+    killed = time.monotonic()
+    while any(map(_running, pids.values())) and time.monotonic() - killed < 10:
+      time.sleep(0.02)
+    took = time.monotonic() - killed
+    left = {name: pid for name, pid in pids.items() if _running(pid)}
+    print(f"children gone {took:.2f} s after the launcher's SIGKILL")
+    assert not left, f"alive {took:.1f} s after the launcher's SIGKILL: {left}"
+    assert took < 3.0, took
+  finally:
+    job.end()
+    if token_file:  # a SIGKILLed launcher cannot remove its token
+      shutil.rmtree(os.path.dirname(token_file), ignore_errors=True)
+
+
+def test_a_stopped_server_stops_the_job_within_timeout_s(tmp_path):
+  """SIGSTOP of a server (hung, not dead): each trainer ends non-zero within ps.timeout_s, naming it."""
+  timeout = 5.0  # the servers' first lookup compiles their kernels: seconds on a loaded machine
+  job = _Job(str(tmp_path / "run"), f"--config.ps.timeout_s={timeout}")
+  try:
+    addresses = job.wait_for(r"^\[launch\] servers ready at (\S+)$")[1].split(",")
+    job.wait_training()
+    pids = job.pids()
+    os.kill(pids["ps-1"], signal.SIGSTOP)
+    t0 = time.monotonic()
+    ended = {}
+    while len(ended) < 2 and time.monotonic() - t0 < 60:
+      for name in ("worker-0", "worker-1"):
+        if name not in ended and not _running(pids[name]):
+          ended[name] = time.monotonic() - t0
+      time.sleep(0.02)
+    code = job.proc.wait(60)
+    took = time.monotonic() - t0
+  finally:
+    job.end()
+  print(f"trainers ended {ended} s after SIGSTOP of ps-1 (timeout_s {timeout}); launcher after {took:.1f} s")
+  assert code == 1, job.tail()
+  assert len(ended) == 2 and max(ended.values()) < timeout + 3.0, (ended, job.tail())
+  assert re.search(rf"^\[worker-\d\] error: PS server {re.escape(addresses[1])} \(shard 1 of 2\)", job.tail(), re.M)
+  assert re.search(r"^\[launch\] worker-\d failed with exit code 1", job.tail(), re.M), job.tail()

@@ -322,6 +322,86 @@ def test_sigint_to_the_launcher_stops_the_children():
   assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped by the launcher
 
 
+def _running(pid):
+  """Whether a process exists and is not a zombie (a killed child nobody has reaped yet)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      state = f.read().rsplit(")", 1)[1].split()[0]
+  except (FileNotFoundError, ProcessLookupError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+def _kill_left(pids):
+  for pid in pids:
+    if _running(pid):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+
+_KILLED_LAUNCHER = """
+import sys
+from recsys_jax import launch
+sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+children = [launch.start("ps-0", sleep, service=True), launch.start("worker-0", sleep)]
+print(*[c.proc.pid for c in children], flush=True)
+launch.supervise(children)
+"""
+
+
+def test_children_die_with_a_sigkilled_launcher():
+  p = subprocess.Popen(_py(_KILLED_LAUNCHER), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  pids = []
+  try:
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    p.kill()  # SIGKILL: the launcher stops nobody itself
+    p.wait(10)
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    assert not [pid for pid in pids if _running(pid)], "children outlived their launcher"
+  finally:
+    p.kill()
+    p.wait()
+    _kill_left(pids)
+
+
+def test_terminate_continues_a_stopped_child():
+  c = launch.start("ps-0", SLEEPER, service=True, output=launch.Output(io.StringIO()))
+  os.kill(c.proc.pid, signal.SIGSTOP)
+  t0 = time.monotonic()
+  try:
+    launch.terminate([c], grace_s=5.0)
+  finally:
+    _kill_left([c.proc.pid])
+  # SIGTERM with SIGCONT: it ends by SIGTERM at once, not by SIGKILL after the grace period.
+  assert c.proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 3.0
+
+
+def test_job_token_file(tmp_path):
+  with launch.job_token_file() as path:
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    token = open(path).read().strip()
+    assert len(token) >= 32 and token.isalnum()
+    with launch.job_token_file() as other:
+      assert open(other).read().strip() != token
+  assert not os.path.exists(os.path.dirname(path))
+
+
+def test_cli_rejects_noauth_with_a_token_file():
+  p = subprocess.run(
+    [PY, "-m", "recsys_jax.launch", "--config=c.py", "--noauth", "--token_file=/t"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert p.returncode != 0 and "--noauth and --token_file" in p.stdout + p.stderr
+
+
 # --------------------------------------------------------------------------------------
 # Kubernetes manifests.
 

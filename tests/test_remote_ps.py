@@ -397,6 +397,12 @@ def test_killed_server_raises_naming_it(servers):
   (a0, _), (a1, p1) = servers.start(2)
   rng = np.random.default_rng(5)
   timeout = 3.0
+  # The servers compile their kernels on their first lookup and push, which on a loaded machine
+  # takes longer than this test's deadline (retries share it): warm them up first.
+  warm_ids = {t: _ids(rng, 50) for t in DIMS}
+  with RemotePS([a0, a1], SPECS, seed=SEED, timeout_s=60) as warm:
+    warm.lookup_many(warm_ids)
+    warm.apply_many(_grads(rng, warm_ids))
   with RemotePS([a0, a1], SPECS, seed=SEED, timeout_s=timeout) as ps:
     ids = {t: _ids(rng, 200) for t in DIMS}
     ps.lookup_many(ids, True, 0)

@@ -37,6 +37,16 @@ def parse_kvstore(value: str, workdir: Optional[str]) -> Optional[Dict[str, Any]
   return {"driver": "file", "path": os.path.abspath(path)}
 
 
+SNAPSHOT_TIMEOUT_FACTOR = 10  # a snapshot or restore moves a whole shard to or from disk
+
+
+def snapshot_timeout(ps_config) -> float:
+  """The deadline of a remote snapshot or restore: ``ps.snapshot_timeout_s``, or when that is 0,
+  ``SNAPSHOT_TIMEOUT_FACTOR`` x ``ps.timeout_s`` (every other call has ``ps.timeout_s``)."""
+  explicit = float(ps_config.snapshot_timeout_s)
+  return explicit if explicit > 0 else SNAPSHOT_TIMEOUT_FACTOR * float(ps_config.timeout_s)
+
+
 def build_ps(
   config,
   tables: Sequence[TableSpec],
@@ -90,4 +100,5 @@ def build_ps(
     tls_ca=p.tls_ca or None,
     wire_dtype=p.wire_dtype,
     timeout_s=float(p.timeout_s),
+    snapshot_timeout_s=snapshot_timeout(p),
   )

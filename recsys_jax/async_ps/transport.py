@@ -2,8 +2,14 @@
 
 ``Transport`` sends ``wire`` messages to server i and runs one call per server in parallel;
 ``RemotePS`` decides what to send where. Failures raise ``RemotePSError`` naming the server
-and the RPC. Every call has a deadline; a caller may ask for retries on UNAVAILABLE /
-DEADLINE_EXCEEDED (``RemotePS`` does for lookups only, so a gradient is applied at most once).
+and the RPC. Every call has one deadline, ``timeout_s`` unless the caller names another, and
+its retries share it: a caller may ask for retries on UNAVAILABLE / DEADLINE_EXCEEDED
+(``RemotePS`` does for lookups only, so a gradient is applied at most once), but however many
+attempts it makes, a call ends within its deadline (plus the time to notice it), so a dead or
+hung server stops the caller within ``timeout_s`` whatever the call.
+
+``close`` closes the channels first, which ends the calls in flight at once (CANCELLED): a
+trainer that has lost one server does not wait out the deadlines of its other calls.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class Transport:
     tls_ca: PEM bytes, or a path to them, of the CA that signed the servers' certificates;
       None: plaintext.
     tls_server_name: the name the servers' certificates carry, if not the address's host.
-    timeout_s: the default deadline of a call.
+    timeout_s: the deadline of a call, retries included, unless the call names another.
   """
 
   def __init__(
@@ -91,28 +97,51 @@ class Transport:
     timeout: Optional[float] = None,
     until: Optional[float] = None,
   ) -> wire.Message:
-    """One RPC to server i, retried on UNAVAILABLE / DEADLINE_EXCEEDED ``retries`` times, or
-    with ``until`` (a monotonic time) retried on UNAVAILABLE until then."""
+    """One RPC to server i, within one deadline that every attempt shares.
+
+    Args:
+      i: the server's index.
+      method: the RPC (``wire.METHODS``).
+      fields, arrays: the request.
+      retries: how many times to retry after UNAVAILABLE or DEADLINE_EXCEEDED, while the
+        deadline allows (each attempt gets the time left).
+      timeout: seconds from now to the deadline (default: ``timeout_s``).
+      until: the deadline as a ``time.monotonic()`` time, instead of ``timeout``; then
+        UNAVAILABLE (a server not up yet) is retried until it, however often.
+
+    Returns:
+      The decoded answer.
+
+    Raises:
+      RemotePSError: the server refused, or did not answer within the deadline.
+    """
     if self.closed:
       raise RemotePSError(f"{self.where(i)}: {method} after close()", self.addresses[i], method)
     request = wire.encode(fields, arrays)
-    timeout = self.timeout_s if timeout is None else timeout
+    start = time.monotonic()
+    deadline = start + (self.timeout_s if timeout is None else timeout) if until is None else until
     attempt = 0
     while True:
-      attempt_timeout = timeout if until is None else max(0.001, until - time.monotonic())
       try:
-        response = self._stubs[i][method](request, timeout=attempt_timeout, metadata=self._metadata)
+        left = max(0.001, deadline - time.monotonic())
+        response = self._stubs[i][method](request, timeout=left, metadata=self._metadata)
         break
+      except ValueError:  # grpc's "closed channel": close() ran in another thread
+        if not self.closed:
+          raise
+        raise RemotePSError(f"{self.where(i)}: {method} after close()", self.addresses[i], method) from None
       except grpc.RpcError as e:
         code = e.code() if callable(getattr(e, "code", None)) else None
         details = e.details() if callable(getattr(e, "details", None)) else str(e)
         backoff = min(0.5, 0.05 * 2**attempt)
         if until is not None:
-          again = code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + backoff < until
+          again = code == grpc.StatusCode.UNAVAILABLE
         else:
           again = attempt < retries and code in _RETRY_CODES
-        if not again:
+        if not (again and time.monotonic() + backoff < deadline):
           name = code.name if code is not None else "ERROR"
+          if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            details += f" (call deadline {deadline - start:.3g} s, {attempt + 1} attempt(s))"
           raise RemotePSError(
             f"{self.where(i)}: {method} failed: {name}: {details}", self.addresses[i], method, code
           ) from None
@@ -145,7 +174,8 @@ class Transport:
     if self.closed:
       return
     self.closed = True
-    for pool in self._pools.values():
-      pool.shutdown(wait=True)
+    # Channels first: closing one ends its calls in flight, so the pools' threads finish now.
     for ch in self._channels:
       ch.close()
+    for pool in self._pools.values():
+      pool.shutdown(wait=True)

@@ -58,6 +58,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     config.ps.wire_dtype in ("float32", "bfloat16", "float16"), "ps.wire_dtype", "choose float32, bfloat16 or float16"
   )
   need(config.ps.timeout_s > 0, "ps.timeout_s", "must be positive")
+  need(config.ps.snapshot_timeout_s >= 0, "ps.snapshot_timeout_s", "must be >= 0 (0: 10 x ps.timeout_s)")
   need(config.checkpoint_full_every >= 1, "checkpoint_full_every", "must be >= 1 (1 = every snapshot full)")
   if config.ps.tier:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
