@@ -11,7 +11,12 @@ import pytest
 
 from recsys_jax.data import base, movielens
 
-DATA = "/work/shared/data/movielens-latest-small"
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "shared",
+  "data",
+  "movielens-latest-small",
+)
 needs_data = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "ratings.csv")), reason="no MovieLens data")
 H = 50
 
