@@ -107,9 +107,6 @@ class Checkpointer:
     self._chain: List[str] = []
     self._since_full = 0
 
-  def latest_step(self) -> Optional[int]:
-    return self._mgr.latest_step()
-
   def save(self, step: int, state: Any, ps, meta: Dict[str, Any]) -> None:
     """Writes checkpoint ``step`` (PS snapshot, then dense state + meta) and waits for it."""
     full = not self._chain or self._since_full + 1 >= self.full_every

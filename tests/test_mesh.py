@@ -22,6 +22,14 @@ def _dense_params(workdir, step=STEPS):
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
+def _on_8_devices(code, *args):
+  """Runs ``code`` in a fresh process with 8 simulated CPU devices (XLA reads the flag at start)."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+
+
 _MESH_RUN = r"""
 import json, os, sys
 import numpy as np
@@ -70,15 +78,7 @@ def test_every_group_shape_and_micro_steps_on_8_devices_match_one_device(tiny_co
   tiny_config.eval_samples = tiny_config.eval_batch_size = 4096
   train.train_and_evaluate(tiny_config, str(tmp_path / "single"))
   ref = _dense_params(str(tmp_path / "single"))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-    [sys.executable, "-c", _MESH_RUN, str(tmp_path), str(STEPS)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  out = _on_8_devices(_MESH_RUN, str(tmp_path), str(STEPS))
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
   assert len(report) == 8
@@ -147,15 +147,7 @@ def test_rows_and_dense_weights_on_8_devices_match_one_device_with_sgd(tiny_conf
   """2 groups x 4 devices x 2 micro-steps against one device: every dense weight and every row."""
   c = _sgd(tiny_config)
   train.train_and_evaluate(c, str(tmp_path / "single"))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-    [sys.executable, "-c", _SGD_RUN, str(tmp_path / "mesh")],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  out = _on_8_devices(_SGD_RUN, str(tmp_path / "mesh"))
   assert out.returncode == 0, out.stderr[-3000:]
   ref, got = _dense_params(str(tmp_path / "single")), dict(np.load(tmp_path / "mesh.npz"))
   assert got.keys() == ref.keys()

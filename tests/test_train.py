@@ -149,14 +149,29 @@ def test_bad_config_values_name_the_field(tiny_config, tmp_path, field, value, m
     train.train_and_evaluate(tiny_config, str(tmp_path))
 
 
-def test_corrupt_checkpoint_is_reported_and_left_alone(tiny_config, tmp_path):
-  tiny_config.num_steps = 20
-  train.train_and_evaluate(tiny_config, str(tmp_path))
-  step_dir = os.path.join(str(tmp_path), "checkpoints", "20")
+def _garble_state(step_dir):
+  """Overwrites every file of a checkpoint's dense state with a few bytes of garbage."""
   for dirpath, _, filenames in os.walk(os.path.join(step_dir, "state")):
     for name in filenames:
       with open(os.path.join(dirpath, name), "wb") as f:
         f.write(b"garbage")
+
+
+def _main_cli(workdir, *overrides):
+  """python -m recsys_jax.main on configs/tiny.py in ``workdir``, as a user runs it."""
+  return subprocess.run(
+    [sys.executable, "-m", "recsys_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}", *overrides],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_corrupt_checkpoint_is_reported_and_left_alone(tiny_config, tmp_path):
+  tiny_config.num_steps = 20
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  _garble_state(tmp_path / "checkpoints" / "20")
   before = _tree_digest(str(tmp_path / "checkpoints"))
   tiny_config.num_steps = 40
   with pytest.raises(checkpoint_lib.CheckpointError, match="checkpoints/20"):
@@ -251,24 +266,8 @@ def test_a_save_that_does_not_read_back_deletes_no_older_checkpoint(tiny_config,
 def test_main_cli_names_an_unreadable_checkpoint_in_one_line(tiny_config, tmp_path):
   tiny_config.num_steps = 20
   train.train_and_evaluate(tiny_config, str(tmp_path))
-  for dirpath, _, filenames in os.walk(tmp_path / "checkpoints" / "20" / "state"):
-    for name in filenames:
-      with open(os.path.join(dirpath, name), "wb") as f:
-        f.write(b"garbage")
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "recsys_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={tmp_path}",
-      "--config.num_steps=40",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  _garble_state(tmp_path / "checkpoints" / "20")
+  out = _main_cli(tmp_path, "--config.num_steps=40")
   assert out.returncode == 1
   lines = out.stderr.strip().splitlines()
   assert lines[-1].startswith(f"error: checkpoint {tmp_path}/checkpoints/20 cannot be restored"), out.stderr[-3000:]
@@ -277,21 +276,7 @@ def test_main_cli_names_an_unreadable_checkpoint_in_one_line(tiny_config, tmp_pa
 
 def test_main_cli_runs_and_writes_summary(tmp_path):
   workdir = tmp_path / "run"
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "recsys_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={workdir}",
-      "--config.num_steps=30",
-      "--config.eval_samples=4096",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  out = _main_cli(workdir, "--config.num_steps=30", "--config.eval_samples=4096")
   assert out.returncode == 0, out.stderr[-3000:]
   assert "eval AUC" in out.stdout
   summary = json.load(open(workdir / "summary.json"))
@@ -299,20 +284,7 @@ def test_main_cli_runs_and_writes_summary(tmp_path):
 
 
 def test_main_cli_rejects_bad_override(tmp_path):
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "recsys_jax.main",
-      "--config=configs/tiny.py",
-      f"--workdir={tmp_path}",
-      "--config.staleness=-3",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  out = _main_cli(tmp_path, "--config.staleness=-3")
   assert out.returncode != 0
   assert "config.staleness" in out.stderr
 
