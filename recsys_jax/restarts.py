@@ -93,6 +93,8 @@ def launch_with_restarts(
     if max_restarts == 0:
       return outcome
     if not outcome.restartable:
+      if outcome.failed is None:  # no child to blame (a stop): nothing to explain
+        return outcome
       return dataclasses.replace(
         outcome, message=f"{outcome.message}; not restarted: a restart would fail the same way"
       )
