@@ -64,9 +64,8 @@ def _parse_flags(argv):
   # config_flags applies the --config.<field> overrides here and lets their errors through
   # (AttributeError for a field the config does not have).
   except Exception as e:
-    print(
-      f"FATAL Flags parsing error: {type(e).__name__}: {e} (is each --config.<field> in the config?)", file=sys.stderr
-    )
+    hint = " (is each --config.<field> in the config?)" if isinstance(e, (AttributeError, KeyError)) else ""
+    print(f"FATAL Flags parsing error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
   sys.exit(EXIT_CONFIG)
 
 
