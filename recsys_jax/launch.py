@@ -21,15 +21,21 @@ launcher exits) and passes it to the servers (``--token_file``) and the trainers
 The children die with the launcher, even when it is SIGKILLed (``recsys_jax/supervisor.py``).
 
 If any child exits non-zero or dies by a signal (or a server exits at all while the trainers
-run), the launcher stops all the others (SIGTERM, then SIGKILL after ``--grace_s``) and exits 1
-with a last line naming the process and its exit code; ``--timeout_s`` gives 124, SIGINT or
-SIGTERM to the launcher 128 + the signal. When every trainer succeeds the servers are stopped
-and the launcher exits 0.
+run), the launcher stops all the others (SIGTERM, then SIGKILL after ``--grace_s``). Up to
+``--max_restarts`` times it then starts the whole job again (fresh servers on fresh ports, fresh
+trainers, same token and workdir: the trainers resume from the last checkpoint and restore the
+servers from its PS snapshot), saying so in a line ``... restart i/N from the last checkpoint``.
+A failure a restart would repeat is not restarted (a trainer's exit status 2: bad flags, config or
+workdir; the rule is in ``recsys_jax/restarts.py``). Otherwise the launcher exits 1 with a last
+line naming the process and how it ended; ``--timeout_s`` (the whole run, restarts included)
+gives 124, SIGINT or SIGTERM to the launcher 128 + the signal, never a restart. When every trainer
+succeeds the servers are stopped and the launcher exits 0.
 
 This module is the command line: its flags, and ``ps_argv``, ``trainer_argv`` and ``trainer_env``,
 pure functions that build the real children's command lines. The process handling (``start``,
-``wait_ready``, ``supervise``, ``launch``) is in ``recsys_jax/supervisor.py`` and re-exported here;
-it takes plain argv lists, so tests drive it with fake children.
+``wait_ready``, ``supervise``, ``launch``) is in ``recsys_jax/supervisor.py``, the restarts in
+``recsys_jax/restarts.py``, both re-exported here; they take plain argv lists, so tests drive them
+with fake children.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from typing import Iterator, Mapping, Sequence
 
 from absl import app, flags
 
+from recsys_jax.restarts import DEFAULT_MAX_RESTARTS, launch_with_restarts
 from recsys_jax.supervisor import (
+  EXIT_CONFIG,
   LAUNCHER,
   Child,
   LaunchError,
@@ -65,6 +73,8 @@ from recsys_jax.supervisor import (
 # The process handling lives in recsys_jax/supervisor.py; callers import it from here as before.
 __all__ = [
   "Child",
+  "DEFAULT_MAX_RESTARTS",
+  "EXIT_CONFIG",
   "LAUNCHER",
   "LaunchError",
   "Outcome",
@@ -78,6 +88,7 @@ __all__ = [
   "install_signal_handlers",
   "job_token_file",
   "launch",
+  "launch_with_restarts",
   "main",
   "ps_argv",
   "split_argv",
@@ -268,7 +279,16 @@ _BASE_PORT = flags.DEFINE_integer(
   "coordinator on base_port + num_ps.",
   lower_bound=0,
 )
-_TIMEOUT = flags.DEFINE_float("timeout_s", 0.0, "Wall-clock limit of the run in seconds (0: none); exit 124.")
+_TIMEOUT = flags.DEFINE_float(
+  "timeout_s", 0.0, "Wall-clock limit of the run in seconds, restarts included (0: none); exit 124."
+)
+_MAX_RESTARTS = flags.DEFINE_integer(
+  "max_restarts",
+  DEFAULT_MAX_RESTARTS,
+  "Times a failed job is started again from its last checkpoint (0: the first failure ends it). "
+  "Never after SIGINT/SIGTERM, --timeout_s or a failure a restart would repeat (exit status 2).",
+  lower_bound=0,
+)
 _READY_TIMEOUT = flags.DEFINE_float("ready_timeout_s", 120.0, "Seconds the servers have to print their ready line.")
 _GRACE = flags.DEFINE_float("grace_s", 10.0, "Seconds between SIGTERM and SIGKILL when stopping children.")
 _PLATFORMS = flags.DEFINE_string("platforms", "cpu", "JAX_PLATFORMS of the trainers ('': keep the environment's).")
@@ -333,12 +353,9 @@ def main(parsed: tuple[list[str], list[str], list[str]]) -> int:
     # Each trainer would train its own in-process embeddings; the trainer refuses it too, later.
     raise app.UsageError("several workers need PS servers (--num_ps >= 1)")
   workdir = os.path.abspath(_WORKDIR.value or _default_workdir(_CONFIG.value))
-  coordinator = None
-  if num_workers > 1:
-    coordinator = f"127.0.0.1:{_BASE_PORT.value + num_ps if _BASE_PORT.value else free_port()}"
   if not _AUTH.value and _TOKEN_FILE.value:
     raise app.UsageError("--noauth and --token_file contradict each other")
-  job = (num_ps, num_workers, workdir, coordinator)
+  job = (num_ps, num_workers, workdir)
   if _AUTH.value and num_ps and not _TOKEN_FILE.value:
     with job_token_file() as token_file:
       return _run(*job, token_file, overrides, extra)
@@ -349,7 +366,6 @@ def _run(
   num_ps: int,
   num_workers: int,
   workdir: str,
-  coordinator: str | None,
   token_file: str,
   overrides: list[str],
   extra: list[str],
@@ -360,7 +376,16 @@ def _run(
     Spec(f"ps-{i}", ps_argv(i, num_ps, port=base + i if base else 0, token_file=token_file)) for i in range(num_ps)
   ]
 
+  stop = Stop()
+  install_signal_handlers(stop)
+  output = Output()
+
   def workers(addresses: list[str]) -> list[Spec]:
+    # Called again for each restart: a fresh coordinator port, as the servers get fresh ones.
+    coordinator = None
+    if num_workers > 1:
+      coordinator = f"127.0.0.1:{base + num_ps if base else free_port()}"
+      output.write(LAUNCHER, f"coordinator: {coordinator}")
     argv = trainer_argv(_CONFIG.value, workdir, addresses, overrides=overrides, extra=extra, token_file=token_file)
     return [
       Spec(
@@ -371,15 +396,13 @@ def _run(
       for i in range(num_workers)
     ]
 
-  stop = Stop()
-  install_signal_handlers(stop)
-  output = Output()
-  output.write(LAUNCHER, f"workdir: {workdir}" + (f"; coordinator: {coordinator}" if coordinator else ""))
+  output.write(LAUNCHER, f"workdir: {workdir}")
   if num_ps:
     output.write(LAUNCHER, f"PS token: {token_file}" if token_file else "PS servers without a token (--noauth)")
-  outcome = launch(
+  outcome = launch_with_restarts(
     servers,
     workers,
+    max_restarts=_MAX_RESTARTS.value,
     ready_timeout_s=_READY_TIMEOUT.value,
     timeout_s=_TIMEOUT.value,
     grace_s=_GRACE.value,

@@ -8,6 +8,11 @@ processes (one per host) join one job with ``--coordinator_address``, ``--num_pr
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``, as the Kubernetes Job sets them) and share remote
 PS servers (``--config.ps.kind=remote --config.ps.addresses=...``); ``recsys_jax.launch``
 starts such a job on one machine.
+
+Exit status: 0 done; 2 (``EXIT_CONFIG``) for a failure that running again would repeat: bad flags
+or config, a workdir whose checkpoints do not fit the job or none of which can be read, a NaN loss
+(training from the same checkpoint replays the same steps); 1 for anything else, such as a lost PS
+server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
 import faulthandler
@@ -20,6 +25,7 @@ from ml_collections import config_flags
 
 from recsys_jax import train
 from recsys_jax.checkpoint import CheckpointError
+from recsys_jax.supervisor import EXIT_CONFIG
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config file name>).")
@@ -49,21 +55,48 @@ def _limit_malloc_arenas(n: int = 2) -> None:
     pass
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, exiting with ``EXIT_CONFIG`` rather than 1 on a bad flag."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.", file=sys.stderr)
+  # config_flags applies the --config.<field> overrides here and lets their errors through
+  # (AttributeError for a field the config does not have).
+  except Exception as e:
+    hint = " (is each --config.<field> in the config?)" if isinstance(e, (AttributeError, KeyError)) else ""
+    print(f"FATAL Flags parsing error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+  sys.exit(EXIT_CONFIG)
+
+
+def _load_config():
+  # config_flags defers an unreadable config file's error to the first use of the config.
+  config = _CONFIG.value
+  try:
+    config.keys()
+  except OSError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
+  return config
+
+
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=EXIT_CONFIG)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  config = _load_config()  # before joining the job: a config error needs no coordinator
   if _NUM_PROCESSES.value > 1:
     if not _COORDINATOR.value:
-      raise app.UsageError("--num_processes > 1 needs --coordinator_address (or JAX_COORDINATOR_ADDRESS)")
+      raise app.UsageError(
+        "--num_processes > 1 needs --coordinator_address (or JAX_COORDINATOR_ADDRESS)", exitcode=EXIT_CONFIG
+      )
     from recsys_jax.parallel import distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     # jax.distributed's preemption notifier catches SIGTERM and only records it; nothing here uses
     # it, and a trainer told to stop (by the launcher, by Kubernetes) must stop: the default again.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-  config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join(
     "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
   )
@@ -79,7 +112,8 @@ def main(argv):
       sys.stdout.flush()
       sys.stderr.flush()
       os._exit(1)
-    sys.exit(1)
+    # Only a lost server may go away; the others come back the same on the same config and workdir.
+    sys.exit(1 if isinstance(e, ConnectionError) else EXIT_CONFIG)
   print(train.format_summary(summary))
   print(f"summary: {os.path.join(os.path.abspath(workdir), 'summary.json')}")
 
@@ -88,4 +122,4 @@ if __name__ == "__main__":
   faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack (a stuck job)
   _limit_malloc_arenas()
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -6,8 +6,9 @@ behind ``[ps-0] ``, ``[worker-1] `` etc., whole lines under one lock (``Output``
 
 ``supervise`` waits for the workers; the first child to exit non-zero or by a signal (or a server
 to exit at all) makes it stop all the others (SIGTERM, then SIGKILL after ``grace_s``) and return
-an ``Outcome`` naming it. ``launch`` is the whole sequence: servers, their addresses, workers,
-supervision. Whatever ends a launch, every child is stopped before it returns; SIGINT and SIGTERM
+an ``Outcome`` naming it and saying whether a restart may help (``restartable``: not after a
+child's ``EXIT_CONFIG``). ``launch`` is the whole sequence: servers, their addresses, workers,
+supervision; ``recsys_jax.restarts`` runs it again after a failure. Whatever ends a launch, every child is stopped before it returns; SIGINT and SIGTERM
 to the launcher only request that (``Stop``, ``install_signal_handlers``). A launcher killed
 outright (SIGKILL, a crash) cannot stop anyone, so on Linux each child asks the kernel to SIGKILL
 it when the launcher dies (``PR_SET_PDEATHSIG``): no server or trainer outlives its launcher.
@@ -32,18 +33,28 @@ from typing import IO, Callable, Mapping, NamedTuple, Sequence
 
 LAUNCHER = "launch"  # prefix of the launcher's own lines
 
+# A child's exit status for a failure that a restart would repeat: bad flags or config, a workdir whose
+# checkpoints do not fit the job or cannot be read, a NaN loss (recsys_jax/main.py). argparse and
+# the shells use 2 for usage errors too; absl's 1 is what an uncaught exception gives.
+EXIT_CONFIG = 2
+
 _READY = re.compile(r"^ready (\S+):(\d+)\s*$")
 # Addresses a server may report when it binds every interface; clients on this machine use loopback.
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 class LaunchError(RuntimeError):
-  """A child could not be started or made ready; ``name`` is that child, ``code`` the exit status."""
+  """A child could not be started or made ready; ``name`` is that child, ``code`` the exit status.
 
-  def __init__(self, message: str, name: str | None = None, code: int = 1):
+  ``restartable``: whether starting again may help (a server killed by a signal, not one that
+  refused its flags).
+  """
+
+  def __init__(self, message: str, name: str | None = None, code: int = 1, restartable: bool = False):
     super().__init__(message)
     self.name = name
     self.code = code
+    self.restartable = restartable
 
 
 class Stop(threading.Event):
@@ -66,11 +77,15 @@ class Spec(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-  """How a launch ended: the launcher's exit status, a one-line message, the child to blame (if any)."""
+  """How a launch ended: the launcher's exit status, a one-line message, the child to blame (if any).
+
+  ``restartable``: a child failed in a way that starting the job again may mend (see ``supervise``).
+  """
 
   code: int
   message: str
   failed: str | None = None
+  restartable: bool = False
 
 
 class Output:
@@ -263,7 +278,8 @@ def terminate(children: Sequence[Child], grace_s: float = 10.0) -> None:
       t.join(timeout=1.0)
 
 
-def _interrupted(stop: Stop) -> str:
+def interrupted(stop: Stop) -> str:
+  """The launcher's last line when SIGINT or SIGTERM stopped it."""
   return f"interrupted by {signal.Signals(stop.signum).name}; stopped all processes"
 
 
@@ -291,9 +307,11 @@ def wait_ready(children: Sequence[Child], timeout_s: float, *, stop: Stop | None
       code = c.proc.poll()
       # The ready line may still be in the pipe when the process is gone.
       if code is not None and not c.ready.wait(0.2):
-        raise LaunchError(f"{c.name} exited with {describe_exit(code)} before printing 'ready host:port'", c.name)
+        # A server's start is its flags, its token file and a port: an exit there would repeat.
+        message = f"{c.name} exited with {describe_exit(code)} before printing 'ready host:port'"
+        raise LaunchError(message, c.name, restartable=code < 0)
     if stop is not None and stop.is_set():
-      raise LaunchError(_interrupted(stop), code=128 + stop.signum)
+      raise LaunchError(interrupted(stop), code=128 + stop.signum)
     if time.monotonic() > deadline:
       names = ", ".join(c.name for c in pending)
       raise LaunchError(f"{names} did not print 'ready host:port' within {timeout_s:g} s", pending[0].name)
@@ -310,8 +328,9 @@ def supervise(
 ) -> Outcome:
   """Waits for the non-service children to finish, then stops the rest; stops all at the first failure.
 
-  A failure is any child exiting non-zero or by a signal, or a service child exiting at all.
-  Whatever happens, every child is stopped (``terminate``) before this returns.
+  A failure is any child exiting non-zero or by a signal, or a service child exiting at all; it is
+  ``restartable`` unless the child exited with ``EXIT_CONFIG``. Whatever happens, every child is
+  stopped (``terminate``) before this returns.
 
   Args:
     children: the running children.
@@ -333,14 +352,14 @@ def supervise(
         if code is None or (code == 0 and not c.service):
           continue
         if code == 0:
-          return Outcome(
-            1, f"{c.name} exited (exit code 0) while the workers were running; stopped all processes", c.name
-          )
-        return Outcome(1, f"{c.name} failed with {describe_exit(code)}; stopped all processes", c.name)
+          message = f"{c.name} exited (exit code 0) while the workers were running; stopped all processes"
+          return Outcome(1, message, c.name, restartable=True)
+        message = f"{c.name} failed with {describe_exit(code)}; stopped all processes"
+        return Outcome(1, message, c.name, restartable=code != EXIT_CONFIG)
       if all(c.proc.returncode == 0 for c in workers):
         return Outcome(0, f"all {len(workers)} workers finished")
       if stop is not None and stop.is_set():
-        return Outcome(128 + stop.signum, _interrupted(stop))
+        return Outcome(128 + stop.signum, interrupted(stop))
       if deadline is not None and time.monotonic() > deadline:
         return Outcome(124, f"timed out after {timeout_s:g} s; stopped all processes")
       time.sleep(poll_s)
@@ -390,7 +409,7 @@ def launch(
       _started(output, children[-1], spec)
   except LaunchError as e:
     terminate(children, grace_s)
-    return Outcome(e.code, str(e), e.name)
+    return Outcome(e.code, str(e), e.name, e.restartable)
   except BaseException:
     terminate(children, grace_s)
     raise

@@ -15,11 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
+from launcher_job import LauncherJob, running
 
 from recsys_jax import train
 
@@ -168,86 +168,14 @@ def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failu
   assert s["auc"] == ref["auc"] and s["logloss"] == ref["logloss"], (s["auc"], ref["auc"])
 
 
-# -- the launcher in the background ---------------------------------------------------------------
-
-
-def _running(pid):
-  """Whether a process exists and is not a zombie (killed, not reaped yet)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-  except (FileNotFoundError, ProcessLookupError, IndexError):
-    return False
-
-
-class _Job:
-  """``python -m recsys_jax.launch`` (2 servers, 2 trainers, endless) with its lines collected."""
-
-  def __init__(self, workdir, *args):
-    self.workdir = workdir
-    argv = [sys.executable, "-m", "recsys_jax.launch", "--config=configs/tiny.py", "--num_ps=2", "--num_workers=2"]
-    argv += [f"--workdir={workdir}", "--config.num_steps=1000000", *args]
-    self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    self.lines = []
-    self._reader = threading.Thread(target=self._read)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.proc.stdout:
-      self.lines.append(line.rstrip("\n"))
-
-  def tail(self):
-    return "\n".join(self.lines[-60:])
-
-  def wait_for(self, pattern, timeout=240):
-    """The first line matching ``pattern`` (a regex), waiting for it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      for line in list(self.lines):
-        m = re.search(pattern, line)
-        if m:
-          return m
-      if self.proc.poll() is not None and not self._reader.is_alive():
-        break
-      time.sleep(0.05)
-    pytest.fail(f"no line {pattern!r} from the launcher:\n{self.tail()}")
-
-  def pids(self):
-    """{child name: pid} from the launcher's 'started' lines."""
-    return {
-      m[1]: int(m[2]) for ln in list(self.lines) if (m := re.match(r"\[launch\] started (\S+) \(pid (\d+)\)", ln))
-    }
-
-  def wait_training(self, timeout=240):
-    """Waits until process 0 logged its first training metrics (the trainers are past their start)."""
-    path = os.path.join(self.workdir, "metrics.jsonl")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and self.proc.poll() is None:
-      if os.path.exists(path) and '"train"' in open(path).read():
-        return
-      time.sleep(0.1)
-    pytest.fail(f"the job did not train:\n{self.tail()}")
-
-  def end(self):
-    """Kills the launcher and whatever of its children is left (a test's finally)."""
-    pids = self.pids()
-    if self.proc.poll() is None:
-      self.proc.kill()
-    self.proc.wait()
-    for pid in pids.values():
-      if _running(pid):
-        try:
-          os.kill(pid, signal.SIGKILL)  # a stopped process too
-        except ProcessLookupError:
-          pass
-    self._reader.join(10)
+# -- the launcher in the background (tests/launcher_job.py) ---------------------------------------
 
 
 def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
   """The job's servers demand a token only the user can read; SIGKILL of the launcher ends every child."""
   from recsys_jax.async_ps.transport import RemotePSError, Transport
 
-  job = _Job(str(tmp_path / "run"))
+  job = LauncherJob(str(tmp_path / "run"))
   token_file = None
   try:
     token_file = job.wait_for(r"^\[launch\] PS token: (\S+)$")[1]
@@ -265,14 +193,14 @@ def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
     member.close()
 
     pids = job.pids()
-    assert sorted(pids) == ["ps-0", "ps-1", "worker-0", "worker-1"] and all(map(_running, pids.values()))
+    assert sorted(pids) == ["ps-0", "ps-1", "worker-0", "worker-1"] and all(map(running, pids.values()))
     job.proc.kill()
     job.proc.wait()
     killed = time.monotonic()
-    while any(map(_running, pids.values())) and time.monotonic() - killed < 10:
+    while any(map(running, pids.values())) and time.monotonic() - killed < 10:
       time.sleep(0.02)
     took = time.monotonic() - killed
-    left = {name: pid for name, pid in pids.items() if _running(pid)}
+    left = {name: pid for name, pid in pids.items() if running(pid)}
     print(f"children gone {took:.2f} s after the launcher's SIGKILL")
     assert not left, f"alive {took:.1f} s after the launcher's SIGKILL: {left}"
     assert took < 3.0, took
@@ -285,7 +213,8 @@ def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
 def test_a_stopped_server_stops_the_job_within_timeout_s(tmp_path):
   """SIGSTOP of a server (hung, not dead): each trainer ends non-zero within ps.timeout_s, naming it."""
   timeout = 5.0  # the servers' first lookup compiles their kernels: seconds on a loaded machine
-  job = _Job(str(tmp_path / "run"), f"--config.ps.timeout_s={timeout}")
+  # --max_restarts=0: the first failure ends the job (a restart would be a new job, tests/test_chaos.py).
+  job = LauncherJob(str(tmp_path / "run"), f"--config.ps.timeout_s={timeout}", "--max_restarts=0")
   try:
     addresses = job.wait_for(r"^\[launch\] servers ready at (\S+)$")[1].split(",")
     job.wait_training()
@@ -295,7 +224,7 @@ def test_a_stopped_server_stops_the_job_within_timeout_s(tmp_path):
     ended = {}
     while len(ended) < 2 and time.monotonic() - t0 < 60:
       for name in ("worker-0", "worker-1"):
-        if name not in ended and not _running(pids[name]):
+        if name not in ended and not running(pids[name]):
           ended[name] = time.monotonic() - t0
       time.sleep(0.02)
     code = job.proc.wait(60)

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import yaml
+from launcher_job import running
 
 from recsys_jax import launch
 
@@ -299,6 +300,144 @@ def test_launch_fails_when_a_server_is_not_ready():
   assert not os.path.exists(f"/proc/{pid}")  # the ready server was stopped too
 
 
+# --------------------------------------------------------------------------------------
+# Restarts (recsys_jax/restarts.py) with fake children. A marker file tells a child whether it
+# runs for the first time; the restart lines are checked whole.
+
+_RESTART_LINE = re.compile(r"^\[launch\] (.*); restart (\d+)/(\d+) from the last checkpoint$", re.M)
+
+
+def _first_time(marker):
+  """Python code: True in the first child that runs it (creates ``marker``), False after."""
+  return f"(lambda p: not __import__('os').path.exists(p) and not open(p, 'w').close())({str(marker)!r})"
+
+
+def _fake_server(port, first_time="False", then=""):
+  """A fake PS server: prints its ready line and sleeps; ``then`` runs in its first life after ready."""
+  code = f"import os, signal, sys, time\nfirst = {first_time}\nprint('ready 127.0.0.1:{port}', flush=True)\n"
+  return _py(code + (f"if first:\n  {then}\n" if then else "") + "time.sleep(60)")
+
+
+def _servers(n=2, special=None):
+  """``n`` fake servers; ``special``: {index: _fake_server keyword arguments}."""
+  return [launch.Spec(f"ps-{i}", _fake_server(5000 + i, **(special or {}).get(i, {}))) for i in range(n)]
+
+
+def _fake_workers(code, n=2):
+  def make(addresses):
+    return [launch.Spec(f"worker-{i}", _py(code)) for i in range(n)]
+
+  return make
+
+
+def _relaunch(servers, make_workers, **kw):
+  out = io.StringIO()
+  outcome = launch.launch_with_restarts(servers, make_workers, output=launch.Output(out), **kw)
+  return outcome, out.getvalue()
+
+
+def _starts(text, name):
+  return [int(p) for p in re.findall(rf"^\[launch\] started {name} \(pid (\d+)\)", text, re.M)]
+
+
+def test_a_failing_worker_restarts_the_whole_job(tmp_path):
+  first = _first_time(tmp_path / "failed")
+  worker = f"import sys, time\nif {first}:\n  time.sleep(0.2); print('lost', flush=True); sys.exit(1)\ntime.sleep(0.3)"
+  outcome, text = _relaunch(_servers(), _fake_workers(worker), grace_s=2.0)
+  assert outcome.code == 0 and outcome.message == "all 2 workers finished", text
+  # Both workers run the same code: the one that made the marker failed.
+  loser = re.search(r"^\[(worker-\d)\] lost$", text, re.M)[1]
+  assert _RESTART_LINE.findall(text) == [(f"{loser} failed with exit code 1; stopped all processes", "1", "3")], text
+  # The whole job again: every child started twice, the first ones all gone.
+  for name in ("ps-0", "ps-1", "worker-0", "worker-1"):
+    pids = _starts(text, name)
+    assert len(pids) == 2 and pids[0] != pids[1] and not running(pids[0]), (name, text)
+
+
+@pytest.mark.parametrize("when", ["after its ready line", "before its ready line"])
+def test_a_killed_server_restarts_the_whole_job(tmp_path, when):
+  first = _first_time(tmp_path / "killed")
+  if when == "after its ready line":
+    servers = _servers(
+      special={1: dict(first_time=first, then="time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)")}
+    )
+  else:
+    suicide = f"import os, signal, time\nif {first}:\n  os.kill(os.getpid(), signal.SIGKILL)\n"
+    servers = [
+      *_servers(1),
+      launch.Spec("ps-1", _py(suicide + "print('ready 127.0.0.1:5001', flush=True)\ntime.sleep(60)")),
+    ]
+  outcome, text = _relaunch(servers, _fake_workers("import time; time.sleep(1.0)"), max_restarts=1, grace_s=2.0)
+  assert outcome.code == 0, text
+  [(what, i, n)] = _RESTART_LINE.findall(text)
+  assert what.startswith("ps-1 ") and "signal SIGKILL" in what and (i, n) == ("1", "1"), text
+  assert len(_starts(text, "ps-0")) == 2
+  # Killed after ready: the workers had started and were stopped; before: they had not started.
+  assert len(_starts(text, "worker-0")) == (2 if when == "after its ready line" else 1), text
+
+
+def test_a_failure_past_the_budget_ends_the_job():
+  outcome, text = _relaunch(_servers(), _fake_workers("import sys; sys.exit(1)"), max_restarts=2, grace_s=2.0)
+  assert outcome.code == 1 and outcome.failed in ("worker-0", "worker-1"), text
+  assert [(i, n) for _, i, n in _RESTART_LINE.findall(text)] == [("1", "2"), ("2", "2")], text
+  assert outcome.message.endswith("restart budget spent (2 restarts, --max_restarts)"), outcome.message
+  assert len(_starts(text, "ps-0")) == len(_starts(text, "worker-1")) == 3
+
+
+def test_a_failure_a_restart_would_repeat_is_not_restarted():
+  config_error = f"import sys; sys.exit({launch.EXIT_CONFIG})"
+  outcome, text = _relaunch(_servers(), _fake_workers(config_error, n=1), grace_s=2.0)
+  assert outcome.code == 1 and outcome.failed == "worker-0" and not _RESTART_LINE.findall(text), text
+  assert outcome.message.endswith("not restarted: a restart would fail the same way"), outcome.message
+  assert f"exit code {launch.EXIT_CONFIG}" in outcome.message
+  # A server that exits (not killed) before its ready line: bad flags, token file or port.
+  refused = [launch.Spec("ps-0", _py("import sys; sys.exit(1)"))]
+  outcome, text = _relaunch(refused, _fake_workers("pass"), grace_s=2.0)
+  assert outcome.code == 1 and outcome.failed == "ps-0" and not _RESTART_LINE.findall(text), text
+  assert len(_starts(text, "ps-0")) == 1 and "before printing 'ready" in outcome.message
+
+
+class _StopOnceGone(launch.Stop):
+  """A stop request that arrives once the process whose pid is in ``path`` has exited."""
+
+  def __init__(self, path):
+    super().__init__()
+    self.path = path
+
+  def is_set(self):
+    if not super().is_set() and os.path.exists(self.path) and open(self.path).read():
+      if not running(int(open(self.path).read())):
+        self.request(signal.SIGINT)
+    return super().is_set()
+
+
+def test_a_stop_request_or_the_timeout_never_restarts(tmp_path):
+  # SIGTERM to the launcher while the workers run.
+  stop = launch.Stop()
+  threading.Timer(0.5, stop.request, args=(signal.SIGTERM,)).start()
+  outcome, text = _relaunch(_servers(), _fake_workers("import time; time.sleep(60)"), stop=stop, grace_s=2.0)
+  assert outcome.code == 128 + signal.SIGTERM and "SIGTERM" in outcome.message, text
+  assert not _RESTART_LINE.findall(text) and len(_starts(text, "worker-0")) == 1, text
+  # SIGINT arriving just as a worker fails (a terminal's Ctrl-C reaching the whole group): no restart.
+  stop = _StopOnceGone(tmp_path / "pid")
+  worker = f"import os, sys; open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid())); sys.exit(1)"
+  outcome, text = _relaunch([], _fake_workers(worker, n=1), stop=stop, grace_s=2.0)
+  assert outcome.code == 128 + signal.SIGINT and not _RESTART_LINE.findall(text), (outcome, text)
+  # timeout_s bounds the whole run, restarts included: 2 s in the first attempt leave 1 s to the second.
+  first = _first_time(tmp_path / "failed")
+  worker = f"import sys, time\nif {first}:\n  time.sleep(2.0); sys.exit(1)\ntime.sleep(60)"
+  t0 = time.monotonic()
+  outcome, text = _relaunch([], _fake_workers(worker, n=1), timeout_s=3.0, grace_s=2.0)
+  took = time.monotonic() - t0
+  assert outcome.code == 124 and outcome.message == "timed out after 3 s; stopped all processes", (outcome, text)
+  assert len(_RESTART_LINE.findall(text)) == 1 and 3.0 <= took < 4.5, (took, text)
+
+
+def test_max_restarts_must_not_be_negative():
+  with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+    launch.launch_with_restarts([], _fake_workers("pass"), max_restarts=-1)
+
+
 _SIGNALLED_LAUNCHER = """
 import sys
 from recsys_jax import launch
@@ -322,19 +461,9 @@ def test_sigint_to_the_launcher_stops_the_children():
   assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped by the launcher
 
 
-def _running(pid):
-  """Whether a process exists and is not a zombie (a killed child nobody has reaped yet)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      state = f.read().rsplit(")", 1)[1].split()[0]
-  except (FileNotFoundError, ProcessLookupError, IndexError):
-    return False
-  return state not in ("Z", "X")
-
-
 def _kill_left(pids):
   for pid in pids:
-    if _running(pid):
+    if running(pid):
       try:
         os.kill(pid, signal.SIGKILL)
       except ProcessLookupError:
@@ -356,13 +485,13 @@ def test_children_die_with_a_sigkilled_launcher():
   pids = []
   try:
     pids = [int(x) for x in p.stdout.readline().split()]
-    assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    assert len(pids) == 2 and all(running(pid) for pid in pids)
     p.kill()  # SIGKILL: the launcher stops nobody itself
     p.wait(10)
     deadline = time.monotonic() + 5
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
       time.sleep(0.02)
-    assert not [pid for pid in pids if _running(pid)], "children outlived their launcher"
+    assert not [pid for pid in pids if running(pid)], "children outlived their launcher"
   finally:
     p.kill()
     p.wait()

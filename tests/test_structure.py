@@ -23,7 +23,7 @@ PACKAGE = ROOT / "recsys_jax"
 
 # Top to bottom. A unit may import units of its own layer or of layers below it.
 LAYERS = (
-  ("main", "launch", "supervisor", "plan", "capacity"),  # entry points and what only they use
+  ("main", "launch", "restarts", "supervisor", "plan", "capacity"),  # entry points and what only they use
   ("train",),  # the loop
   ("training",),  # the parts the loop is assembled from
   ("checkpoint", "data"),

@@ -15,6 +15,7 @@ import pytest
 from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax import train
 from recsys_jax.data import synthetic
+from recsys_jax.supervisor import EXIT_CONFIG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -268,7 +269,7 @@ def test_main_cli_names_an_unreadable_checkpoint_in_one_line(tiny_config, tmp_pa
   train.train_and_evaluate(tiny_config, str(tmp_path))
   _garble_state(tmp_path / "checkpoints" / "20")
   out = _main_cli(tmp_path, "--config.num_steps=40")
-  assert out.returncode == 1
+  assert out.returncode == EXIT_CONFIG  # a restart would meet the same checkpoint: the launcher does not
   lines = out.stderr.strip().splitlines()
   assert lines[-1].startswith(f"error: checkpoint {tmp_path}/checkpoints/20 cannot be restored"), out.stderr[-3000:]
   assert "Traceback" not in out.stderr
@@ -284,9 +285,18 @@ def test_main_cli_runs_and_writes_summary(tmp_path):
 
 
 def test_main_cli_rejects_bad_override(tmp_path):
+  # EXIT_CONFIG: the launcher does not restart a job that would fail the same way (recsys_jax/restarts.py).
   out = _main_cli(tmp_path, "--config.staleness=-3")
-  assert out.returncode != 0
+  assert out.returncode == EXIT_CONFIG
   assert "config.staleness" in out.stderr
+  for bad, says in (
+    ("--config.no_such_field=1", "no_such_field"),
+    ("--config.num_steps=many", "--config.num_steps=many"),
+    ("--config=configs/no_such_config.py", "no_such_config.py"),
+  ):
+    out = _main_cli(tmp_path, bad)
+    assert out.returncode == EXIT_CONFIG and says in out.stderr, (bad, out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr, bad
 
 
 def test_eight_simulated_devices_match_one_device(uninterrupted, tmp_path):
