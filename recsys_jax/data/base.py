@@ -16,10 +16,11 @@ list of files into shuffled, resumable, per-process batches.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gzip
 import io
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 from absl import logging
@@ -105,6 +106,37 @@ class BadRecords:
     if len(self.examples) < self.log_first:
       self.examples.append(msg)
       logging.warning("skipped bad record %s", msg)
+
+
+class Recorder(BadRecords):
+  """Collects the bad records of one piece of work done on a worker thread, to be reported
+  later, in order, to the run's :class:`BadRecords` (``replay``): what is counted, logged or
+  raised then does not depend on which worker finished first."""
+
+  def __init__(self):
+    super().__init__("skip", log_first=0)
+    self.faults: List[Tuple[str, int, str, str]] = []
+
+  def report(self, path: str, line: int, field: str, why: str) -> None:
+    self.count += 1
+    self.faults.append((path, line, field, why))
+
+  def replay(self, bad: BadRecords) -> None:
+    """Reports the collected bad records to ``bad`` (which raises at the first under 'error')."""
+    for fault in self.faults:
+      bad.report(*fault)
+
+
+def run_ahead(executor, fn: Callable[[Any], Any], items: Iterator[Any], ahead: int) -> Iterator[Tuple[Any, Any]]:
+  """``(item, future of fn(item))`` for each of ``items``, in order, with up to ``ahead`` more
+  submitted to ``executor`` than taken. The items are drawn on the calling thread."""
+  pending: Deque[Tuple[Any, Any]] = collections.deque()
+  for item in items:
+    pending.append((item, executor.submit(fn, item)))
+    if len(pending) > ahead:
+      yield pending.popleft()
+  while pending:
+    yield pending.popleft()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,10 +239,17 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
 
 def take_columns(cols: Columns, index: np.ndarray) -> Columns:
   """Selects records ``index`` (an int array or slice) of every column."""
-  out: Columns = {k: v[index] for k, v in cols.items() if k not in ("sparse", "sparse_weights")}
-  out["sparse"] = {f: v[index] for f, v in cols["sparse"].items()}
+  if isinstance(index, slice):
+    take = lambda v: v[index]  # noqa: E731 - views
+  else:  # np.take copies rows of a 2-d array 2 to 4x faster than v[index] does
+    index = np.asarray(index)
+    if index.dtype == bool:
+      index = np.flatnonzero(index)
+    take = lambda v: np.take(v, index, axis=0)  # noqa: E731
+  out: Columns = {k: take(v) for k, v in cols.items() if k not in ("sparse", "sparse_weights")}
+  out["sparse"] = {f: take(v) for f, v in cols["sparse"].items()}
   if cols.get("sparse_weights"):
-    out["sparse_weights"] = {f: v[index] for f, v in cols["sparse_weights"].items()}
+    out["sparse_weights"] = {f: take(v) for f, v in cols["sparse_weights"].items()}
   return out
 
 
