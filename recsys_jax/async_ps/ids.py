@@ -1,4 +1,5 @@
-"""What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``).
+"""What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``); and
+the arrays a lookup may write its rows into (``check_out``).
 
 numpy turns -1 into 2**64 - 1 and 1.5 into 1 without a word when it casts to uint64, and the PS
 would create rows for those ids; so the clients of the PS check the ids before they cast.
@@ -6,7 +7,7 @@ would create rows for those ids; so the clients of the PS check the ids before t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -32,3 +33,14 @@ def as_ids(ids: Any, table: str) -> np.ndarray:
   if (a < 0).any():
     raise ValueError(f"table {table!r}: ids must be non-negative, got {int(a.min())}")
   return a.astype(np.uint64)
+
+
+def check_out(specs: Mapping[str, Any], ids: Mapping[str, np.ndarray], out: Optional[Mapping[str, np.ndarray]]) -> None:
+  """Raises ValueError unless ``out`` (if given) holds a float32 [len(ids), dim] array for every table of ``ids``."""
+  if out is None:
+    return
+  for t, v in ids.items():
+    o = out.get(t)
+    if o is None or o.dtype != np.float32 or o.shape != (v.shape[0], specs[t].dim):
+      have = None if o is None else f"{o.dtype} {o.shape}"
+      raise ValueError(f"table {t!r}: out is {have}, expected float32 ({v.shape[0]}, {specs[t].dim})")

@@ -21,7 +21,7 @@ import numpy as np
 from recsys_jax.async_ps import optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
-from recsys_jax.async_ps.ids import as_ids
+from recsys_jax.async_ps.ids import as_ids, check_out
 from recsys_jax.async_ps.table import Table
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -132,21 +132,31 @@ class ParameterServer:
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
-    self, ids: Mapping[str, np.ndarray], create: bool = True, step: Optional[int] = None
+    self,
+    ids: Mapping[str, np.ndarray],
+    create: bool = True,
+    step: Optional[int] = None,
+    out: Optional[Mapping[str, np.ndarray]] = None,
   ) -> Dict[str, np.ndarray]:
-    """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}."""
+    """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}.
+
+    ``out``: {table: float32 [n, dim]} to write each table's rows into (views of the step's
+    row buffer, say), so rows are copied once, straight from the table; fresh arrays if None.
+    """
     for t in ids:
       self._check(t)
     ids = {t: as_ids(v, t) for t, v in ids.items()}
+    check_out(self.specs, ids, out)
     if self.num_shards == 1:
-      return {t: self.shards[0][t].lookup(v, create, step) for t, v in ids.items()}
-    out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
+      return {t: self.shards[0][t].lookup(v, create, step, None if out is None else out[t]) for t, v in ids.items()}
+    if out is None:
+      out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
 
     def look(table, t, sel):
       out[t][sel] = table.lookup(ids[t][sel], create, step)
 
     self._fan_out(ids, look)
-    return out
+    return dict(out)
 
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""

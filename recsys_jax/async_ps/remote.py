@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from recsys_jax.async_ps import snapshot_chain, wire
-from recsys_jax.async_ps.ids import as_ids
+from recsys_jax.async_ps.ids import as_ids, check_out
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
 from recsys_jax.async_ps.snapshot_chain import load_into as load_into
@@ -171,7 +171,11 @@ class RemotePS:
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
-    self, ids: Mapping[str, np.ndarray], create: bool = True, step: Optional[int] = None
+    self,
+    ids: Mapping[str, np.ndarray],
+    create: bool = True,
+    step: Optional[int] = None,
+    out: Optional[Mapping[str, np.ndarray]] = None,
   ) -> Dict[str, np.ndarray]:
     """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}.
 
@@ -179,9 +183,11 @@ class RemotePS:
       ids: distinct uint64 ids per table (or non-negative integers).
       create: training lookup (unseen ids get rows); False reads without changing anything.
       step: the training step; the servers first wait for the pushes of steps <= step - k - 1.
+      out: {table: float32 [n, dim]} to write the rows into, copied once from the wire (fresh
+        arrays if None).
 
     Returns:
-      Fresh float32 arrays, in the order of the given ids.
+      The float32 arrays (``out``'s, or fresh ones), in the order of the given ids.
 
     Raises:
       KeyError: an unknown table.
@@ -194,6 +200,7 @@ class RemotePS:
     for t, v in ids.items():
       if v.ndim != 1:
         raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
+    check_out(self.specs, ids, out)
     routes = self._route(ids)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
     # With a step, every server sees every step's lookup: each one's staleness bookkeeping
@@ -204,10 +211,10 @@ class RemotePS:
       if part or step is not None:
         work[s] = lambda s=s, part=part: self._servers.call(s, "Lookup", fields, part, retries=self.lookup_retries)
     replies = self._servers.fan("lookup", work) if work else {}
-    out = {}
+    result = {}
     for t, v in ids.items():
       dim = self.specs[t].dim
-      rows = np.empty((v.shape[0], dim), np.float32)
+      rows = np.empty((v.shape[0], dim), np.float32) if out is None else out[t]
       for s, sel in enumerate(routes[t]):
         if not sel.shape[0]:
           continue
@@ -220,8 +227,8 @@ class RemotePS:
             "Lookup",
           )
         rows[sel] = got  # converts bfloat16 / float16 to float32
-      out[t] = rows
-    return out
+      result[t] = rows
+    return result
 
   def apply_many(
     self,

@@ -73,14 +73,17 @@ class HostPipeline:
 
   def lookup(self, p: Prepared, create: bool) -> Prepared:
     """Reads the rows of every table in one PS call (one request per shard)."""
-    wanted = {name: ids for g in p.groups.values() for name, ids, _ in g.tables}
-    got = self.ps.lookup_many(wanted, create=create, step=p.step if create else None)
+    wanted, out = {}, {}
     p.rows = {}
     for dim, g in p.groups.items():
-      rows = np.zeros((g.bucket, dim), np.float32)
+      # The PS writes each table's rows straight into its slice of the step's buffer; only the
+      # bucket's padding, which no id points at, is zeroed here.
+      rows = np.empty((g.bucket, dim), np.float32)
+      rows[g.num_rows :] = 0.0
       for name, ids, off in g.tables:
-        rows[off : off + ids.shape[0]] = got[name]
+        wanted[name], out[name] = ids, rows[off : off + ids.shape[0]]
       p.rows[dim] = rows
+    self.ps.lookup_many(wanted, create=create, step=p.step if create else None, out=out)
     return p
 
   def push(self, groups: Dict[int, dedup_lib.Group], grads: Dict[str, np.ndarray], step: Optional[int] = None) -> None:
