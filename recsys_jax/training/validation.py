@@ -33,6 +33,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   )
   need(config.micro_steps >= 1, "micro_steps", "must be >= 1 (1 = no gradient accumulation)")
   need(config.prefetch_depth >= 1, "prefetch_depth", "must be >= 1")
+  need(
+    isinstance(config.host_workers, int) and config.host_workers >= -1,
+    "host_workers",
+    "must be an integer >= -1 (-1: one per core; 0: read and dedup on the prefetcher thread)",
+  )
   need(config.log_every > 0, "log_every", "must be positive")
   need(config.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
   need(config.eval_every >= 0, "eval_every", "must be >= 0 (0 = only at the end)")
