@@ -296,5 +296,7 @@ def test_a_stopped_server_stops_the_job_within_timeout_s(tmp_path):
   print(f"trainers ended {ended} s after SIGSTOP of ps-1 (timeout_s {timeout}); launcher after {took:.1f} s")
   assert code == 1, job.tail()
   assert len(ended) == 2 and max(ended.values()) < timeout + 3.0, (ended, job.tail())
-  assert re.search(rf"^\[worker-\d\] error: PS server {re.escape(addresses[1])} \(shard 1 of 2\)", job.tail(), re.M)
-  assert re.search(r"^\[launch\] worker-\d failed with exit code 1", job.tail(), re.M), job.tail()
+  assert re.search(
+    rf"^\[worker-\d\] error: PS server {re.escape(addresses[1])} \(shard 1 of 2\)", job.tail(n=None), re.M
+  )
+  assert re.search(r"^\[launch\] worker-\d failed with exit code 1", job.tail(n=None), re.M), job.tail()
