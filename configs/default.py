@@ -43,6 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.shuffle = True  # Permute files each epoch and records within a window.
   c.data.chunk_records = 8192  # Records per chunk (the unit split between processes).
   c.data.shuffle_window = 16  # Chunks per shuffle window (memory: one window of records).
+  # Preprocessed cache of criteo/avazu/csv/parquet files (recsys_jax/data/cache.py): the first pass
+  # writes each parsed chunk there, later epochs and runs read it. '' = <workdir>/data_cache;
+  # a relative path is under the workdir (an absolute one can be shared by runs); 'none' = off.
+  c.data.cache_dir = ""
   # Generic csv/parquet: which columns are what.
   c.data.label = "label"  # The label column.
   c.data.label_threshold = None  # Label = value >= threshold (None: the column holds 0/1).

@@ -139,6 +139,16 @@ def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int
   }
 
 
+def print_json(result: Dict[str, object]) -> None:
+  """Prints ``result`` as the last stdout line, one JSON object; also writes it to ``--json_out``."""
+  line = json.dumps(result, sort_keys=True)
+  if _JSON_OUT.value:
+    with open(_JSON_OUT.value, "w") as f:
+      f.write(line + "\n")
+  print(line)
+  sys.stdout.flush()
+
+
 def main(argv):
   del argv
   n, chunk, repeats = _LINES.value, _CHUNK.value, _REPEATS.value
@@ -181,12 +191,7 @@ def main(argv):
       f" {r['read_records_per_s']:11.0f} {r['parse_records_per_s']:12.0f}"
     )
   print(f"criteo naive line-by-line parse: {result['criteo_naive_parse_records_per_s']:.0f} rec/s")
-  line = json.dumps(result, sort_keys=True)
-  if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      f.write(line + "\n")
-  print(line)
-  sys.stdout.flush()
+  print_json(result)
 
 
 if __name__ == "__main__":

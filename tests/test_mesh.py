@@ -16,9 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
 
 
-def _dense_params(workdir, step=STEPS):
-  state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
-  flat = jax.tree_util.tree_flatten_with_path(state["params"])[0]
+def _dense_params(workdir, step=STEPS, template=None):
+  """The dense parameters of checkpoint ``step``, by tree path. A checkpoint written on another
+  topology (several processes) is read onto this one's through ``template`` (a job's state)."""
+  state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"), template)
+  flat = jax.tree_util.tree_flatten_with_path(state["params"] if template is None else state.params)[0]
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
@@ -116,16 +118,19 @@ def _sgd(c):
   return c
 
 
-def _rows(c, workdir):
-  """Every row of the run's final PS snapshot, by (table, id)."""
-  from recsys_jax.async_ps import snapshot
+def _rows(c, workdir, ps=None):
+  """Every row of the run's final PS snapshot (in-process or remote PS servers'), by (table, id),
+  read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
+  from recsys_jax.async_ps import snapshot_chain
 
   with open(os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")) as f:
     chain = json.load(f)["ps_chain"]
-  job = train.build_job(c, workdir + "-probe")
-  snapshot.load(job.ps, [os.path.join(workdir, "ps_snapshots", name) for name in chain])
-  snap = job.ps.snapshot()
-  job.ps.close()
+  job = None if ps is not None else train.build_job(c, workdir + "-probe")
+  ps = ps if job is None else job.ps
+  snapshot_chain.load_into(ps, [os.path.join(workdir, "ps_snapshots", name) for name in chain])
+  snap = ps.snapshot()
+  if job is not None:
+    ps.close()
   return {(t, int(i)): w for t, s in snap.items() for i, w in zip(s["ids"], s["weights"])}
 
 

@@ -308,3 +308,44 @@ def test_ids_that_are_not_non_negative_integers_are_refused(num_shards, bad):
   ok = ps.lookup_many({"t": np.array([3, 4], np.int64)})["t"]  # non-negative signed ids are fine
   np.testing.assert_array_equal(ok, ps.lookup_many({"t": np.array([3, 4], np.uint64)})["t"])
   ps.close()
+
+
+def _snapshot_bytes(ps):
+  """Every array of every table (weights in storage precision, slots, counters), as bytes."""
+  return {
+    (t, k): np.ascontiguousarray(v[np.argsort(arrays["ids"], kind="stable")] if k != "deleted" else v).tobytes()
+    for t, arrays in ps.snapshot().items()
+    for k, v in arrays.items()
+  }
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.parametrize("storage_dtype", ["float32", "bfloat16"])
+def test_repeated_ids_in_an_apply_are_refused_and_change_nothing(num_shards, storage_dtype):
+  """A repeated id would be updated twice (float32) or keep only its last update (bfloat16), as the
+  server refuses it: one ValueError naming the table and the id, and no table changes, not even
+  a table of the same request that had no repeat (every table is checked before any changes)."""
+  kw = (("learning_rate", 0.5), ("initial_accumulator_value", 0.1))
+  specs = [
+    TableSpec(name=n, dim=4, optimizer="adagrad", optimizer_kwargs=kw, storage_dtype=storage_dtype)
+    for n in ("item", "user")
+  ]
+  ps = ParameterServer(specs, num_shards=num_shards, seed=3)
+  ids = np.array([5, 11, 2**63 + 7, 40], np.uint64)
+  ps.lookup_many({"item": ids, "user": ids}, step=0)
+  before = _snapshot_bytes(ps)
+  g = np.ones((5, 4), np.float32)
+  repeated = np.array([5, 2**63 + 7, 11, 2**63 + 7, 40], np.uint64)
+  with pytest.raises(ValueError, match=r"^table 'user': ids are not distinct \(e\.g\. 9223372036854775815\)$"):
+    ps.apply_many({"item": (ids, g[:4]), "user": (repeated, g)})
+  assert _snapshot_bytes(ps) == before
+  # The table itself refuses too (its callers need not be the PS), changing nothing.
+  table = ps.shards[ps.shard_of("user", [5])[0]]["user"]
+  with pytest.raises(ValueError, match=r"table 'user': ids are not distinct \(e\.g\. 5\)"):
+    table.apply(np.array([5, 5], np.uint64), g[:2])
+  assert _snapshot_bytes(ps) == before
+  assert all(s["applied_rows"] == 0 for shard in ps.shards for s in [shard["user"].counters])
+  # The same request without the repeat is applied: the refusal was about the repeat only.
+  ps.apply_many({"item": (ids, g[:4]), "user": (ids, g[:4])})
+  assert _snapshot_bytes(ps) != before
+  ps.close()

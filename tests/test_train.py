@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -90,10 +91,93 @@ def test_stop_and_resume_at_k0_equals_uninterrupted(uninterrupted, tiny_config, 
   assert resumed["ps_rows"] == full["ps_rows"]
 
 
-def test_hybrid_staleness_trains(tiny_config, tmp_path):
+def _staleness_record(workdir):
+  """The staleness the trainer logged last (over every lookup of the run so far)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    last = [r for r in map(json.loads, f) if r["kind"] == "train"][-1]
+  return last["staleness_mean"], last["staleness_max"]
+
+
+def test_hybrid_staleness_trains_within_its_bound(tiny_config, tmp_path):
+  """Unpaced k = 2: how stale each lookup is depends on the threads' timing, never past k."""
   tiny_config.staleness = 2
   s = train.train_and_evaluate(tiny_config, str(tmp_path))
   assert s["auc"] > 0.6
+  mean, most = _staleness_record(str(tmp_path))
+  assert 0 <= mean <= most <= 2, (mean, most)
+
+
+class _Paced:
+  """Paces a run's pusher so that the staleness bound k is reached at every step: the push of
+  step s waits until the lookup of step s + k was made. Records the rows each training lookup
+  read, and every row of the PS just after each step's push was applied (in the pusher thread,
+  before the next push)."""
+
+  def __init__(self, k, num_steps, monkeypatch):
+    from recsys_jax.training.host import HostPipeline
+
+    self.cond = threading.Condition()
+    self.looked_up, self.read, self.after, self.late = set(), {}, {}, []
+    real_lookup, real_push = HostPipeline.lookup, HostPipeline.push_step
+
+    def lookup(host, p, create):
+      p = real_lookup(host, p, create)
+      if create:
+        with self.cond:
+          self.read[p.step] = {
+            name: (ids.copy(), p.rows[dim][off : off + ids.shape[0]].copy())
+            for dim, g in p.groups.items()
+            for name, ids, off in g.tables
+          }
+          self.looked_up.add(p.step)
+          self.cond.notify_all()
+      return p
+
+    def push_step(host, step, payload):
+      with self.cond:  # under a gate that never lets the lookup of s + k run, this times out (once)
+        if step + k < num_steps and not self.late and not self.cond.wait_for(lambda: step + k in self.looked_up, 10):
+          self.late.append(step)
+      loss = real_push(host, step, payload)
+      snap = host.ps.snapshot()
+      self.after[step] = {(t, int(i)): w for t, a in snap.items() for i, w in zip(a["ids"], a["weights"])}
+      return loss
+
+    monkeypatch.setattr(HostPipeline, "lookup", lookup)
+    monkeypatch.setattr(HostPipeline, "push_step", push_step)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_observed_staleness_and_the_rows_read_are_those_k_implies(k, tiny_config, tmp_path, monkeypatch):
+  """With the pusher as slow as the bound allows, the lookup of step t sees the pushes of steps
+  <= t - k - 1 and no later one: its observed staleness is min(t, k), so the logged mean over n
+  steps is sum(min(t, k)) / n and the max min(n - 1, k); and every row it reads is bit for bit
+  the row as it was right after the push of step t - k - 1 (its initial value if no step up to
+  then created it)."""
+  n = 10
+  c = tiny_config
+  c.num_steps, c.staleness = n, k
+  c.prefetch_depth = k + 2  # the loop may wait for the push of t while the lookup of t + k must run
+  c.eval_samples = c.eval_batch_size = 4096
+  c.embeddings.optimizer, c.embeddings.learning_rate = "sgd", 2.0  # every push moves its rows
+  paced = _Paced(k, n, monkeypatch)
+  train.train_and_evaluate(c, str(tmp_path / "run"))
+  assert paced.late == [] and sorted(paced.read) == list(range(n))
+  stale = [min(t, k) for t in range(n)]
+  assert _staleness_record(str(tmp_path / "run")) == (sum(stale) / n, max(stale))
+
+  fresh = train.build_ps(c, train.build_job(c, str(tmp_path / "probe")).tables)  # initial rows only
+  changed = 0
+  for t in range(n):
+    before = paced.after.get(t - k - 1, {})  # the PS after the push of step t - k - 1
+    for table, (ids, rows) in paced.read[t].items():
+      want = fresh.lookup_many({table: ids}, create=False)[table]
+      for j, i in enumerate(ids):
+        if (table, int(i)) in before:
+          want[j] = before[(table, int(i))]
+      np.testing.assert_array_equal(rows, want, err_msg=f"step {t}, table {table}")
+      changed += int(np.any(rows != fresh.lookup_many({table: ids}, create=False)[table], axis=1).sum())
+  fresh.close()
+  assert changed > 100  # most rows read had been pushed to: the comparison is not of initial values
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, tmp_path, monkeypatch):

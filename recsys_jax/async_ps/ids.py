@@ -1,5 +1,6 @@
-"""What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``); and
-the arrays a lookup may write its rows into (``check_out``).
+"""What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``), and
+distinct where rows are updated (``check_distinct``); the arrays a lookup may write its rows
+into (``check_out``).
 
 numpy turns -1 into 2**64 - 1 and 1.5 into 1 without a word when it casts to uint64, and the PS
 would create rows for those ids; so the clients of the PS check the ids before they cast.
@@ -7,9 +8,16 @@ would create rows for those ids; so the clients of the PS check the ids before t
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import os
+from typing import Any, Mapping, Optional, Type
 
 import numpy as np
+
+from recsys_jax.async_ps.kernels_lookup import first_repeat
+
+# The repeat check's scratch table hashes ids with a salt drawn per process: the answer does not
+# depend on it, only the probe chains do, so ids sent to a server cannot be chosen to crowd one.
+_REPEAT_SALT = np.uint64(int.from_bytes(os.urandom(8), "little"))
 
 
 def as_ids(ids: Any, table: str) -> np.ndarray:
@@ -33,6 +41,27 @@ def as_ids(ids: Any, table: str) -> np.ndarray:
   if (a < 0).any():
     raise ValueError(f"table {table!r}: ids must be non-negative, got {int(a.min())}")
   return a.astype(np.uint64)
+
+
+def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueError, what: str = "ids") -> None:
+  """Refuses ids that repeat: an update would apply a repeated id's gradients one after the other
+  (twice in float32 storage; the last write wins in bfloat16), where the sum was meant.
+
+  One pass over the ids (``kernels.first_repeat``), not a sort: ``Table.apply`` runs it on every push.
+
+  Args:
+    ids: 1-D uint64 ids.
+    table: the table they are for, named in the error.
+    what: what the ids are, for the error (e.g. "snapshot ids").
+    error: the ``ValueError`` subclass to raise (the server's answers ``INVALID_ARGUMENT``).
+
+  Raises:
+    ``error``: naming the table and one repeated id.
+  """
+  if ids.shape[0] > 1:
+    i = first_repeat(np.ascontiguousarray(ids, np.uint64), _REPEAT_SALT)
+    if i >= 0:
+      raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
 
 
 def check_out(specs: Mapping[str, Any], ids: Mapping[str, np.ndarray], out: Optional[Mapping[str, np.ndarray]]) -> None:

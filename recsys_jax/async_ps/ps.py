@@ -21,7 +21,7 @@ import numpy as np
 from recsys_jax.async_ps import optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
-from recsys_jax.async_ps.ids import as_ids, check_out
+from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out
 from recsys_jax.async_ps.table import Table
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -169,14 +169,15 @@ class ParameterServer:
           f"table {t!r}: gradient shape {np.shape(g)} does not match ({np.shape(i)[0]}, {self.specs[t].dim})"
         )
       arrays[t] = (as_ids(i, t), np.asarray(g, np.float32))
+      check_distinct(arrays[t][0], t)  # here, not per table shard: a refused request changes no table
     if self.num_shards == 1:
       for t, (i, g) in arrays.items():
-        self.shards[0][t].apply(i, g, step)
+        self.shards[0][t].apply(i, g, step, distinct=True)
       return
 
     def push(table, t, sel):
       i, g = arrays[t]
-      table.apply(i[sel], g[sel], step)
+      table.apply(i[sel], g[sel], step, distinct=True)
 
     self._fan_out({t: i for t, (i, _) in arrays.items()}, push)
 

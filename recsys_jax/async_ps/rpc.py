@@ -33,6 +33,7 @@ import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.ids import check_distinct
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW, Grads, ServiceError, ShardService
 
@@ -157,10 +158,7 @@ class ShardServer:
   def _check_ids(table: str, ids: np.ndarray) -> np.ndarray:
     if ids.dtype != wire.DTYPES["uint64"] or ids.ndim != 1:
       raise wire.WireError(f"table {table!r}: ids must be 1-D uint64, got {ids.dtype} of shape {list(ids.shape)}")
-    if ids.shape[0] > 1:
-      s = np.sort(ids)
-      if (s[1:] == s[:-1]).any():
-        raise wire.WireError(f"table {table!r}: ids are not distinct (e.g. {int(s[1:][s[1:] == s[:-1]][0])})")
+    check_distinct(ids, table, wire.WireError)
     return ids
 
   def _check_grads(self, table: str, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:

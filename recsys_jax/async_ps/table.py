@@ -27,6 +27,7 @@ from recsys_jax.async_ps import initializers, kernels, optimizers
 from recsys_jax.async_ps.bounds import Bounds
 from recsys_jax.async_ps.hashing import name_seed
 from recsys_jax.async_ps.idmap import IdMap
+from recsys_jax.async_ps.ids import check_distinct
 from recsys_jax.embeddings.specs import TableSpec
 
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -218,8 +219,11 @@ class Table(Bounds):
     self.timers["lookup_calls"] += 1
     return out
 
-  def apply(self, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None) -> None:
+  def apply(self, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None, distinct: bool = False) -> None:
     """Applies the row optimizer to distinct ids.
+
+    ``distinct=True``: the caller has checked that no id repeats (``ParameterServer.apply_many``
+    checks every table before changing any), so the check is not paid twice on the hot path.
 
     Ids without a row in RAM (not admitted, or evicted since their lookup) have their
     gradients dropped and counted in ``dropped_grads`` when the table is bounded or admits
@@ -227,7 +231,7 @@ class Table(Bounds):
 
     Raises:
       KeyError: an unbounded table got a gradient for an id it never looked up.
-      ValueError: ``grads`` is not [len(ids), dim].
+      ValueError: ``grads`` is not [len(ids), dim], or an id repeats (the table is unchanged).
     """
     del step
     t0 = time.perf_counter()
@@ -237,6 +241,10 @@ class Table(Bounds):
       raise ValueError(
         f"table {self.spec.name!r}: gradient shape {grads.shape} does not match ({ids.shape[0]}, {self.spec.dim})"
       )
+    # The update kernels take each row once: a repeat would be updated twice (float32) or
+    # keep only its last update (bfloat16), where its gradients were meant to be summed.
+    if not distinct:
+      check_distinct(ids, self.spec.name)
     with self.lock:
       rows = self._ids.find(ids)
       missing = rows < 0
@@ -340,8 +348,7 @@ class Table(Bounds):
       raise ValueError(
         f"table {self.spec.name!r}: snapshot weights {weights.shape} do not match ids ({n},) and dim {self.spec.dim}"
       )
-    if np.unique(ids).shape[0] != n:
-      raise ValueError(f"table {self.spec.name!r}: snapshot ids are not distinct")
+    check_distinct(ids, self.spec.name, what="snapshot ids")
     for k in ("last_seen", "freq", "spilled"):
       if k in snap and np.shape(snap[k]) != (n,):
         raise ValueError(f"table {self.spec.name!r}: snapshot {k} {np.shape(snap[k])} does not match ids ({n},)")

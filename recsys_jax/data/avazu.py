@@ -31,7 +31,7 @@ Parsing is vectorised with the helpers of :mod:`recsys_jax.data.criteo`.
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 
@@ -100,6 +100,10 @@ class AvazuFormat:
   def __init__(self):
     names = ("hour_of_day", "weekday") + HASHED_COLUMNS
     self.schema = base.Schema(0, tuple(base.FeatureInfo(name) for name in names))
+
+  def cache_params(self) -> Dict[str, Any]:
+    """What the parsed columns depend on besides the code (nothing: Avazu has no parameters)."""
+    return {}
 
   def chunks(self, path: str, chunk_records: int) -> Iterator[base.RawChunk]:
     """Checks the header, then cuts the records of ``path`` into chunks of ``chunk_records``.

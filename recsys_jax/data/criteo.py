@@ -342,6 +342,10 @@ class CriteoFormat:
     self._cat_cols = slice(1 + num_dense, self.num_fields)
     self._cat_seeds = np.asarray([name_seed(name) for name in self.cat_names], np.uint64)
 
+  def cache_params(self) -> Dict[str, int]:
+    """What the parsed columns depend on besides the code (for :mod:`recsys_jax.data.cache`)."""
+    return {"num_dense": self.num_dense, "num_categorical": self.num_categorical}
+
   def chunks(self, path: str, chunk_records: int) -> Iterator[base.RawChunk]:
     """Cuts ``path`` (plain or ``.gz``) into chunks of ``chunk_records`` lines.
 

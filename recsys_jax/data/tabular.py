@@ -117,6 +117,19 @@ class TabularFormat:
     # CSV header layouts by path; filled by chunks(), or lazily by parse() in another process.
     self._layouts: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
 
+  def cache_params(self) -> Dict[str, Any]:
+    """What the parsed columns depend on besides the code (for :mod:`recsys_jax.data.cache`)."""
+    return {
+      "file_type": self.file_type,
+      "label": self.label,
+      "label_threshold": self.label_threshold,
+      "dense": list(self.dense),
+      "dense_transform": self.dense_transform,
+      "categorical": list(self.categorical),
+      "bags": [[b.column, b.separator, b.max_len, b.table, b.kind] for b in self.bags],
+      "delimiter": self.delimiter,
+    }
+
   # -------------------------------------------------------------------------------------------
   # Cutting files into raw chunks.
 

@@ -51,9 +51,9 @@ def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], wor
 def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> Job:
   """Builds reader, PS, model, mesh, jitted steps and the initial state (nothing runs).
 
-  ``workdir`` anchors a relative ``config.ps.tier`` path.
+  ``workdir`` anchors a relative ``config.ps.tier`` path and holds the data cache (``config.data.cache_dir``).
   """
-  reader = readers.build_reader(config, jax.process_index(), jax.process_count())
+  reader = readers.build_reader(config, jax.process_index(), jax.process_count(), workdir)
   model_cls = MODELS[config.model.name]
   tables, features, aliases = build_specs(config, reader.schema, getattr(model_cls, "linear_terms", False))
   tables_by_name = {t.name: t for t in tables}
