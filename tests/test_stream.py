@@ -195,3 +195,27 @@ def test_parsing_ahead_raises_the_first_bad_record_in_order():
     )  # fmt: skip
     with pytest.raises(base.BadRecordError, match=r"s0:30: field 'f'"):
       list(s)
+
+
+class _KeepsOneFault(_Numbered):
+  """Reports its bad records as the preprocessed cache does: the first one, then the rest as a count."""
+
+  def parse(self, chunk, bad):
+    rec = base.Recorder(limit=1)
+    cols = super().parse(chunk, rec)
+    base.replay(bad, chunk.path, rec.faults, rec.count)
+    return cols
+
+
+def test_parsing_ahead_keeps_counts_beyond_the_faults_a_format_lists():
+  def run(executor):
+    s = stream.Stream(
+      _KeepsOneFault(), SOURCES, 9, chunk_records=40, window_chunks=2, seed=3, epochs=1,
+      bad=base.BadRecords("skip"), executor=executor,
+    )  # fmt: skip
+    return [(p, s.bad.count) for _, p in s], s.bad.examples
+
+  want = run(None)
+  assert want[0][-1][1] == sum(SIZES) // 29  # every bad record counted, though chunks list only their first
+  with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    assert run(ex) == want

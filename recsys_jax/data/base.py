@@ -108,23 +108,33 @@ class BadRecords:
       logging.warning("skipped bad record %s", msg)
 
 
-class Recorder(BadRecords):
-  """Collects the bad records of one piece of work done on a worker thread, to be reported
-  later, in order, to the run's :class:`BadRecords` (``replay``): what is counted, logged or
-  raised then does not depend on which worker finished first."""
+Fault = Tuple[int, str, str]
+"""A bad record as a :class:`Recorder` keeps it: (line, field, why); its file is its chunk's."""
 
-  def __init__(self):
+
+class Recorder(BadRecords):
+  """Collects the bad records of one chunk (the first ``limit``, all if None) without logging or
+  raising, to be reported later to the run's :class:`BadRecords` by :func:`replay`: a chunk parsed
+  on a worker thread, or read back from the preprocessed cache, then counts, logs and raises
+  exactly as parsing it there and then would have."""
+
+  def __init__(self, limit: Optional[int] = None):
     super().__init__("skip", log_first=0)
-    self.faults: List[Tuple[str, int, str, str]] = []
+    self.limit = limit
+    self.faults: List[Fault] = []
 
   def report(self, path: str, line: int, field: str, why: str) -> None:
     self.count += 1
-    self.faults.append((path, line, field, why))
+    if self.limit is None or len(self.faults) < self.limit:
+      self.faults.append((int(line), str(field), str(why)))
 
-  def replay(self, bad: BadRecords) -> None:
-    """Reports the collected bad records to ``bad`` (which raises at the first under 'error')."""
-    for fault in self.faults:
-      bad.report(*fault)
+
+def replay(bad: BadRecords, path: str, faults: Sequence[Fault], count: int) -> None:
+  """Reports a chunk's recorded bad records to ``bad`` as parsing it would (raises under 'error');
+  ``count`` is the chunk's total, beyond the ``faults`` kept."""
+  for line, field, why in faults:
+    bad.report(path, line, field, why)
+  bad.count += count - len(faults)
 
 
 def run_ahead(executor, fn: Callable[[Any], Any], items: Iterator[Any], ahead: int) -> Iterator[Tuple[Any, Any]]:

@@ -143,13 +143,13 @@ class Stream:
       rec = base.Recorder()
       return self.fmt.parse(chunk, rec), rec
 
-    def collect(future):
+    def collect(future, path):
       cols, rec = future.result()
-      rec.replay(self.bad)
+      base.replay(self.bad, path, rec.faults, rec.count)
       return cols
 
     for (epoch, chunk), future in base.run_ahead(self.executor, parse, chunks, self.window_chunks):
-      yield epoch, None if chunk is None else functools.partial(collect, future)
+      yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path)
 
   # -- batches ----------------------------------------------------------------------------------
   def _batches(self) -> Iterator[Tuple[base.Columns, Dict[str, int]]]:
