@@ -24,12 +24,19 @@ Sources:
 - ``memory``: synthetic Criteo-like batches (``recsys_jax/data/synthetic.py``) generated before
   the run and held in memory: no reading or parsing, everything after it.
 
-Samples/s counts the steps after ``--warmup_steps`` (compiles, worker start, first window) to the
-last, timed where the pusher finishes each step. Per-stage times are milliseconds per batch,
+Samples/s counts the steps after one pass over the ``--records`` (at least ``--warmup_steps``:
+compiles, worker start, first window) to the last, timed where the pusher finishes each step:
+the first pass creates every row of the PS (its lookups and pushes took about 3x the CPU of
+later passes' on the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far
+more data than this does far less often; ``first_pass_samples_per_s``
+reports that pass (from step ``--warmup_steps`` on) too. Per-stage times are milliseconds per batch,
 wall and CPU (``thread_time`` of the thread doing the stage), measured by wrapping the job's
-own methods (reader iterator, ``HostPipeline.prepare/lookup/place/push``, the pull of the
-gradients in ``push_step``, and the training loop's wait for the next batch). Stages overlap
-(they run on different threads), so their sum exceeds the wall time per batch.
+own methods: ``read`` (the reader's iterator: with host workers, the feeder thread cutting
+files, gathering batches and waiting for parses; without, the parsing too), ``parse`` (the
+format's parse of a chunk, or its read from the cache), ``prepare`` (dedup), ``lookup``,
+``place``, ``get`` (the pull of the row gradients in ``push_step``), ``push``, and ``wait``
+(the training loop waiting for its next batch: the time a device would sit idle). Stages
+overlap (they run on different threads), so their sum exceeds the wall time per batch.
 
 The floor: the bytes a batch must move, read plus written, at this machine's memcpy rate
 (``bench_ps.memcpy_bandwidth``, one thread, measured in the same run): the source bytes read
@@ -80,6 +87,7 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Steps not timed.")
 _DATA_DIR = flags.DEFINE_string("data_dir", "/tmp/bench_feed_data", "Where the generated files are kept.")
 _BASELINE = flags.DEFINE_string("baseline", None, "A checkout to run with one worker for comparison.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to this file.", allow_override=True)
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported).")
 _SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
 
 FILE_RECORDS = 100_000
@@ -208,7 +216,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     cols = memory_batches(c, s["records"])
     total = base.num_records(cols)
 
-    def memory_train(position=None):
+    def memory_train(position=None, **_):  # no reading to do ahead
       t = int((position or {}).get("batch", 0))
       while True:
         a = (t * B) % (total - B + 1)
@@ -216,9 +224,9 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
         t += 1
 
     host.reader.train = memory_train
-  elif s["source"] == "cache":  # warm the cache: one pass over every file
-    for i, _ in enumerate(host.reader.train()):
-      if (i + 1) * B >= s["records"]:
+  elif s["source"] == "cache":  # warm the cache: one pass over every file (quick once an earlier setting did it)
+    for _, pos in host.reader.train():
+      if pos["epoch"] >= 1:  # every file read to its end: its manifest and every chunk written
         break
 
   if s["step"] == "noop":
@@ -229,7 +237,9 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     job.train_step = jax.jit(noop, donate_argnums=(0,))
 
   reader_train = host.reader.train
-  host.reader.train = lambda position=None: times.wrap_iter("read", iter(reader_train(position)))
+  host.reader.train = lambda *a, **k: times.wrap_iter("read", iter(reader_train(*a, **k)))
+  if hasattr(host.reader, "fmt"):  # files: parsing (or reading the cache) runs inside the reader, maybe on workers
+    host.reader.fmt.parse = times.wrap("parse", host.reader.fmt.parse)
   for stage in ("prepare", "lookup", "place", "push"):
     setattr(host, stage, times.wrap(stage, getattr(host, stage)))
   distinct = []
@@ -276,16 +286,17 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   train.RunCheckpoints = FinalSaveWaitsOnly
   load0 = os.getloadavg()[0]
   summary = train.train_and_evaluate(c, workdir)
-  w = s["warmup"]
+  w, w0 = s["warmup"], s["first_timed"]
   timed = n - w
   elapsed = done_at[n - 1] - done_at[w - 1]
+  first_pass = (w - w0) * B / (done_at[w - 1] - done_at[w0 - 1]) if w > w0 else float("nan")
   per = lambda v: 1e3 * v / timed  # noqa: E731 - ms per timed batch
   dims = sorted(t.dim for t in job.tables)
   dim, F = dims[0], len(job.features)
   rows = np.mean([sum(r for r, _ in d) for d in distinct[w:]])
   bucket = np.mean([sum(b for _, b in d) for d in distinct[w:]])
   col_bytes = 4 + 4 * c.data.num_dense + 8 * F
-  source_bytes = {"tsv": s["files"]["bytes_per_record"], "cache": col_bytes, "memory": 0.0}[s["source"]]
+  source_bytes = {"tsv": (s["files"] or {}).get("bytes_per_record"), "cache": col_bytes, "memory": 0.0}[s["source"]]
   row = 4 * dim
   per_batch = {
     "parse": B * (source_bytes + col_bytes),  # source read, columns written
@@ -306,11 +317,13 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     "step": s["step"],
     "code": s["code_root"],
     "steps_timed": timed,
+    "first_pass_samples_per_s": first_pass,
     "job_samples_per_s": summary["samples_per_sec"],
     "distinct_rows_per_batch": float(rows),
     "bytes_per_batch": float(sum(per_batch.values())),
     "floor_samples_per_s": B / floor_s,
     "floor_ratio": sps / (B / floor_s),
+    "device_wait_fraction": times.wall.get("wait", 0.0) / elapsed,  # the loop waiting for its next batch
     "load_avg": [load0, os.getloadavg()[0]],
   }
   for k in sorted(times.wall):
@@ -338,19 +351,22 @@ def has_cache(code_root: str) -> bool:
   return os.path.exists(os.path.join(code_root, "recsys_jax", "data", "cache.py"))
 
 
-STAGES = ("read", "prepare", "lookup", "place", "get", "push", "wait")
+STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
 
 
 def print_table(results: List[Dict[str, Any]]) -> None:
-  head = f"{'source':7}{'batch':>7}{'wk':>4}{'code':>6}{'samples/s':>11}{'vs base':>8}{'floor':>11}{'ratio':>7}"
+  head = f"{'source':7}{'batch':>7}{'wk':>4}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
+  head += f"{'ratio':>7}{'wait':>6}"
   head += "".join(f"{s:>9}" for s in STAGES) + "   (ms per batch; CPU ms in brackets below)"
   print(head)
   for r in results:
+    spread = "-".join(f"{x / 1e3:.0f}" for x in (r["runs_samples_per_s"][0], r["runs_samples_per_s"][-1]))
     line = f"{r['source']:7}{r['batch']:>7}{r['workers']:>4}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
-    line += f"{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}{r['floor_ratio']:>7.3f}"
+    line += f"{spread:>16}{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}"
+    line += f"{r['floor_ratio']:>7.3f}{r['device_wait_fraction']:>6.2f}"
     line += "".join(f"{r.get(f'{s}_ms', float('nan')):>9.2f}" for s in STAGES)
     print(line)
-    print(" " * 61 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+    print(" " * 83 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
 
 
 def main(argv):
@@ -364,40 +380,48 @@ def main(argv):
   files = criteo_files(_DATA_DIR.value, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
   codes = [("new", _ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
   print(f"{cores()} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}", file=sys.stderr)
-  results = []
+  runs: Dict[tuple, List[Dict[str, Any]]] = {}
   for source in _SOURCES.value:
     for batch in (int(b) for b in _BATCHES.value):
-      base_sps = None
-      for label, root in codes[::-1]:  # the baseline first, then this checkout's worker counts
-        if source == "cache" and not has_cache(root):
-          print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py in that checkout", file=sys.stderr)
-          continue
-        for w in [1] if label == "base" else workers:
-          setting = {
-            "source": source,
-            "batch": batch,
-            "workers": w,
-            "step": _STEP.value,
-            "steps": max(_MIN_STEPS.value, _WARMUP.value + -(-_SAMPLES.value // batch)),
-            "warmup": _WARMUP.value,
-            "records": _RECORDS.value,
-            "files": files,
-            "cache_dir": os.path.join(_DATA_DIR.value, "cache"),
-            "code_root": root,
-            "memcpy_bytes_per_s": bw,
-          }
-          print(f"{label}: {source} batch {batch} workers {w} ...", file=sys.stderr, flush=True)
-          r = child(setting)
-          if r is None:
+      for rep in range(_REPEATS.value):  # interleaved, so that every setting sees the same load over time
+        for label, root in codes[::-1]:  # the baseline first, then this checkout's worker counts
+          if source == "cache" and not has_cache(root):
+            if rep == 0:
+              print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py in that checkout", file=sys.stderr)
             continue
-          r["label"] = label
-          if label == "base":
-            base_sps = r["feed_samples_per_s"]
-          elif base_sps:
-            r["vs_baseline"] = r["feed_samples_per_s"] / base_sps
-          results.append(r)
+          for w in [1] if label == "base" else workers:
+            warmup = max(_WARMUP.value, -(-_RECORDS.value // batch))  # one pass: every row exists
+            setting = {
+              "source": source,
+              "batch": batch,
+              "workers": w,
+              "step": _STEP.value,
+              "steps": max(_MIN_STEPS.value, warmup + -(-_SAMPLES.value // batch)),
+              "warmup": warmup,
+              "first_timed": _WARMUP.value,
+              "records": _RECORDS.value,
+              "files": files,
+              "cache_dir": os.path.join(_DATA_DIR.value, "cache"),
+              "code_root": root,
+              "memcpy_bytes_per_s": bw,
+            }
+            print(f"{label}: {source} batch {batch} workers {w} (run {rep + 1}) ...", file=sys.stderr, flush=True)
+            r = child(setting)
+            if r is not None:
+              r["label"] = label
+              runs.setdefault((source, batch, label, w), []).append(r)
+  results = []
+  for (source, batch, label, _), rs in runs.items():
+    rs = sorted(rs, key=lambda r: r["feed_samples_per_s"])
+    r = dict(rs[len(rs) // 2])  # the median run, whole
+    r["runs_samples_per_s"] = [x["feed_samples_per_s"] for x in rs]
+    base = runs.get((source, batch, "base", 1))
+    if label == "new" and base:
+      r["vs_baseline"] = r["feed_samples_per_s"] / sorted(x["feed_samples_per_s"] for x in base)[len(base) // 2]
+    results.append(r)
   print()
   print_table(results)
+  print(f"load average at the end: {os.getloadavg()}")
   print()
   lines = [json.dumps(r) for r in results]
   if _JSON_OUT.value:
