@@ -1,7 +1,7 @@
 """The host half of the main job, fed to a no-op (or tiny) device step: how many samples/s it can feed.
 
     python experiments/bench_feed.py [--sources=tsv,cache,memory] [--batch_sizes=2048,8192,65536]
-        [--workers=1,2] [--step=noop|tiny] [--records=400000] [--baseline=/path/to/checkout]
+        [--workers=1,2] [--step=noop] [--step=tiny] [--records=400000] [--baseline=/path/to/checkout]
         [--json_out=FILE]
 
 Run from the repository root. Every setting (source x batch x workers) is one run of the main job,
@@ -49,15 +49,25 @@ accumulators read and written. ``floor_ratio`` = measured samples/s / floor samp
 (e.g. main) and one worker, interleaved with the settings of this checkout, so that both see
 the same machine load; ``vs_baseline`` = samples/s / the baseline's.
 
+With ``--repeats=N`` every setting runs N times, interleaved; the median run is reported, with
+all runs' samples/s (``runs_samples_per_s``).
+
+With the tiny step, ``step_alone_ms`` is the jitted step alone on the run's last batch (a fresh
+job, blocking on each step) and ``device_idle_fraction`` = 1 - steps x that / the run's time: the
+share of the time the device would wait for the host. (``loop_wait_fraction``, the loop's own
+wait for its next batch, also counts the step itself at k = 0, where the next lookup waits for
+this step's push.)
+
 Prints a table, then one JSON line per setting: ``feed_samples_per_s``, ``source``, ``batch``,
-``workers``, ``cores``, the per-stage ``*_ms`` (wall) and ``*_cpu_ms``, ``floor_samples_per_s``,
-``floor_ratio``, ``load_avg``.
+``workers``, ``cores``, ``step``, the per-stage ``*_ms`` (wall) and ``*_cpu_ms``,
+``floor_samples_per_s``, ``floor_ratio``, ``load_avg``.
 """
 
 # ruff: noqa: E402
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -79,7 +89,9 @@ from bench_ps import memcpy_bandwidth  # noqa: I001 - defines its flags before o
 _SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "memory"], "Sources: tsv, cache, memory.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["2048", "8192", "65536"], "Batch sizes.")
 _WORKERS = flags.DEFINE_list("workers", None, "Host worker counts (default: 1 and the core count).")
-_STEP = flags.DEFINE_enum("step", "noop", ["noop", "tiny"], "Device step: none, or DLRM with MLPs of width 16.")
+_STEP = flags.DEFINE_multi_enum(
+  "step", ["noop"], ["noop", "tiny"], "Device steps (repeat the flag for both): none, or DLRM with MLPs of width 16."
+)
 _RECORDS = flags.DEFINE_integer("records", 400_000, "Records of the generated TSV files and of the memory source.")
 _SAMPLES = flags.DEFINE_integer("samples", 600_000, "Samples per setting (at least --min_steps steps).")
 _MIN_STEPS = flags.DEFINE_integer("min_steps", 12, "Steps per setting at least, warmup included.")
@@ -251,6 +263,16 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     return lookup(p, create)
 
   host.lookup = counted_lookup
+  placed = []
+  place = host.place
+
+  def kept_place(p):
+    out = place(p)
+    if p.n_valid is None:
+      placed[:] = [out]  # the last training batch placed, to time the step alone afterwards
+    return out
+
+  host.place = kept_place
   done_at: Dict[int, float] = {}
   push_step, push = host.push_step, host.push
 
@@ -282,6 +304,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     def save(self, step, state, ps, pusher):
       pusher.flush(step - 1)
 
+  build_job = train.build_job
   train.build_job = lambda config, workdir: job
   train.RunCheckpoints = FinalSaveWaitsOnly
   load0 = os.getloadavg()[0]
@@ -323,9 +346,21 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     "bytes_per_batch": float(sum(per_batch.values())),
     "floor_samples_per_s": B / floor_s,
     "floor_ratio": sps / (B / floor_s),
-    "device_wait_fraction": times.wall.get("wait", 0.0) / elapsed,  # the loop waiting for its next batch
+    "loop_wait_fraction": times.wall.get("wait", 0.0) / elapsed,  # the loop waiting for its next batch
     "load_avg": [load0, os.getloadavg()[0]],
   }
+  if s["step"] == "tiny":  # the step alone on the last batch, in a fresh job: how long the device is busy
+    fresh = build_job(c, os.path.join(workdir, "alone"))
+    state, (_, rows, batch) = fresh.state, placed[0]
+    alone = []
+    for _ in range(13):
+      t0 = time.perf_counter()
+      state, g, _ = fresh.train_step(state, rows, batch)
+      jax.block_until_ready(g)
+      alone.append(time.perf_counter() - t0)
+    out["step_alone_ms"] = 1e3 * float(np.median(alone[3:]))
+    out["device_idle_fraction"] = max(0.0, 1.0 - float(np.median(alone[3:])) * timed / elapsed)
+    fresh.ps.close()
   for k in sorted(times.wall):
     out[f"{k}_ms"] = per(times.wall[k])
     out[f"{k}_cpu_ms"] = per(times.cpu[k])
@@ -355,18 +390,20 @@ STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
 
 
 def print_table(results: List[Dict[str, Any]]) -> None:
-  head = f"{'source':7}{'batch':>7}{'wk':>4}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
-  head += f"{'ratio':>7}{'wait':>6}"
+  head = f"{'source':7}{'batch':>7}{'wk':>4}{'step':>5}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
+  head += f"{'ratio':>7}{'idle':>6}"
   head += "".join(f"{s:>9}" for s in STAGES) + "   (ms per batch; CPU ms in brackets below)"
   print(head)
   for r in results:
     spread = "-".join(f"{x / 1e3:.0f}" for x in (r["runs_samples_per_s"][0], r["runs_samples_per_s"][-1]))
-    line = f"{r['source']:7}{r['batch']:>7}{r['workers']:>4}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
+    line = (
+      f"{r['source']:7}{r['batch']:>7}{r['workers']:>4}{r['step']:>5}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
+    )
     line += f"{spread:>16}{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}"
-    line += f"{r['floor_ratio']:>7.3f}{r['device_wait_fraction']:>6.2f}"
+    line += f"{r['floor_ratio']:>7.3f}{r.get('device_idle_fraction', 1.0):>6.2f}"
     line += "".join(f"{r.get(f'{s}_ms', float('nan')):>9.2f}" for s in STAGES)
     print(line)
-    print(" " * 83 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+    print(" " * 88 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
 
 
 def main(argv):
@@ -389,13 +426,13 @@ def main(argv):
             if rep == 0:
               print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py in that checkout", file=sys.stderr)
             continue
-          for w in [1] if label == "base" else workers:
+          for w, step in itertools.product([1] if label == "base" else workers, _STEP.value):
             warmup = max(_WARMUP.value, -(-_RECORDS.value // batch))  # one pass: every row exists
             setting = {
               "source": source,
               "batch": batch,
               "workers": w,
-              "step": _STEP.value,
+              "step": step,
               "steps": max(_MIN_STEPS.value, warmup + -(-_SAMPLES.value // batch)),
               "warmup": warmup,
               "first_timed": _WARMUP.value,
@@ -405,17 +442,19 @@ def main(argv):
               "code_root": root,
               "memcpy_bytes_per_s": bw,
             }
-            print(f"{label}: {source} batch {batch} workers {w} (run {rep + 1}) ...", file=sys.stderr, flush=True)
+            print(
+              f"{label}: {source} batch {batch} workers {w} {step} (run {rep + 1}) ...", file=sys.stderr, flush=True
+            )
             r = child(setting)
             if r is not None:
               r["label"] = label
-              runs.setdefault((source, batch, label, w), []).append(r)
+              runs.setdefault((source, batch, label, w, step), []).append(r)
   results = []
-  for (source, batch, label, _), rs in runs.items():
+  for (source, batch, label, _, step), rs in runs.items():
     rs = sorted(rs, key=lambda r: r["feed_samples_per_s"])
     r = dict(rs[len(rs) // 2])  # the median run, whole
     r["runs_samples_per_s"] = [x["feed_samples_per_s"] for x in rs]
-    base = runs.get((source, batch, "base", 1))
+    base = runs.get((source, batch, "base", 1, step))
     if label == "new" and base:
       r["vs_baseline"] = r["feed_samples_per_s"] / sorted(x["feed_samples_per_s"] for x in base)[len(base) // 2]
     results.append(r)
