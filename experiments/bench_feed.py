@@ -75,7 +75,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -99,6 +99,9 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Steps not timed.")
 _DATA_DIR = flags.DEFINE_string("data_dir", "/tmp/bench_feed_data", "Where the generated files are kept.")
 _BASELINE = flags.DEFINE_string("baseline", None, "A checkout to run with one worker for comparison.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to this file.", allow_override=True)
+_TRANSFER = flags.DEFINE_bool(
+  "transfer", False, "Only measure what handing parsed chunks back from worker processes would cost (no runs)."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported).")
 _SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
 
@@ -368,6 +371,98 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   return out
 
 
+# -- threads or processes ------------------------------------------------------------------------
+
+
+def _parse_chunk(chunk):
+  from recsys_jax.data import base
+  from recsys_jax.data.criteo import CriteoFormat
+
+  return CriteoFormat().parse(chunk, base.BadRecords())
+
+
+def pool_parse(raw: List[Any], n: int) -> Dict[str, float]:
+  """Wall microseconds per record (median of 5) parsing ``raw`` chunks inline, on 2 threads and on 2
+  spawned processes (chunks sent, columns sent back, as ``concurrent.futures`` does it), and the
+  CPU the trainer's own process spends per record on each."""
+  import concurrent.futures
+  import multiprocessing
+
+  out = {}
+  with (
+    concurrent.futures.ThreadPoolExecutor(2) as threads,
+    concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as procs,
+  ):
+    list(procs.map(_parse_chunk, raw[:2]))  # start them
+    ways = {"inline": lambda: [_parse_chunk(c) for c in raw]}
+    ways["threads_2"] = lambda: list(threads.map(_parse_chunk, raw))
+    ways["processes_2"] = lambda: list(procs.map(_parse_chunk, raw))
+    times: Dict[str, List[Tuple[float, float]]] = {k: [] for k in ways}
+    for _ in range(5):  # interleaved
+      for k, fn in ways.items():
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        times[k].append((time.perf_counter() - w, time.process_time() - c))
+  for k, v in times.items():
+    out[f"parse_{k}_wall_us"] = 1e6 * float(np.median([w for w, _ in v])) / n
+    out[f"parse_{k}_trainer_cpu_us"] = 1e6 * float(np.median([c for _, c in v])) / n
+  return out
+
+
+def transfer_costs(path: str, chunks: int = 8) -> Dict[str, float]:
+  """CPU microseconds per record (best of 3): parsing Criteo chunks, and moving their columns from
+  a worker process to the trainer, by pickling (what multiprocessing queues do) or by a copy into
+  shared memory and out; and pickling the raw lines, which workers that do not cut files would
+  receive (threads hand both over for nothing); then ``pool_parse``."""
+  import pickle
+  from multiprocessing import shared_memory
+
+  from recsys_jax.data import base
+  from recsys_jax.data.criteo import CriteoFormat
+
+  fmt = CriteoFormat()
+  raw = list(itertools.islice(fmt.chunks(path, 8192), chunks))  # 8 chunks of 8192
+  n = sum(len(c) for c in raw)
+
+  def cpu(fn) -> float:
+    best = float("inf")
+    for _ in range(3):
+      t = time.thread_time()
+      fn()
+      best = min(best, time.thread_time() - t)
+    return 1e6 * best / n
+
+  cols = [fmt.parse(c, base.BadRecords()) for c in raw]
+  blobs = [pickle.dumps(c, protocol=5) for c in cols]
+  arrays = [a for c in cols for a in [c["label"], c["dense"], *c["sparse"].values()]]
+  shm = shared_memory.SharedMemory(create=True, size=sum(a.nbytes for a in arrays))
+  try:
+    views, at = [], 0
+    for a in arrays:
+      views.append(np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=at))
+      at += a.nbytes
+
+    def into_shm():
+      for v, a in zip(views, arrays):
+        v[...] = a
+
+    out = {
+      "parse_us": cpu(lambda: [fmt.parse(c, base.BadRecords()) for c in raw]),
+      "pickle_us": cpu(lambda: [pickle.dumps(c, protocol=5) for c in cols]),
+      "unpickle_us": cpu(lambda: [pickle.loads(b) for b in blobs]),
+      "shm_in_us": cpu(into_shm),
+      "shm_out_us": cpu(lambda: [np.array(v) for v in views]),
+      "pickle_raw_lines_us": cpu(lambda: [pickle.dumps(c.payload, protocol=5) for c in raw]),
+      "bytes_per_record": sum(len(b) for b in blobs) / n,
+    }
+    views.clear()  # the views pin shm.buf: drop them before closing it
+  finally:
+    shm.close()
+    shm.unlink()
+  out.update(pool_parse(raw, n))
+  return out
+
+
 # -- the sweep ---------------------------------------------------------------------------------
 
 
@@ -411,6 +506,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _SETTING.value:
     print(json.dumps(run_setting(json.loads(_SETTING.value))), flush=True)
+    return
+  if _TRANSFER.value:
+    files = criteo_files(_DATA_DIR.value, _RECORDS.value)
+    costs = transfer_costs(files["train"][0])
+    print(", ".join(f"{k} {v:.2f}" for k, v in costs.items()), f"(us per record; load {os.getloadavg()})")
+    print(json.dumps({"transfer": costs, "cores": cores(), "load_avg": os.getloadavg()[0]}))
     return
   bw = memcpy_bandwidth(1)
   workers = [int(w) for w in (_WORKERS.value or sorted({1, cores()}))]
