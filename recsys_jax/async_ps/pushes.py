@@ -1,12 +1,14 @@
 """One step's pushes summed over the workers, the same whatever order they arrived in: ``sum_pushes``.
 
 A PS server (``service``) buffers each worker's row gradients of a step and, once every
-worker has pushed it, applies this sum in one ``apply_many``.
+worker has pushed it, applies this sum in one ``apply_many``. A push that came in chunks is
+first put together (``merge_parts``) after a check that no id is in two of its chunks
+(``repeated_id``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,3 +49,31 @@ def sum_pushes(pushes: Mapping[int, Grads], dims: Mapping[str, int]) -> Grads:
       pos += i.shape[0]
     out[t] = (uniq, total)
   return out
+
+
+def merge_parts(parts: Sequence[Grads]) -> Grads:
+  """One worker's push from its chunks: each table's ids and gradients concatenated in chunk order."""
+  if len(parts) == 1:
+    return dict(parts[0])
+  tables: List[str] = []
+  for p in parts:
+    tables.extend(t for t in p if t not in tables)
+  out = {}
+  for t in tables:
+    mine = [p[t] for p in parts if t in p]
+    out[t] = mine[0] if len(mine) == 1 else (np.concatenate([i for i, _ in mine]), np.concatenate([g for _, g in mine]))
+  return out
+
+
+def repeated_id(parts: Sequence[Grads]) -> Optional[Tuple[str, int]]:
+  """(table, id) of an id that is in two chunks of one push (each chunk was checked alone), or None."""
+  tables = {t for p in parts for t in p}
+  for t in sorted(tables):
+    ids = [p[t][0] for p in parts if t in p]
+    if len(ids) < 2:
+      continue
+    s = np.sort(np.concatenate(ids))
+    rep = s[1:][s[1:] == s[:-1]]
+    if rep.shape[0]:
+      return t, int(rep[0])
+  return None
