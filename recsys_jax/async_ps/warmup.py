@@ -5,8 +5,7 @@ from its on-disk cache, which takes far less). Without this the first lookup and
 fresh server compile the id map's probing and the row optimizer's update inside the client's
 deadline: seconds with a cold cache. The tables are only known at ``Configure``, so every row
 optimizer is warmed. The calls go through a throwaway ``ShardServer``'s own handlers with
-decoded messages, so the arrays have the types real calls have, and include a bounded table
-that evicts.
+decoded messages, so the arrays have the types real calls have.
 
 Servers started together (a launcher starts several) would each compile the same kernels at
 once, on the same cores; a file lock per numba cache lets one compile while the others wait
@@ -65,7 +64,7 @@ def _one_at_a_time() -> Iterator[None]:
 
 
 def warm_up(local_shards: int = 1) -> float:
-  """Looks up, pushes to, and evicts from tables of every row optimizer in a throwaway server.
+  """Looks up and pushes to a table of every row optimizer in a throwaway server.
 
   Args:
     local_shards: shards of the in-process PS (as the real server's).
@@ -84,7 +83,6 @@ def warm_up(local_shards: int = 1) -> float:
 def _run(server, local_shards: int) -> None:
   dim = 4
   specs = [TableSpec(name=name, dim=dim, optimizer=name) for name in optimizers.NAMES]
-  specs.append(TableSpec(name="bounded", dim=dim, capacity=8 * local_shards))
   cfg = {"seed": 0, "num_workers": 1, "staleness": 0, "shard_index": 0, "num_shards": 1}
   _call(server._rpc_configure, {**cfg, "tables": [wire.spec_to_json(s) for s in specs]})
   for step in range(3):
