@@ -22,8 +22,8 @@ from typing import Callable, Optional
 from recsys_jax.async_ps.errors import ServiceError
 
 _MIB = 1 << 20
-_POLL_S = 0.1  # how often a waiting call checks that its caller is still there
-_WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
+POLL_S = 0.1  # how often a waiting call checks that its caller is still there
+WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
 
 TimeLeft = Callable[[], Optional[float]]  # seconds until the caller's deadline (None: no deadline)
 Active = Callable[[], bool]  # False once the caller cancelled or its deadline passed
@@ -119,7 +119,7 @@ class ByteBudget:
     ticket = next(self._tickets)
     self._queue.append(ticket)
     left = time_left()
-    limit = self._max_wait_s if left is None else min(self._max_wait_s, left - _WAIT_MARGIN_S)
+    limit = self._max_wait_s if left is None else min(self._max_wait_s, left - WAIT_MARGIN_S)
     start = time.monotonic()
     try:
       while not (self._queue[0] == ticket and self._fits(n)):
@@ -135,7 +135,7 @@ class ByteBudget:
             "or start the server with a larger --max_inflight_mb",
           )
         # Polled, like the waits for pushes: a cancelled caller must be noticed without a wake-up.
-        self._cond.wait(min(_POLL_S, limit - waited))
+        self._cond.wait(min(POLL_S, limit - waited))
     finally:
       self._queue.remove(ticket)
       self._slots.leave()

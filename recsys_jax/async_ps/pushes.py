@@ -1,14 +1,13 @@
 """One step's pushes summed over the workers, the same whatever order they arrived in: ``sum_pushes``.
 
 A PS server (``service``) buffers each worker's row gradients of a step and, once every
-worker has pushed it, applies this sum in one ``apply_many``. A push that came in chunks is
-first put together (``merge_parts``) after a check that no id is in two of its chunks
-(``repeated_id``).
+worker has pushed it, applies this sum in one ``apply_many``; the chunks of a push that came in
+several are summed as if each were a worker (their ids are distinct: ``repeated_id`` checks).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -16,7 +15,7 @@ Grads = Dict[str, Tuple[np.ndarray, np.ndarray]]
 """{table: (distinct uint64 ids, float32 gradients [n, dim])}."""
 
 
-def sum_pushes(pushes: Mapping[int, Grads], dims: Mapping[str, int]) -> Grads:
+def sum_pushes(pushes: Mapping[Any, Grads], dims: Mapping[str, int]) -> Grads:
   """Sums the pushes of one step: {worker: {table: (ids, grads)}} -> {table: (ids, grads)}.
 
   The ids of a table are the union of the workers' ids; each id's gradient is added up in
@@ -48,20 +47,6 @@ def sum_pushes(pushes: Mapping[int, Grads], dims: Mapping[str, int]) -> Grads:
       total[inv[pos : pos + i.shape[0]]] += g  # ids are distinct within a worker's push
       pos += i.shape[0]
     out[t] = (uniq, total)
-  return out
-
-
-def merge_parts(parts: Sequence[Grads]) -> Grads:
-  """One worker's push from its chunks: each table's ids and gradients concatenated in chunk order."""
-  if len(parts) == 1:
-    return dict(parts[0])
-  tables: List[str] = []
-  for p in parts:
-    tables.extend(t for t in p if t not in tables)
-  out = {}
-  for t in tables:
-    mine = [p[t] for p in parts if t in p]
-    out[t] = mine[0] if len(mine) == 1 else (np.concatenate([i for i, _ in mine]), np.concatenate([g for _, g in mine]))
   return out
 
 

@@ -203,9 +203,9 @@ class RemotePS:
 
     Raises:
       KeyError: an unknown table.
-      ValueError: ids that are not 1-D, or not unsigned or non-negative integers.
+      ValueError: ids that are not 1-D, or not unsigned or non-negative integers; repeated ids
+        in a lookup sent in chunks (nothing is sent then).
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
-      ValueError: a lookup sent in chunks has repeated ids in a table (nothing is sent).
     """
     for t in ids:
       self._check(t)
@@ -300,7 +300,15 @@ class RemotePS:
           message[f"grads/{t}"] = wire.to_wire(arrays[t][1][sel[t][a:b]], self.wire_dtype)
         # The server applies the push once all its chunks are in (a repeated chunk is acknowledged).
         more = {"chunk": k, "chunks": len(chunks)} if len(chunks) > 1 else {}
-        self._servers.call(s, "Push", {**fields, **more}, message, deadline=deadline)
+        got = self._servers.call(s, "Push", {**fields, **more}, message, deadline=deadline)
+      missing = got.fields.get("chunks_missing", 0)
+      if missing:  # the server lost the earlier chunks: a Restore, or a restart, came in between
+        raise RemotePSError(
+          f"{self._servers.where(s)}: Push {rid!r}: {missing} of its {len(chunks)} chunks are missing after "
+          "the last was sent (a Restore or restart in between?); nothing of it is applied there",
+          self.addresses[s],
+          "Push",
+        )
 
     work = {}
     for s in range(self.num_shards):

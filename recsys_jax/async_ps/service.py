@@ -8,18 +8,16 @@ the steps in flight (``rpc`` decodes and checks the requests and calls it):
   step <= t - staleness - 1 are applied.
 - ``push``: a worker's row gradients of a step. A step is applied once every worker has
   pushed it (or moved past it): the gradients summed in worker order (``pushes.sum_pushes``),
-  one ``apply_many``.
-  A repeated (worker, request_id) is acknowledged without being applied again. A push sent in
-  chunks is staged (``staging``) until its last chunk is in, then counts as that one push.
+  one ``apply_many``. A repeated (worker, request_id) is acknowledged, not applied again; a push
+  in chunks is staged (``staging``) until its last chunk is in, then counts as that one push.
 - ``snapshot`` / ``restore``: ``snapshot.save`` of the local PS after the pushes of the steps
   before ``step``; restore from the parts of any number of servers, keeping this server's ids.
 
 One client must not be able to jam the server: a wait ends when the caller cancels, before
 its deadline, and after ``max_wait_s`` whatever the deadline; at most ``max_waiters`` calls
 wait at once (the rest of the RPC threads stay free for pushes and Health; ``rpc``'s waits for
-memory count too, through the ``slots`` shared with it); a step more than
-staleness + ``step_window`` ahead of the applied one is refused (no trainer can be there, and
-it would move the step for everyone).
+memory count too, through the shared ``slots``); a step more than staleness + ``step_window``
+ahead of the applied one is refused (no trainer can be there, and it would move everyone's step).
 
 A refusal is a ``ServiceError`` whose ``code`` names the status the server answers with, so
 this module needs no gRPC.
@@ -37,12 +35,11 @@ import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps import snapshot, snapshot_chain, wire
-from recsys_jax.async_ps.budget import Active, TimeLeft, WaitSlots
+from recsys_jax.async_ps.budget import POLL_S, WAIT_MARGIN_S, Active, TimeLeft, WaitSlots
 from recsys_jax.async_ps.errors import ServiceError as ServiceError
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.pushes import Grads as Grads
-from recsys_jax.async_ps.pushes import merge_parts, repeated_id
-from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
+from recsys_jax.async_ps.pushes import repeated_id, sum_pushes
 from recsys_jax.async_ps.staging import Staging
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -54,8 +51,6 @@ _MAX_PENDING_STEPS = 1024
 # worker's push, and RemotePS's own deadline (ps.timeout_s, 30 s by default) ends it sooner.
 MAX_WAIT_S = 300.0
 STEP_WINDOW = 1000
-_WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
-_POLL_S = 0.1  # how often a waiting call checks that its caller is still there
 
 
 def _no_deadline() -> Optional[float]:
@@ -158,7 +153,7 @@ class ShardService:
           "a thread (start it with more --threads)",
         )
       left = time_left()
-      limit = self._max_wait_s if left is None else min(self._max_wait_s, left - _WAIT_MARGIN_S)
+      limit = self._max_wait_s if left is None else min(self._max_wait_s, left - WAIT_MARGIN_S)
       start = time.monotonic()
       try:
         while behind():
@@ -179,7 +174,7 @@ class ShardService:
             )
           # Polled, not woken: gRPC runs cancellation callbacks on its serving thread, which must
           # never block on _cond.
-          self._cond.wait(min(_POLL_S, limit - waited))
+          self._cond.wait(min(POLL_S, limit - waited))
       finally:
         self.slots.leave()
     if self._broken is not None:
@@ -299,7 +294,8 @@ class ShardService:
     last chunk is in, then taken as one push; before that it changes nothing a lookup sees.
 
     Returns:
-      {'duplicate': whether request_id (or this chunk of it) was seen before, 'applied_step': ...}.
+      {'duplicate': whether request_id (or this chunk of it) was seen before, 'applied_step': ...,
+      'chunks_missing': chunks of the push not in yet (0 once it is taken)}.
     """
     nw = self._config["num_workers"]
     ready: List[Tuple[Optional[int], Dict[int, List[Grads]]]] = []
@@ -307,10 +303,11 @@ class ShardService:
     if chunks > 1:
       with self._cond:
         if self._refuse_push(worker, step, request_id):
-          return {"duplicate": True, "applied_step": self._applied}
+          return {"duplicate": True, "applied_step": self._applied, "chunks_missing": 0}
         repeat, parts = self._staging.add(worker, request_id, step, chunk, chunks, grads)
         if parts is None:
-          return {"duplicate": repeat, "applied_step": self._applied}
+          missing = self._staging.missing(worker, request_id)
+          return {"duplicate": repeat, "applied_step": self._applied, "chunks_missing": missing}
       bad = repeated_id(parts)  # outside the lock: it sorts every id of the push
     with self._cond:
       if chunks > 1:
@@ -322,7 +319,7 @@ class ShardService:
             "INVALID_ARGUMENT", f"{what}: table {bad[0]!r}: id {bad[1]} is in two of its {chunks} chunks"
           )
       if self._refuse_push(worker, step, request_id):
-        return {"duplicate": True, "applied_step": self._applied}
+        return {"duplicate": True, "applied_step": self._applied, "chunks_missing": 0}
       if step is not None:
         self._pending.setdefault(step, {})[worker] = parts
         self._last[worker] = step
@@ -344,13 +341,19 @@ class ShardService:
       if ready:
         self._apply_lock.acquire()  # in step order: taken before _cond is released
     if not ready:
-      return {"duplicate": False, "applied_step": self._applied}
+      return {"duplicate": False, "applied_step": self._applied, "chunks_missing": 0}
     dims = {t: s.dim for t, s in self.ps.specs.items()}
     error = None
     try:
       for s, pushes in ready:
         try:
-          self.ps.apply_many(sum_pushes({w: merge_parts(p) for w, p in pushes.items()}, dims), s)
+          if len(pushes) == 1:  # its chunks hold distinct ids: one by one they are one push, uncopied
+            for part in next(iter(pushes.values())):
+              self.ps.apply_many(part, s)
+          else:  # each chunk as its own worker, in (worker, chunk) order: the sum of the workers
+            self.ps.apply_many(
+              sum_pushes({(w, k): p for w, parts in pushes.items() for k, p in enumerate(parts)}, dims), s
+            )
         except (KeyError, ValueError) as e:
           # The step is consumed either way: the server must not wedge on one bad step.
           error = error or ServiceError("FAILED_PRECONDITION", f"applying step {s}: {e}")
@@ -362,7 +365,7 @@ class ShardService:
         self._cond.notify_all()
     if error is not None:
       raise error
-    return {"duplicate": False, "applied_step": self._applied}
+    return {"duplicate": False, "applied_step": self._applied, "chunks_missing": 0}
 
   def snapshot(
     self,

@@ -71,6 +71,11 @@ class Staging:
       return False, None
     return False, [push.parts[i] for i in range(chunks)]
 
+  def missing(self, worker: int, request_id: str) -> int:
+    """How many chunks of a staged push are not in yet."""
+    push = self._open[(worker, request_id)]
+    return push.chunks - len(push.parts)
+
   def finish(self, worker: int, request_id: str) -> bool:
     """Drops a push (complete, or refused); False when it was not staged (a Restore dropped it)."""
     return self._open.pop((worker, request_id), None) is not None
