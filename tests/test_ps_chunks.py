@@ -7,8 +7,6 @@ and compiles its kernels before its ready line."""
 import functools
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import budget, optimizers, rpc, wire
+from recsys_jax.async_ps import budget, optimizers, wire
 from recsys_jax.async_ps.errors import ServiceError
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.pushes import sum_pushes
@@ -35,49 +33,6 @@ SPECS = [
 DIMS = {s.name: s.dim for s in SPECS}
 MIB = 1 << 20
 C = grpc.StatusCode
-
-
-@pytest.fixture
-def start():
-  """Starts in-process shard servers ((address, handlers)); stops them at teardown."""
-  servers = []
-
-  def _start(**kwargs):
-    server, port, handlers = rpc.serve("127.0.0.1", 0, **kwargs)
-    servers.append(server)
-    return f"127.0.0.1:{port}", handlers
-
-  yield _start
-  for s in servers:
-    s.stop(0)
-
-
-def _server_process(tmp_path, *args):
-  log = open(tmp_path / "server.log", "w")
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.async_ps.server", "--port=0", *args],
-    stdout=subprocess.PIPE,
-    stderr=log,
-    text=True,
-    cwd=ROOT,
-  )
-  log.close()
-  ready, _, _ = select.select([proc.stdout], [], [], 120)
-  line = proc.stdout.readline() if ready else ""
-  if not line.startswith("ready "):
-    proc.kill()
-    pytest.fail(f"server did not start: {line!r}\n{(tmp_path / 'server.log').read_text()[-3000:]}")
-  return proc, line.split()[1]
-
-
-def _stop(proc):
-  proc.send_signal(signal.SIGTERM)
-  try:
-    proc.wait(timeout=10)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
-  proc.stdout.close()
 
 
 def _grads(rng, ids):
@@ -104,43 +59,38 @@ def _rows_equal(a, b, rtol=1e-6):
 
 
 # -- chunks ------------------------------------------------------------------------------------
-def test_calls_over_the_message_limit_go_in_chunks_and_equal_one_call(tmp_path):
+def test_calls_over_the_message_limit_go_in_chunks_and_equal_one_call(servers):
   """Two server processes with a 1 MiB limit, a client with 0.25 MiB chunks: lookups of 1.5 MiB
   of rows and pushes of 2 MiB per server give what an in-process PS gives."""
-  procs = [_server_process(tmp_path, "--max_message_mb=1") for _ in range(2)]
-  try:
-    addrs = [a for _, a in procs]
-    rng = np.random.default_rng(0)
-    local = ParameterServer(SPECS, num_shards=2, seed=SEED)
-    with RemotePS(addrs, SPECS, seed=SEED, max_request_mb=0.25, timeout_s=60) as ps:
-      assert ps.message_limits == [MIB // 4, MIB // 4]
-      counts = _count_calls(ps)
-      for step in range(3):
-        ids = {"user": np.unique(rng.integers(0, 10**6, 100_000)).astype(np.uint64)}
-        ids["item"] = rng.permutation(np.arange(step * 40_000, (step + 1) * 40_000 + 20_000, dtype=np.uint64))
-        _rows_equal(ps.lookup_many(ids, True, step), local.lookup_many(ids, True, step))
-        g = _grads(rng, ids)
-        ps.apply_many(g, step)
-        local.apply_many(g, step)
-      # ~1.1 MiB of rows and ~2 MiB of gradients per server and step: about 5 and 9 chunks each.
-      assert counts["Lookup"] >= 3 * 2 * 4 and counts["Push"] >= 3 * 2 * 8, counts
-      every = {t: np.arange(0, 10**6, 7, dtype=np.uint64) for t in DIMS}
-      _rows_equal(ps.lookup_many(every, create=False), local.lookup_many(every, create=False))
-      rs, ls = ps.stats(), local.stats()
-      for t in DIMS:
-        for k in ("rows", "lookups", "created", "applied_rows"):
-          assert rs[t][k] == ls[t][k], (t, k, rs[t][k], ls[t][k])
-      # Without chunks the same lookup is refused, before the server makes any row.
-      ps.message_limits = [1 << 30, 1 << 30]
-      fresh = {"user": np.arange(2 * 10**6, 2 * 10**6 + 100_000, dtype=np.uint64)}
-      with pytest.raises(RemotePSError, match=r"RESOURCE_EXHAUSTED.*would take .* MiB, over .*--max_message_mb=1"):
-        ps.lookup_many(fresh, True, 3)
-      assert ps.stats()["user"]["rows"] == ls["user"]["rows"]
-      with pytest.raises(RemotePSError, match=r"RESOURCE_EXHAUSTED.*a push of \d+ bytes is over .*--max_message_mb=1"):
-        ps.apply_many(_grads(rng, {"user": every["user"]}), 3)
-  finally:
-    for proc, _ in procs:
-      _stop(proc)
+  addrs = [a for a, _ in servers.start(2, "--max_message_mb=1")]
+  rng = np.random.default_rng(0)
+  local = ParameterServer(SPECS, num_shards=2, seed=SEED)
+  with RemotePS(addrs, SPECS, seed=SEED, max_request_mb=0.25, timeout_s=60) as ps:
+    assert ps.message_limits == [MIB // 4, MIB // 4]
+    counts = _count_calls(ps)
+    for step in range(3):
+      ids = {"user": np.unique(rng.integers(0, 10**6, 100_000)).astype(np.uint64)}
+      ids["item"] = rng.permutation(np.arange(step * 40_000, (step + 1) * 40_000 + 20_000, dtype=np.uint64))
+      _rows_equal(ps.lookup_many(ids, True, step), local.lookup_many(ids, True, step))
+      g = _grads(rng, ids)
+      ps.apply_many(g, step)
+      local.apply_many(g, step)
+    # ~1.1 MiB of rows and ~2 MiB of gradients per server and step: about 5 and 9 chunks each.
+    assert counts["Lookup"] >= 3 * 2 * 4 and counts["Push"] >= 3 * 2 * 8, counts
+    every = {t: np.arange(0, 10**6, 7, dtype=np.uint64) for t in DIMS}
+    _rows_equal(ps.lookup_many(every, create=False), local.lookup_many(every, create=False))
+    rs, ls = ps.stats(), local.stats()
+    for t in DIMS:
+      for k in ("rows", "lookups", "created", "applied_rows"):
+        assert rs[t][k] == ls[t][k], (t, k, rs[t][k], ls[t][k])
+    # Without chunks the same lookup is refused, before the server makes any row.
+    ps.message_limits = [1 << 30, 1 << 30]
+    fresh = {"user": np.arange(2 * 10**6, 2 * 10**6 + 100_000, dtype=np.uint64)}
+    with pytest.raises(RemotePSError, match=r"RESOURCE_EXHAUSTED.*would take .* MiB, over .*--max_message_mb=1"):
+      ps.lookup_many(fresh, True, 3)
+    assert ps.stats()["user"]["rows"] == ls["user"]["rows"]
+    with pytest.raises(RemotePSError, match=r"RESOURCE_EXHAUSTED.*a push of \d+ bytes is over .*--max_message_mb=1"):
+      ps.apply_many(_grads(rng, {"user": every["user"]}), 3)
 
 
 def test_a_chunked_push_counts_once_for_the_staleness_gate(start):
@@ -226,6 +176,34 @@ def test_a_chunk_sent_twice_is_applied_once(start):
     _rows_equal(ps.lookup_many(ids, False), local.lookup_many(ids, False), rtol=0)
     assert ps.stats()["user"]["applied_rows"] == ids["user"].shape[0]
     assert handlers.service.state()["staged_pushes"] == []
+
+
+def test_a_push_whose_first_chunks_a_restore_dropped_fails_loudly(start, tmp_path):
+  """A Restore between two chunks drops the chunks already in: the client hears it after the last
+  chunk (nothing applied), and sending the push again applies it once."""
+  addr, handlers = start()
+  rng = np.random.default_rng(4)
+  with RemotePS([addr], SPECS, seed=SEED, max_request_mb=0.02) as ps:
+    ids = {t: np.unique(rng.integers(0, 5000, 2000)).astype(np.uint64) for t in DIMS}
+    ps.lookup_many(ids, True, 0)
+    ps.save_snapshot(str(tmp_path / "s"))
+    g = _grads(rng, ids)
+    inner = ps._servers.call
+
+    def restore_after_the_first(i, method, fields, arrays=None, **kw):
+      got = inner(i, method, fields, arrays, **kw)
+      if method == "Push" and fields.get("chunk") == 0:
+        ps.load_snapshot([str(tmp_path / "s")], step=0)
+      return got
+
+    ps._servers.call = restore_after_the_first
+    with pytest.raises(RemotePSError, match=r"Push .*: 1 of its \d+ chunks are missing after the last was sent"):
+      ps.apply_many(g, 0, request_id="p")
+    ps._servers.call = inner
+    assert handlers.ps.stats()["user"]["applied_rows"] == 0
+    ps.apply_many(g, 0, request_id="p")
+    assert handlers.ps.stats()["user"]["applied_rows"] == ids["user"].shape[0]
+    assert handlers.service.state()["staged_pushes"] == [] and handlers.service.state()["applied_step"] == 0
 
 
 def test_chunks_that_disagree_are_refused_and_change_nothing(start):
@@ -327,11 +305,11 @@ def test_the_byte_budget_admits_in_order_and_refuses_after_the_deadline():
   assert b.used == 0 and slots.count == 0
 
 
-def test_a_push_is_not_read_until_its_bytes_have_room(tmp_path):
+def test_a_push_is_not_read_until_its_bytes_have_room(servers):
   """A call that declared the whole --max_inflight_mb holds it: a 100 MiB push then waits unread
   (the server does not grow) until its deadline, RESOURCE_EXHAUSTED; once the room is given back,
   pushes go through. The bytes held show in Health."""
-  proc, addr = _server_process(tmp_path, "--max_inflight_mb=64")
+  ((addr, proc),) = servers.start(1, "--max_inflight_mb=64")
   specs = [TableSpec(name="wide", dim=64)]
   channel = grpc.insecure_channel(addr)
   try:
@@ -370,7 +348,6 @@ def test_a_push_is_not_read_until_its_bytes_have_room(tmp_path):
       assert ps.stats()["wide"]["applied_rows"] == 10
   finally:
     channel.close()
-    _stop(proc)
 
 
 def _peak_growth(pid, fn):
@@ -387,68 +364,66 @@ def _peak_growth(pid, fn):
 
 
 @pytest.mark.slow
-def test_a_servers_memory_per_call_is_bounded(tmp_path):
+def test_a_servers_memory_per_call_is_bounded(servers):
   """Peak RSS growth of a server process per call, beyond what its tables keep, in units of the
-  call's payload (ids + rows or gradients): measured 2.1x (lookup, create), 2.05x (lookup),
-  2.9x (push; gRPC alone takes 2.8x to receive a message) and 2.6x (creating 7.9M narrow
-  rows); before issue 13 creating rows took 4.1x (wide) and 9.6x (narrow)."""
-  proc, addr = _server_process(tmp_path, "--max_inflight_mb=256")
+  call's payload (ids + rows or gradients), 60 MiB calls: measured 2.2x (creating wide rows),
+  2.0x (lookup), 2.9x (push: gRPC alone takes ~2.8x to receive a message) and 2.5x (creating
+  7.9M narrow rows); before issue 13, creating rows took 4.0x (wide) and 3.3x (narrow). Six
+  concurrent pushes of 120 MiB: 520-640 MiB with --max_inflight_mb=256, 650-1010 MiB unbounded."""
+  ((addr, proc),) = servers.start(1, "--max_inflight_mb=256")
   specs = [TableSpec(name="wide", dim=64), TableSpec(name="narrow", dim=2)]
-  try:
-    with RemotePS([addr], specs, seed=SEED, timeout_s=300) as ps:
-      ps.lookup("wide", np.arange(10, dtype=np.uint64))
+  with RemotePS([addr], specs, seed=SEED, timeout_s=300) as ps:
+    ps.lookup("wide", np.arange(10, dtype=np.uint64))
 
-      def table_mb():
-        return sum(t["bytes"] for t in ps.stats().values()) / MIB
+    def table_mb():
+      return sum(t["bytes"] for t in ps.stats().values()) / MIB
 
-      for name, dim, n in (("wide", 64, 240_000), ("narrow", 2, 7_800_000)):
-        ids = np.arange(10**6, 10**6 + n, dtype=np.uint64)
-        payload = n * (8 + 4 * dim) / MIB
-        before = table_mb()
-        create = _peak_growth(proc.pid, functools.partial(ps.lookup, name, ids)) - (table_mb() - before)
-        lookup = _peak_growth(proc.pid, functools.partial(ps.lookup, name, ids))
-        grads = np.ones((n, dim), np.float32)
-        push = _peak_growth(proc.pid, functools.partial(ps.apply, name, ids, grads))
-        got = {"create": create / payload, "lookup": lookup / payload, "push": push / payload}
-        print(name, json.dumps(got))
-        assert got["create"] < 3.0 and got["lookup"] < 2.5 and got["push"] < 3.5, (name, got)
-      # Six clients pushing 120 MiB each at once stay within ~3x --max_inflight_mb (gRPC's copies).
-      script = textwrap.dedent(f"""
-        import sys, numpy as np
-        from recsys_jax.async_ps.remote import RemotePS
-        from recsys_jax.embeddings.specs import TableSpec
-        i = int(sys.argv[1]); n = 120 * 2**20 // 256
-        ids = np.arange(10**9 + i * n, 10**9 + (i + 1) * n, dtype=np.uint64)
-        with RemotePS(["{addr}"], [TableSpec(name="wide", dim=64), TableSpec(name="narrow", dim=2)], seed={SEED},
-                      timeout_s=300) as ps:
-          ps.lookup("wide", ids)
-          print("ready", flush=True)
-          sys.stdin.readline()
-          ps.apply("wide", ids, np.ones((n, 64), np.float32))
-          print("done", flush=True)
-      """)
-      clients = [
-        subprocess.Popen(
-          [sys.executable, "-c", script, str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
-        )
-        for i in range(6)
-      ]
+    for name, dim, n in (("wide", 64, 240_000), ("narrow", 2, 7_800_000)):
+      ids = np.arange(10**6, 10**6 + n, dtype=np.uint64)
+      payload = n * (8 + 4 * dim) / MIB
+      before = table_mb()
+      create = _peak_growth(proc.pid, functools.partial(ps.lookup, name, ids)) - (table_mb() - before)
+      lookup = _peak_growth(proc.pid, functools.partial(ps.lookup, name, ids))
+      grads = np.ones((n, dim), np.float32)
+      push = _peak_growth(proc.pid, functools.partial(ps.apply, name, ids, grads))
+      got = {"create": create / payload, "lookup": lookup / payload, "push": push / payload}
+      print(name, json.dumps(got))
+      assert got["create"] < 3.0 and got["lookup"] < 2.5 and got["push"] < 3.5, (name, got)
+    # Six clients pushing 120 MiB each at once stay within ~3x --max_inflight_mb (gRPC's copies).
+    script = textwrap.dedent(f"""
+      import sys, numpy as np
+      from recsys_jax.async_ps.remote import RemotePS
+      from recsys_jax.embeddings.specs import TableSpec
+      i = int(sys.argv[1]); n = 120 * 2**20 // 256
+      ids = np.arange(10**9 + i * n, 10**9 + (i + 1) * n, dtype=np.uint64)
+      with RemotePS(["{addr}"], [TableSpec(name="wide", dim=64), TableSpec(name="narrow", dim=2)], seed={SEED},
+                    timeout_s=300) as ps:
+        ps.lookup("wide", ids)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        ps.apply("wide", ids, np.ones((n, 64), np.float32))
+        print("done", flush=True)
+    """)
+    clients = [
+      subprocess.Popen(
+        [sys.executable, "-c", script, str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+      )
+      for i in range(6)
+    ]
+    for c in clients:
+      assert c.stdout.readline().strip() == "ready"
+
+    def go():
       for c in clients:
-        assert c.stdout.readline().strip() == "ready"
+        c.stdin.write("\n")
+        c.stdin.flush()
+      for c in clients:
+        assert c.stdout.readline().strip() == "done"
+        c.wait(60)
 
-      def go():
-        for c in clients:
-          c.stdin.write("\n")
-          c.stdin.flush()
-        for c in clients:
-          assert c.stdout.readline().strip() == "done"
-          c.wait(60)
-
-      peak = _peak_growth(proc.pid, go)
-      print("six pushes of 120 MiB", peak)
-      assert peak < 3 * 256 + 64, peak
-  finally:
-    _stop(proc)
+    peak = _peak_growth(proc.pid, go)
+    print("six pushes of 120 MiB", peak)
+    assert peak < 3 * 256 + 64, peak
 
 
 # -- warm-up -----------------------------------------------------------------------------------
@@ -493,10 +468,8 @@ def test_after_the_warm_up_no_call_compiles_a_kernel():
   assert got["after"] == got["warm"], {k: (got["warm"][k], v) for k, v in got["after"].items() if v != got["warm"][k]}
 
 
-def test_the_server_warms_up_before_its_ready_line(tmp_path):
-  proc, addr = _server_process(tmp_path)
-  try:
-    log = (tmp_path / "server.log").read_text()
-    assert "numba kernels warmed up in" in log, log[-2000:]
-  finally:
-    _stop(proc)
+def test_the_server_warms_up_before_its_ready_line(servers):
+  ((_, proc),) = servers.start(1)
+  with open(proc.log_path) as f:
+    log = f.read()
+  assert "numba kernels warmed up in" in log, log[-2000:]
