@@ -41,6 +41,8 @@ VERSION = 1
 SERVICE = "recsys_jax.async_ps.PSShard"
 METHODS = ("Configure", "Lookup", "Push", "Snapshot", "Restore", "Stats", "Health")
 MAX_HEADER_BYTES = 16 << 20
+SIZE_KEY = "rps-request-bytes"
+"""gRPC metadata: the request's length in bytes, so a server can make room before reading it."""
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 8
 
@@ -124,6 +126,22 @@ def encode(fields: Optional[Mapping[str, Any]] = None, arrays: Optional[Mapping[
   # The payload starts 8-byte aligned, so decoded arrays are aligned too.
   header += b" " * _pad(_PREFIX.size + len(header))
   return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *buffers])
+
+
+def header_bound(fields: Mapping[str, Any], names: Sequence[str]) -> int:
+  """An upper bound of the bytes besides the payload in a message of these fields and arrays.
+
+  Args:
+    fields: the message's fields (numbers in them as large as they will be).
+    names: the names of its arrays (of at most 2 dimensions).
+
+  Returns:
+    Bytes of the prefix and the padded header, whatever the arrays' shapes and offsets.
+  """
+  big = 10**19  # wider than any shape, offset or length of a message
+  entries = [{"name": n, "dtype": "bfloat16", "shape": [big, big], "offset": big} for n in names]
+  header = {"v": VERSION, "fields": dict(fields), "payload_bytes": big, "arrays": entries}
+  return _PREFIX.size + len(json.dumps(header, separators=(",", ":")).encode("utf-8")) + _ALIGN
 
 
 def _int(value: Any, what: str) -> int:

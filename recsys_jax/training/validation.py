@@ -59,6 +59,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   )
   need(config.ps.timeout_s > 0, "ps.timeout_s", "must be positive")
   need(config.ps.snapshot_timeout_s >= 0, "ps.snapshot_timeout_s", "must be >= 0 (0: 10 x ps.timeout_s)")
+  need(0 <= config.ps.max_request_mb < 2**20, "ps.max_request_mb", "must be in [0, 2**20) (0: the servers' limit)")
   need(config.checkpoint_full_every >= 1, "checkpoint_full_every", "must be >= 1 (1 = every snapshot full)")
   if config.ps.tier:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
