@@ -159,7 +159,9 @@ def decode(data: bytes) -> Message:
     )
   try:
     header = json.loads(bytes(view[_PREFIX.size : start]).decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+  # ValueError covers UnicodeDecodeError, JSONDecodeError and an integer of more digits than
+  # int() converts (4300 by default), which json raises as a plain ValueError.
+  except (ValueError, RecursionError) as e:
     raise WireError(f"header is not valid UTF-8 JSON ({e})") from None
   if not isinstance(header, dict):
     raise WireError("header must be a JSON object")
