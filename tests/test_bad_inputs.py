@@ -75,3 +75,31 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
     assert "\n" not in str(info.value), str(info.value)
   else:
     raise AssertionError(f"corpus entry {name}: unknown kind")
+
+
+# -- readers -------------------------------------------------------------------------------------
+
+
+def _criteo_lines(n):
+  return b"".join(b"\t".join([b"1"] + [b"3"] * 13 + [b"68fd1e64"] * 26) + b"\n" for _ in range(n))
+
+
+def test_damaged_gzip_names_the_file_and_the_last_good_line(tiny_config, tmp_path):
+  import gzip
+
+  whole = gzip.compress(_criteo_lines(2000), mtime=0)
+  path = str(tmp_path / "day_0.gz")
+  with open(path, "wb") as f:
+    f.write(whole[: len(whole) // 2])
+  with pytest.raises(ValueError, match=rf"{re.escape(path)}: cannot be read after line (\d+) \(EOFError") as info:
+    read_everything(reader_config(tiny_config, "criteo", path))
+  last = int(re.search(r"after line (\d+)", str(info.value)).group(1))
+  # The line named is the last one the gzip stream gave before it broke off.
+  with gzip.open(path, "rb") as f:
+    good = 0
+    try:
+      for _ in f:
+        good += 1
+    except EOFError:
+      pass
+  assert last == good > 0, (last, good)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import io
+import zlib
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -118,24 +119,51 @@ def open_text(path: str) -> io.BufferedIOBase:
   return open(path, "rb")
 
 
+# What reading a damaged or unreadable file raises: gzip's BadGzipFile and other OSErrors,
+# EOFError for a gzip stream cut short, zlib.error for corrupt deflate data.
+READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def unreadable(path: str, after_line: int, e: BaseException) -> ValueError:
+  """The error for a file that cannot be read past ``after_line`` (0: not at all)."""
+  where = f"after line {after_line}" if after_line else "from its start"
+  return ValueError(f"{path}: cannot be read {where} ({type(e).__name__}: {e}); is it damaged or cut short?")
+
+
+def first_line(path: str) -> bytes:
+  """The first line of a plain or gzip text file (b'' if it is empty)."""
+  try:
+    with open_text(path) as f:
+      return f.readline()
+  except READ_ERRORS as e:
+    raise unreadable(path, 0, e) from None
+
+
 def text_chunks(path: str, chunk_records: int, header_lines: int = 0) -> Iterator[RawChunk]:
   """Cuts a text file into chunks of ``chunk_records`` lines (after ``header_lines``).
 
   Lines keep no trailing newline (``\\n`` or ``\\r\\n``); an empty last line is not a record.
+
+  Raises:
+    ValueError: naming the file and the last line read, if it cannot be read (e.g. a
+      damaged or truncated gzip file).
   """
-  with open_text(path) as f:
-    for _ in range(header_lines):
-      f.readline()
-    line_no = header_lines + 1
-    lines: List[bytes] = []
-    for raw in f:
-      lines.append(raw.rstrip(b"\r\n"))
-      if len(lines) == chunk_records:
-        yield RawChunk(path, line_no, lines)
-        line_no += len(lines)
-        lines = []
-    if lines:
-      yield RawChunk(path, line_no, lines)
+  line_no = header_lines + 1
+  lines: List[bytes] = []
+  try:
+    with open_text(path) as f:
+      for _ in range(header_lines):
+        f.readline()
+      for raw in f:
+        lines.append(raw.rstrip(b"\r\n"))
+        if len(lines) == chunk_records:
+          yield RawChunk(path, line_no, lines)
+          line_no += len(lines)
+          lines = []
+  except READ_ERRORS as e:
+    raise unreadable(path, line_no + len(lines) - 1, e) from None
+  if lines:
+    yield RawChunk(path, line_no, lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,11 +150,13 @@ class TabularFormat:
 
   def _read_layout(self, path: str) -> Tuple[int, Tuple[int, ...]]:
     """(number of fields, index of each declared column) from a CSV file's header line."""
-    with base.open_text(path) as f:
-      raw = f.readline()
+    raw = base.first_line(path)
     if not raw:
       raise ValueError(f"{path}: empty file, expected a header line naming the columns")
-    header = next(csv.reader([raw.decode("utf-8-sig").rstrip("\r\n")], delimiter=self.delimiter), [])
+    try:
+      header = next(csv.reader([raw.decode("utf-8-sig").rstrip("\r\n")], delimiter=self.delimiter), [])
+    except (UnicodeDecodeError, csv.Error) as e:
+      raise ValueError(f"{path}:1: the header line is not UTF-8 CSV ({e})") from None
     header = [h.strip() for h in header]
     if any(c not in header for c in self.columns):
       raise self._missing_columns_error(path, header)
