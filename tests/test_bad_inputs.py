@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from recsys_jax.async_ps import wire
@@ -103,3 +104,54 @@ def test_damaged_gzip_names_the_file_and_the_last_good_line(tiny_config, tmp_pat
     except EOFError:
       pass
   assert last == good > 0, (last, good)
+
+
+def test_movielens_bad_lines_are_skipped_one_by_one_and_the_rest_read_as_from_a_clean_file(tmp_path):
+  from recsys_jax.data import movielens
+
+  header = b"userId,movieId,rating,timestamp\n"
+  good = [
+    b"%d,%d,%s,%d" % (u, m, r, 964982000 + 7 * i)
+    for i, (u, m, r) in enumerate(
+      [(1, 1, b"4.0"), (1, 2, b"3.0"), (2, 1, b"5.0"), (2, 3, b"1.5"), (3, 2, b"4.5"), (3, 3, b"2.0")]
+    )
+  ]
+  bad = [
+    b"1,2,4.0\x00,964982703",  # a NUL byte
+    b"1,2,\xff\xfe,964982703",  # not UTF-8
+    b'1,2,"' + b"7" * 140_000 + b'",1',  # a field over the csv module's limit
+    b"99999999999999999999,2,4.0,964982703",  # beyond int64
+    b"1,2,4.0,964982703\r5",  # a carriage return inside the line
+  ]
+  movies = b"movieId,title,genres\n1,A (1995),Comedy\n2,B (2001),Drama|Comedy\n3,C,\n"
+  clean, dirty = tmp_path / "clean", tmp_path / "dirty"
+  for d in (clean, dirty):
+    d.mkdir()
+    (d / "movies.csv").write_bytes(movies)
+  (clean / "ratings.csv").write_bytes(header + b"".join(x + b"\n" for x in good))
+  lines = [good[0], bad[0], good[1], bad[1], bad[2], good[2], good[3], bad[3], good[4], bad[4], good[5]]
+  (dirty / "ratings.csv").write_bytes(header + b"".join(x + b"\n" for x in lines))
+  policy = base.BadRecords("skip")
+  got = movielens.MovieLensFormat(str(dirty), max_history=3, max_genres=2, bad=policy)
+  want = movielens.MovieLensFormat(str(clean), max_history=3, max_genres=2)
+  assert policy.count == len(bad)
+  bad_lines = [2 + i for i, x in enumerate(lines) if x in bad]  # the header is line 1
+  assert [int(re.search(r"ratings\.csv:(\d+):", e).group(1)) for e in policy.examples] == bad_lines
+  for split in ("train", "eval"):
+    a = base.read_all(got, split)
+    b = base.read_all(want, split)
+    assert base.num_records(a) == base.num_records(b) > 0
+    for k in ("label", "dense"):
+      np.testing.assert_array_equal(a[k], b[k])
+    for k in b["sparse"]:
+      np.testing.assert_array_equal(a["sparse"][k], b["sparse"][k])
+
+
+def test_movielens_with_an_empty_eval_split_names_the_ratings_file(tiny_config, tmp_path):
+  (tmp_path / "ratings.csv").write_bytes(b"userId,movieId,rating,timestamp\n1,1,4.0,964982703\n")
+  (tmp_path / "movies.csv").write_bytes(b"movieId,title,genres\n1,A (1995),Comedy\n")
+  config = reader_config(tiny_config, "movielens", str(tmp_path))
+  config.data.eval_fraction = 0.0
+  reader = readers.build_reader(config)
+  with pytest.raises(ValueError, match=rf"first: {re.escape(str(tmp_path / 'ratings.csv'))}\[eval\]\): empty files"):
+    list(reader.eval())
