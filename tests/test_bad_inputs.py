@@ -72,7 +72,9 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
       wire.decode(data)
   elif name.startswith("readers/"):
     with pytest.raises(error, match=match) as info:
-      read_everything(reader_config(tiny_config, exp["format"], path, exp.get("policy", "error")))
+      config = reader_config(tiny_config, exp["format"], path, exp.get("policy", "error"))
+      config.data.update(exp.get("config", {}))
+      read_everything(config)
     assert "\n" not in str(info.value), str(info.value)
   else:
     raise AssertionError(f"corpus entry {name}: unknown kind")
@@ -155,3 +157,38 @@ def test_movielens_with_an_empty_eval_split_names_the_ratings_file(tiny_config, 
   reader = readers.build_reader(config)
   with pytest.raises(ValueError, match=rf"first: {re.escape(str(tmp_path / 'ratings.csv'))}\[eval\]\): empty files"):
     list(reader.eval())
+
+
+def test_parquet_integers_beyond_2_to_the_53_are_read_as_the_nearest_float(tiny_config, tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  big = [2**62, 2**53 + 1, 3]
+  path = str(tmp_path / "big.parquet")
+  pq.write_table(pa.table({"label": [1, 0, 1], "d1": [0.5, 1.0, 2.0], "d2": big, "c1": ["a", "b", "c"]}), path)
+  config = reader_config(tiny_config, "parquet", path)
+  config.data.dense_transform = "none"
+  config.eval_batch_size = 3
+  (batch, n), *_ = readers.build_reader(config).eval()
+  assert n == 3
+  np.testing.assert_array_equal(batch["dense"][:, 1], np.asarray(big, np.float64).astype(np.float32))
+
+
+def test_parquet_damaged_inside_names_the_file(tiny_config, tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  path = str(tmp_path / "d.parquet")
+  n = 64
+  table = pa.table({"label": [i % 2 for i in range(n)], "d1": np.arange(n, dtype=np.float64), "d2": list(range(n))})
+  pq.write_table(table.append_column("c1", pa.array([str(i) for i in range(n)])), path, row_group_size=16)
+  data = bytearray(open(path, "rb").read())
+  meta = pq.ParquetFile(path).metadata
+  page = meta.row_group(2).column(0).data_page_offset  # inside the file, before the footer
+  data[page : page + 24] = b"\xff" * 24  # the page header: no longer a valid one
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+  config = reader_config(tiny_config, "parquet", path)
+  config.data.chunk_records = 16
+  with pytest.raises(ValueError, match=rf"{re.escape(path)}: cannot be read after row 32 \("):
+    read_everything(config)

@@ -28,6 +28,7 @@ from recsys_jax.data import base
 
 FILE_TYPES = ("csv", "parquet")
 DENSE_TRANSFORMS = ("log1p", "none")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # One fault of one record: (its index in the chunk, or its line number; field; why).
@@ -169,23 +170,29 @@ class TabularFormat:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
+    try:
+      pf = pq.ParquetFile(path)
+      names = pf.schema_arrow.names
+    except (pa.ArrowException, OSError) as e:  # not Parquet, cut short, a damaged footer
+      raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     if any(c not in names for c in self.columns):
       raise self._missing_columns_error(path, names)
 
     def gen() -> Iterator[base.RawChunk]:
       # Some pyarrow versions stop batches at row-group ends: regroup so every chunk but the last is full.
       row, pending, held = 1, [], 0
-      for batch in pf.iter_batches(batch_size=chunk_records, columns=list(self.columns)):
-        pending.append(pa.Table.from_batches([batch]))
-        held += batch.num_rows
-        while held >= chunk_records:
-          table = pa.concat_tables(pending)
-          yield base.RawChunk(path, row, table.slice(0, chunk_records))
-          row += chunk_records
-          rest = table.slice(chunk_records)
-          pending, held = ([rest] if rest.num_rows else []), rest.num_rows
+      try:
+        for batch in pf.iter_batches(batch_size=chunk_records, columns=list(self.columns)):
+          pending.append(pa.Table.from_batches([batch]))
+          held += batch.num_rows
+          while held >= chunk_records:
+            table = pa.concat_tables(pending)
+            yield base.RawChunk(path, row, table.slice(0, chunk_records))
+            row += chunk_records
+            rest = table.slice(chunk_records)
+            pending, held = ([rest] if rest.num_rows else []), rest.num_rows
+      except (pa.ArrowException, OSError) as e:  # a damaged page or row group
+        raise ValueError(f"{path}: cannot be read after row {row + held - 1} ({type(e).__name__}: {e})") from None
       if held:
         yield base.RawChunk(path, row, pa.concat_tables(pending))
 
@@ -207,7 +214,12 @@ class TabularFormat:
     if self.file_type == "csv":
       lines, values, faults = self._csv_values(chunk)
     else:
-      lines, values, faults = self._parquet_values(chunk)
+      import pyarrow as pa
+
+      try:
+        lines, values, faults = self._parquet_values(chunk)
+      except pa.ArrowException as e:  # a column of a type that does not convert (e.g. a struct)
+        raise ValueError(f"{chunk.path}: rows from {chunk.first_line}: {type(e).__name__}: {e}") from None
     return self._assemble(chunk.path, lines, values, faults, bad)
 
   def _csv_values(self, chunk: base.RawChunk) -> Tuple[np.ndarray, Dict[str, Any], List[Fault]]:
@@ -262,7 +274,7 @@ class TabularFormat:
     for name in (self.label, *self.dense):
       col = table.column(name)
       if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
-        x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        x = pc.cast(col, pa.float64(), safe=False).to_numpy(zero_copy_only=False)  # ints beyond 2**53 round
         missing = col.is_null().to_numpy(zero_copy_only=False)
         values[name] = (np.where(missing, 0.0, x), missing, [])
       else:
@@ -306,8 +318,10 @@ class TabularFormat:
     for j, name in enumerate(self.dense):
       d, _, invalid = values[name]  # empty or null: 0 (d holds 0 there)
       row_faults += [(i, name, why) for i, why in invalid]
-      for i in np.flatnonzero(~np.isfinite(d)):
-        row_faults.append((int(i), name, f"dense value {d[i]} is not a finite number"))
+      # Raw values go to float32: a finite float64 beyond its range would become inf there.
+      out_of_range = ~np.isfinite(d) if self.dense_transform == "log1p" else ~(np.abs(d) <= _FLOAT32_MAX)
+      for i in np.flatnonzero(out_of_range):
+        row_faults.append((int(i), name, f"dense value {d[i]} is not a finite float32 number"))
       dense[:, j] = d  # non-finite values belong to bad records, dropped below
 
     # Report each bad record once (its first fault by column order), in line order, so that the
