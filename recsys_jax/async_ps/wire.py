@@ -186,7 +186,7 @@ def decode(data: bytes) -> Message:
       raise WireError(f"array entry {i}: name must be a non-empty string")
     if name in arrays:
       raise WireError(f"array {name!r} appears twice")
-    if e["dtype"] not in DTYPES:
+    if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:  # a list or dict is not hashable
       raise WireError(f"array {name!r}: dtype {e['dtype']!r} is not allowed (allowed: {sorted(DTYPES)})")
     dt = DTYPES[e["dtype"]]
     shape = e["shape"]
