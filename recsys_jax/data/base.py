@@ -124,10 +124,15 @@ def open_text(path: str) -> io.BufferedIOBase:
 READ_ERRORS = (OSError, EOFError, zlib.error)
 
 
+def one_line(e: BaseException) -> str:
+  """An exception's message on one line (pyarrow's and thrift's end in newlines)."""
+  return " ".join(str(e).split())
+
+
 def unreadable(path: str, after_line: int, e: BaseException) -> ValueError:
   """The error for a file that cannot be read past ``after_line`` (0: not at all)."""
   where = f"after line {after_line}" if after_line else "from its start"
-  return ValueError(f"{path}: cannot be read {where} ({type(e).__name__}: {e}); is it damaged or cut short?")
+  return ValueError(f"{path}: cannot be read {where} ({type(e).__name__}: {one_line(e)}); is it damaged or cut short?")
 
 
 def first_line(path: str) -> bytes:

@@ -174,7 +174,7 @@ class TabularFormat:
       pf = pq.ParquetFile(path)
       names = pf.schema_arrow.names
     except (pa.ArrowException, OSError) as e:  # not Parquet, cut short, a damaged footer
-      raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+      raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {base.one_line(e)})") from None
     if any(c not in names for c in self.columns):
       raise self._missing_columns_error(path, names)
 
@@ -192,7 +192,9 @@ class TabularFormat:
             rest = table.slice(chunk_records)
             pending, held = ([rest] if rest.num_rows else []), rest.num_rows
       except (pa.ArrowException, OSError) as e:  # a damaged page or row group
-        raise ValueError(f"{path}: cannot be read after row {row + held - 1} ({type(e).__name__}: {e})") from None
+        raise ValueError(
+          f"{path}: cannot be read after row {row + held - 1} ({type(e).__name__}: {base.one_line(e)})"
+        ) from None
       if held:
         yield base.RawChunk(path, row, pa.concat_tables(pending))
 
@@ -219,7 +221,9 @@ class TabularFormat:
       try:
         lines, values, faults = self._parquet_values(chunk)
       except pa.ArrowException as e:  # a column of a type that does not convert (e.g. a struct)
-        raise ValueError(f"{chunk.path}: rows from {chunk.first_line}: {type(e).__name__}: {e}") from None
+        raise ValueError(
+          f"{chunk.path}: rows from {chunk.first_line}: {type(e).__name__}: {base.one_line(e)}"
+        ) from None
     return self._assemble(chunk.path, lines, values, faults, bad)
 
   def _csv_values(self, chunk: base.RawChunk) -> Tuple[np.ndarray, Dict[str, Any], List[Fault]]:
