@@ -192,3 +192,95 @@ def test_parquet_damaged_inside_names_the_file(tiny_config, tmp_path):
   config.data.chunk_records = 16
   with pytest.raises(ValueError, match=rf"{re.escape(path)}: cannot be read after row 32 \("):
     read_everything(config)
+
+
+# -- PS snapshots ----------------------------------------------------------------------------------
+
+
+def _small_ps():
+  from recsys_jax.async_ps.ps import ParameterServer
+  from recsys_jax.embeddings.specs import TableSpec
+
+  return ParameterServer([TableSpec(name="user", dim=4), TableSpec(name="item", dim=2, optimizer="adam")], seed=1)
+
+
+def _remote_snapshot(tmp_path):
+  """A RemotePS-layout snapshot (remote.json + server-0) of a PS with a few rows; returns (dir, rows)."""
+  from recsys_jax.async_ps import snapshot, snapshot_chain
+
+  ps = _small_ps()
+  for t, dim in (("user", 4), ("item", 2)):
+    ids = np.arange(5, dtype=np.uint64) * 7
+    ps.lookup(t, ids)
+    ps.apply(t, ids, np.ones((5, dim), np.float32))
+  d = tmp_path / "snap"
+  d.mkdir()
+  snapshot.save(ps, str(d / "server-0"))
+  manifest = {"format": snapshot_chain.FORMAT, "num_servers": 1, "step": 2, "incremental": False}
+  (d / "remote.json").write_text(json.dumps(dict(manifest, parts=["server-0"], rows={}, meta={})))
+  return str(d), ps.snapshot()
+
+
+@pytest.mark.parametrize(
+  "content, match",
+  [
+    (b"", r"remote\.json: cannot read the RemotePS snapshot manifest \(JSONDecodeError"),
+    (b'{"format": "recsys_jax.remote_ps/1", "pa\xffrts": []}', r"remote\.json: cannot read .*UnicodeDecodeError"),
+    (
+      b'{"format": "recsys_jax.remote_ps/1", "parts": ["../elsewhere"]}',
+      r"remote\.json: its parts \['\.\./elsewhere'\]",
+    ),
+    (b'{"format": "recsys_jax.remote_ps/1", "parts": [7]}', r"remote\.json: its parts \[7\] are not names"),
+  ],
+)
+def test_a_damaged_remote_ps_manifest_is_a_value_error_naming_it(tmp_path, content, match):
+  from recsys_jax.async_ps import snapshot_chain
+
+  d, _ = _remote_snapshot(tmp_path)
+  with open(os.path.join(d, "remote.json"), "wb") as f:
+    f.write(content)
+  with pytest.raises(ValueError, match=re.escape(d) + "/" + match):
+    snapshot_chain.load_into(_small_ps(), [d])
+
+
+@pytest.mark.parametrize(
+  "old, new",
+  [(b'"crc32"', b'"crc33"'), (b'"shape": [', b'"shape": ["'), (b'"incremental": false', b'"incremental": 0')],
+)
+def test_a_manifest_damaged_into_other_valid_json_is_named_and_restores_nothing(tmp_path, old, new):
+  from recsys_jax.async_ps import snapshot, snapshot_chain
+  from recsys_jax.async_ps.service import ServiceError, ShardService
+
+  d, _ = _remote_snapshot(tmp_path)
+  mpath = os.path.join(d, "server-0", "manifest.json")
+  text = open(mpath, "rb").read()
+  assert old in text
+  text = text.replace(old, new, 1)
+  if new.endswith(b'"'):
+    text = text.replace(b'"shape": ["', b'"shape": ["x", ', 1)
+  with open(mpath, "wb") as f:
+    f.write(text)
+  part = os.path.join(d, "server-0")
+  with pytest.raises(ValueError, match=re.escape(f"PS snapshot {part}: manifest.json")):
+    snapshot_chain.load_into(_small_ps(), [d])
+  with pytest.raises(ValueError, match=re.escape(f"PS snapshot {part}: manifest.json")):
+    snapshot.load(_small_ps(), [part])
+  service = ShardService()
+  tables = list(_small_ps().specs.values())
+  service.configure(tables, {"seed": 1, "num_workers": 1, "staleness": 0, "shard_index": 0, "num_shards": 1})
+  with pytest.raises(ServiceError, match=re.escape(f"PS snapshot {part}: manifest.json")) as info:
+    service.restore(snapshot_chain.snapshot_parts([d]), 3)
+  assert info.value.code == "FAILED_PRECONDITION"
+
+
+def test_an_intact_remote_snapshot_restores_every_row(tmp_path):
+  from recsys_jax.async_ps import snapshot_chain
+
+  d, want = _remote_snapshot(tmp_path)
+  ps = _small_ps()
+  snapshot_chain.load_into(ps, [d])
+  got = ps.snapshot()
+  for t in want:
+    order_w, order_g = np.argsort(want[t]["ids"]), np.argsort(got[t]["ids"])
+    for k in want[t]:
+      np.testing.assert_array_equal(got[t][k][order_g], want[t][k][order_w])
