@@ -15,6 +15,7 @@ to are deleted only after a save succeeded.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import zlib
@@ -67,6 +68,17 @@ def _short(e: BaseException, limit: int = 300) -> str:
   """The first line of an error, cut: tensorstore's carry their whole JSON spec."""
   text = (str(e).splitlines() or [""])[0]
   return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def meta_checksum(meta: Dict[str, Any]) -> str:
+  """CRC32 of a meta dict without its own ``meta_crc32``, over its canonical JSON.
+
+  The dense arrays have their own checksums (``state_crc32``, inside the meta); this one covers
+  the rest: a bit flipped in a digit of ``data_position`` still leaves valid JSON, which would
+  otherwise resume from the wrong record.
+  """
+  rest = {k: v for k, v in meta.items() if k != "meta_crc32"}
+  return f"{zlib.crc32(json.dumps(rest, sort_keys=True, separators=(',', ':')).encode()) & 0xFFFFFFFF:08x}"
 
 
 def _first_mismatch(expected: Dict[str, str], got: Dict[str, str]) -> Optional[str]:
@@ -125,12 +137,11 @@ class Checkpointer:
           ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
       else:
         snapshot.save(ps, path, incremental=not full, meta={"step": int(step)})
+      meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)
+      meta["meta_crc32"] = meta_checksum(meta)
       self._mgr.save(
         step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(_without_empty(state)),
-          meta=ocp.args.JsonSave(dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)),
-        ),
+        args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
       )
       self._mgr.wait_until_finished()
       self._verify(step, self._read_state(step, state), crc)
@@ -178,9 +189,21 @@ class Checkpointer:
   def _read_meta(self, step: int) -> Dict[str, Any]:
     path = os.path.join(self.directory, str(step))
     try:
-      return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # orbax raises many types; name the place and keep the cause
-      raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {e})") from e
+      raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {_short(e)})") from e
+    if not isinstance(meta, dict):
+      raise CheckpointError(f"checkpoint {path}: meta is damaged: not a JSON object")
+    # Checkpoints written before meta checksums have neither checksum; one without the other
+    # lost a key to damage.
+    if "meta_crc32" in meta or "state_crc32" in meta:
+      got = meta_checksum(meta)
+      if meta.get("meta_crc32") != got:
+        raise CheckpointError(
+          f"checkpoint {path} is damaged: its meta does not match its checksum "
+          f"(written {meta.get('meta_crc32')}, read {got})"
+        )
+    return meta
 
   def restore(self, step: int, state_template: Any, ps) -> Tuple[Any, Dict[str, Any]]:
     """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
@@ -211,7 +234,7 @@ class Checkpointer:
     except ConnectionError:
       raise  # a PS server out of reach says nothing about the checkpoint
     except (ValueError, OSError) as e:
-      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {e}") from e
+      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
     self._chain = chain
     self._since_full = len(chain) - 1
     return state, meta

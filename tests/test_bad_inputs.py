@@ -76,6 +76,17 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
       config.data.update(exp.get("config", {}))
       read_everything(config)
     assert "\n" not in str(info.value), str(info.value)
+  elif name.startswith("config/"):
+    from experiments.fuzzing.config import assign
+    from recsys_jax.training.specs import build_specs
+    from recsys_jax.training.validation import validate_config
+
+    with open(path) as f:
+      for field, value in json.load(f)["overrides"].items():
+        assign(tiny_config, field, value)
+    with pytest.raises(error, match=match):
+      validate_config(tiny_config)  # checks the values it can without the data
+      build_specs(tiny_config, readers.build_reader(tiny_config).schema)  # the per-feature overrides
   else:
     raise AssertionError(f"corpus entry {name}: unknown kind")
 
@@ -284,3 +295,54 @@ def test_an_intact_remote_snapshot_restores_every_row(tmp_path):
     order_w, order_g = np.argsort(want[t]["ids"]), np.argsort(got[t]["ids"])
     for k in want[t]:
       np.testing.assert_array_equal(got[t][k][order_g], want[t][k][order_w])
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def _two_checkpoints(workdir):
+  """Checkpoints 1 and 2 of a small dense state and PS; returns what each saved."""
+  import jax.numpy as jnp
+
+  from recsys_jax.checkpoint import Checkpointer
+
+  ps = _small_ps()
+  ckpt = Checkpointer(str(workdir), max_to_keep=3, full_every=1)
+  saved = {}
+  for step in (1, 2):
+    ps.lookup("user", np.arange(3 * step, dtype=np.uint64))
+    state = {"w": jnp.full((3, 2), float(step)), "b": jnp.arange(4.0) * step}
+    ckpt.save(step, state, ps, {"data_position": step, "batch_size": 8})
+    saved[step] = ({k: np.asarray(v) for k, v in state.items()}, ps.snapshot())
+  ckpt.close()
+  return saved
+
+
+@pytest.mark.parametrize(
+  "old, new",
+  [
+    (b'"data_position": 2', b'"data_position": 3'),  # one bit: 0x32 -> 0x33, still valid JSON
+    (b'"state_crc32"', b'"state_crc33"'),  # the dense checksums' key renamed: they would be skipped
+    (b'"batch_size": 8', b'"batch_size": 9'),
+  ],
+)
+def test_meta_damaged_into_other_valid_json_falls_back_to_the_previous_checkpoint(tmp_path, old, new):
+  import jax.numpy as jnp
+
+  from recsys_jax.checkpoint import Checkpointer
+
+  saved = _two_checkpoints(tmp_path)
+  path = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
+  text = path.read_bytes()
+  assert old in text
+  path.write_bytes(text.replace(old, new, 1))
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
+  warnings = []
+  template = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(4)}
+  step, state, meta = ckpt.restore_newest_intact(template, _small_ps(), warnings.append)
+  ckpt.close()
+  assert step == 1 and meta["data_position"] == 1
+  np.testing.assert_array_equal(np.asarray(state["w"]), saved[1][0]["w"])
+  assert len(warnings) == 1 and "meta does not match its checksum" in warnings[0], warnings
+  assert str(tmp_path / "checkpoints" / "2") in warnings[0]
+  assert os.listdir(tmp_path / "checkpoints_damaged") == ["2"]
