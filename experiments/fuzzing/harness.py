@@ -94,6 +94,8 @@ class Target:
   name = ""
   deadline_s = 10.0
   """Per-input time limit (the hang threshold)."""
+  note = ""
+  """Set by ``run`` to count a kind of input apart (e.g. 'built' for a config that ran a step)."""
   memory_limit_gib: Optional[float] = None
   """RLIMIT_AS of the worker: an allocation driven by a lying length fails instead of eating the host."""
 
@@ -115,11 +117,12 @@ class Target:
 
 def run_case(target: Target, case: Any) -> Dict[str, Any]:
   """One input through ``target``: {'outcome': 'clear' | 'accepted' | 'crash', 'detail': ...}."""
+  target.note = ""
   try:
     outcome = target.run(case)
     if outcome not in OUTCOMES:
       raise Crash(f"target returned {outcome!r}")
-    return {"outcome": outcome, "detail": ""}
+    return {"outcome": outcome, "detail": "", "note": target.note}
   except Crash as e:
     return {"outcome": "crash", "detail": str(e)}
   except Exception as e:  # noqa: BLE001 - every other exception of the product is a crash
@@ -210,7 +213,7 @@ def supervise(
   """Runs ``target`` in worker processes for ``budget_s`` seconds (or ``max_examples`` inputs)
   and counts inputs tried, clear errors, accepted inputs, crashes and hangs."""
   stats = {"target": target, "tried": 0, "clear": 0, "accepted": 0, "crashes": 0, "hangs": 0, "restarts": 0}
-  stats.update(seed=seed, wall_s=0.0, first_crashes=[], saved=[])
+  stats.update(seed=seed, wall_s=0.0, notes={}, first_crashes=[], saved=[])
   t0 = time.time()
   until = t0 + budget_s
   next_round = 0
@@ -262,6 +265,8 @@ def supervise(
               log(f"[{target}] crash: {ev['detail'][:2000]}\n  saved {path}")
             else:
               stats[ev["outcome"]] += 1
+            if ev.get("note"):
+              stats["notes"][ev["note"]] = stats["notes"].get(ev["note"], 0) + 1
             in_flight, limit = None, setup_limit_s
           elif ev.get("event") == "end":
             ended = True
