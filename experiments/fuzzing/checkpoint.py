@@ -211,7 +211,7 @@ class CheckpointTarget(Target):
     return ParameterServer(self.tables, seed=self.config.seed)
 
   def _checkpoint(self, layout: str, root: str, target: str, older) -> str:
-    from recsys_jax.checkpoint import CheckpointError, Checkpointer
+    from recsys_jax.checkpoint import Checkpointer, CheckpointError
 
     warnings: List[str] = []
     ckpt = Checkpointer(root, max_to_keep=3, full_every=1 if layout == "full" else 2)
