@@ -33,6 +33,10 @@ class CheckpointError(RuntimeError):
   """A checkpoint that exists but cannot be read."""
 
 
+# Status codes with which a remote PS server refuses to restore a snapshot that is damaged or missing.
+_SNAPSHOT_REFUSED = ("FAILED_PRECONDITION", "NOT_FOUND")
+
+
 def _without_empty(tree: Any) -> Any:
   """The tree with zero-size arrays as None: orbax refuses to save them, and they hold nothing
   (a model's kernel over no dense features, and its optimizer state)."""
@@ -209,8 +213,9 @@ class Checkpointer:
     """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
 
     Raises:
-      CheckpointError: naming the directory, if any part is missing or unreadable; the
-        files are left as they are.
+      CheckpointError: naming the directory, if any part is missing or unreadable (remote PS
+        servers included: they refuse a damaged snapshot); the files are left as they are.
+      ConnectionError: a remote PS server out of reach, which says nothing about the checkpoint.
     """
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
@@ -231,8 +236,12 @@ class Checkpointer:
         distributed.barrier(f"ps restored at step {step}")
       else:
         snapshot.load(ps, paths)
-    except ConnectionError:
-      raise  # a PS server out of reach says nothing about the checkpoint
+    except ConnectionError as e:
+      # A server that answered that the snapshot is damaged or missing was reached: the checkpoint
+      # is at fault (and a restore of an older one clears the server's partial tables).
+      if getattr(getattr(e, "code", None), "name", None) not in _SNAPSHOT_REFUSED:
+        raise  # a PS server out of reach says nothing about the checkpoint
+      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
     except (ValueError, OSError) as e:
       raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
     self._chain = chain

@@ -346,3 +346,42 @@ def test_meta_damaged_into_other_valid_json_falls_back_to_the_previous_checkpoin
   assert len(warnings) == 1 and "meta does not match its checksum" in warnings[0], warnings
   assert str(tmp_path / "checkpoints" / "2") in warnings[0]
   assert os.listdir(tmp_path / "checkpoints_damaged") == ["2"]
+
+
+def test_a_damaged_snapshot_on_remote_ps_servers_falls_back_to_the_previous_checkpoint(tmp_path):
+  import jax.numpy as jnp
+
+  from recsys_jax.async_ps import rpc
+  from recsys_jax.async_ps.remote import RemotePS
+  from recsys_jax.checkpoint import Checkpointer
+
+  server, port, _ = rpc.serve("127.0.0.1", 0, threads=4)
+  specs = list(_small_ps().specs.values())
+  try:
+    with RemotePS([f"127.0.0.1:{port}"], specs, seed=1, timeout_s=20) as ps:
+      ckpt = Checkpointer(str(tmp_path), max_to_keep=3, full_every=1)
+      saved = {}
+      for step in (1, 2):
+        ids = np.arange(4 * step, dtype=np.uint64)
+        ps.lookup("user", ids, step=step)
+        ps.apply("user", ids, np.full((len(ids), 4), float(step), np.float32), step=step)
+        ckpt.save(step, {"w": jnp.full(3, float(step))}, ps, {"data_position": step})
+        saved[step] = ps.lookup("user", np.arange(8, dtype=np.uint64), create=False)
+      ckpt.close()
+      # Damage one chunk of step 2's snapshot: its checksum in the manifest no longer matches.
+      part = tmp_path / "ps_snapshots" / "0000000002-full" / "server-0"
+      chunk = next(
+        p for p in sorted((part / "user" / "0" / "weights").rglob("*")) if p.is_file() and p.name != "zarr.json"
+      )
+      data = bytearray(chunk.read_bytes())
+      data[len(data) // 2] ^= 0xFF
+      chunk.write_bytes(bytes(data))
+      warnings = []
+      ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
+      step, state, meta = ckpt.restore_newest_intact({"w": jnp.zeros(3)}, ps, warnings.append)
+      ckpt.close()
+      assert step == 1 and meta["data_position"] == 1
+      np.testing.assert_array_equal(ps.lookup("user", np.arange(8, dtype=np.uint64), create=False), saved[1])
+      assert len(warnings) == 1 and "0000000002-full" in warnings[0] and "checksum" in warnings[0], warnings
+  finally:
+    server.stop(0)
