@@ -94,6 +94,10 @@ class CheckpointTarget(Target):
   name = "checkpoint"
   deadline_s = 60.0  # an orbax restore takes ~1 s alone and up to 10 s on a loaded 2-core machine
 
+  def __init__(self, small: bool = False):
+    self.small = small
+    """A three-array dense state and two small tables instead of the tiny job's (the tests' quick run)."""
+
   def setup(self, workdir: str) -> None:
     import jax
 
@@ -106,11 +110,18 @@ class CheckpointTarget(Target):
     self.workdir = workdir
     config = tiny.get_config()
     config.data.vocab_sizes = (50, 20, 8)
-    self.config = config
-    job = job_lib.build_job(config)
-    self.tables = job.tables
-    self.template = job.state
-    ps = job.ps
+    self.seed = config.seed
+    if self.small:
+      import jax.numpy as jnp
+
+      from recsys_jax.embeddings.specs import TableSpec
+
+      self.tables = [TableSpec(name="user", dim=4), TableSpec(name="item", dim=2, optimizer="adam")]
+      self.template = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(4), "step": jnp.zeros((), jnp.int32)}
+      ps = self._fresh_ps()
+    else:
+      job = job_lib.build_job(config)
+      self.tables, self.template, ps = job.tables, job.state, job.ps
     rng = np.random.default_rng(0)
     self.saved: Dict[int, Dict[str, Any]] = {}
     self.templates = {}
@@ -130,7 +141,7 @@ class CheckpointTarget(Target):
         state = jax.tree.map(lambda x, s=step: x + s if hasattr(x, "dtype") and x.dtype.kind == "f" else x, state)
         meta = {
           "data_position": step,
-          "batch_size": config.batch_size,
+          "batch_size": 256,
           "data": "synthetic",
           "reader_position": {"batch": step},
         }
@@ -208,7 +219,7 @@ class CheckpointTarget(Target):
   def _fresh_ps(self):
     from recsys_jax.async_ps.ps import ParameterServer
 
-    return ParameterServer(self.tables, seed=self.config.seed)
+    return ParameterServer(self.tables, seed=self.seed)
 
   def _checkpoint(self, layout: str, root: str, target: str, older) -> str:
     from recsys_jax.checkpoint import Checkpointer, CheckpointError
@@ -275,7 +286,7 @@ class CheckpointTarget(Target):
       outcome = "clear"
     service = ShardService()
     service.configure(
-      self.tables, {"seed": self.config.seed, "num_workers": 1, "staleness": 0, "shard_index": 0, "num_shards": 1}
+      self.tables, {"seed": self.seed, "num_workers": 1, "staleness": 0, "shard_index": 0, "num_shards": 1}
     )
     try:
       links = snapshot_chain.snapshot_parts([snap])
