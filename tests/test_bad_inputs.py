@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -385,3 +387,142 @@ def test_a_damaged_snapshot_on_remote_ps_servers_falls_back_to_the_previous_chec
       assert len(warnings) == 1 and "0000000002-full" in warnings[0] and "checksum" in warnings[0], warnings
   finally:
     server.stop(0)
+
+
+# -- small fuzz runs, in-process, deterministic ----------------------------------------------------
+
+
+def _fuzz(target, tmp_path, examples: int, seed: int = 1234, case_filter=None):
+  """``examples`` inputs of ``target``'s strategy through its checks; fails on the first crash."""
+  from hypothesis import HealthCheck, Phase, given, settings
+  from hypothesis import seed as hseed
+
+  from experiments.fuzzing import harness
+
+  target.setup(str(tmp_path / "setup"))
+  outcomes = []
+
+  @settings(
+    max_examples=examples,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+  )
+  @hseed(seed)
+  @given(target.strategy())
+  def one(case):
+    case = harness.from_json(harness.to_json(case))  # as the fuzz run and a replay see it
+    if case_filter is not None:
+      case = case_filter(case)
+    result = harness.run_case(target, case)
+    assert result["outcome"] != "crash", result["detail"]
+    outcomes.append(result["outcome"])
+
+  one()
+  return outcomes
+
+
+def test_fuzz_wire(tmp_path):
+  from experiments.fuzzing.wire import WireTarget
+
+  outcomes = _fuzz(WireTarget(), tmp_path, 60)
+  assert len(outcomes) == 60 and "clear" in outcomes
+
+
+def test_fuzz_readers(tmp_path):
+  from experiments.fuzzing.readers import ReadersTarget
+
+  outcomes = _fuzz(ReadersTarget(), tmp_path, 50)
+  assert len(outcomes) == 50 and {"clear", "accepted"} <= set(outcomes)
+
+
+def test_fuzz_config_validation(tmp_path):
+  from experiments.fuzzing.config import ConfigTarget
+
+  # Validation only: the 1-step builds (a compile each) are the slow test's and the fuzz run's.
+  outcomes = _fuzz(ConfigTarget(), tmp_path, 60, case_filter=lambda c: dict(c, build=False))
+  assert len(outcomes) == 60 and {"clear", "accepted"} <= set(outcomes)
+
+
+def test_fuzz_checkpoint_restore(tmp_path):
+  from experiments.fuzzing.checkpoint import CheckpointTarget
+
+  outcomes = _fuzz(CheckpointTarget(small=True), tmp_path, 12)
+  assert len(outcomes) == 12
+
+
+@pytest.mark.slow
+def test_fuzz_run_finds_no_crash_and_no_hang(tmp_path):
+  out = tmp_path / "fuzz.json"
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "fuzz.py"), "--budget_s=240", "--seed=7"]
+  cmd += [f"--crash_dir={tmp_path / 'crashes'}", f"--json_out={out}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+  lines = [json.loads(x) for x in out.read_text().splitlines()]
+  total = lines[-1]
+  assert total["target"] == "total" and total["tried"] > 100, proc.stderr[-3000:]
+  assert {x["target"] for x in lines[:-1]} == {"readers", "config", "checkpoint", "wire"}
+  assert all(x["tried"] > 0 for x in lines[:-1]), lines
+  assert total["crashes"] == 0 and total["hangs"] == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert proc.returncode == 0
+
+
+def _fnv_reference(value: bytes, field: str) -> int:
+  from recsys_jax.async_ps.hashing import name_seed, splitmix64
+
+  h = int(name_seed(field))
+  for byte in value:
+    if byte:  # NUL bytes are padding to the vectorised hash: skipped
+      h = ((h ^ byte) * 0x100000001B3) % 2**64
+  return int(splitmix64(np.uint64(h)))
+
+
+def test_long_values_hash_as_the_reference_in_one_pass(tmp_path):
+  import time
+
+  long = "x7" * 500_000  # 1 MB: the column-by-column hash took ~25 s
+  values = ["a", long, "Zürich", "b" * 1500, "", "q" * 1024]
+  want = [_fnv_reference(v.encode(), "f") for v in values]
+  t0 = time.perf_counter()
+  assert base.hash_strings(values, "f").tolist() == want  # a list: long values one by one
+  assert base.hash_strings([v.encode() for v in values], "f").tolist() == want
+  ascii_values = [v for v in values if v.isascii()]
+  assert base.hash_strings(np.array(ascii_values), "f").tolist() == [
+    _fnv_reference(v.encode(), "f") for v in ascii_values
+  ]
+  assert time.perf_counter() - t0 < 20, time.perf_counter() - t0
+
+
+def test_an_avazu_file_with_a_1_mb_field_reads_in_seconds(tiny_config, tmp_path):
+  import time
+
+  from recsys_jax.data.avazu import HEADER
+
+  fields = ["1000009418151094273", "1", "14102100"] + ["1005"] * 21
+  long = list(fields)
+  long[5] = "7" * 1_000_000  # site_id
+  lines = [",".join(HEADER)] + [",".join(f) for f in [fields, long, fields]]
+  path = str(tmp_path / "train.csv")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  config = reader_config(tiny_config, "avazu", path)
+  config.eval_batch_size = 3
+  t0 = time.perf_counter()
+  (batch, n), *_ = readers.build_reader(config).eval()
+  assert time.perf_counter() - t0 < 10  # over 20 s before (a numpy call per byte)
+  assert n == 3 and batch["sparse"]["site_id"][1, 0] == _fnv_reference(long[5].encode(), "site_id")
+
+
+def test_a_csv_field_longer_than_the_limit_is_one_bad_record(tiny_config, tmp_path):
+  from recsys_jax.data.csv_lines import MAX_FIELD_CHARS
+
+  path = str(tmp_path / "t.csv")
+  with open(path, "w") as f:
+    f.write("label,d1,d2,c1\n1,2,3,us\n" + f"0,1,2,{'z' * (MAX_FIELD_CHARS + 1)}\n" + "1,4,5,fr\n")
+  with pytest.raises(base.BadRecordError, match=rf"{re.escape(path)}:3: field '<line>': field 4 has 4097 characters"):
+    read_everything(reader_config(tiny_config, "csv", path))
+  config = reader_config(tiny_config, "csv", path, policy="skip")
+  config.eval_batch_size = 2
+  reader = readers.build_reader(config)
+  (batch, n), *_ = reader.eval()
+  assert n == 2 and batch["label"].tolist() == [1.0, 1.0] and reader.bad.count == 0  # eval counts apart

@@ -18,13 +18,13 @@ and the lines after it are read as records of their own.
 from __future__ import annotations
 
 import csv
-import itertools
 import operator
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax.data import base
+from recsys_jax.data import base, csv_lines
+from recsys_jax.data.csv_lines import floats as _floats
 
 FILE_TYPES = ("csv", "parquet")
 DENSE_TRANSFORMS = ("log1p", "none")
@@ -232,8 +232,8 @@ class TabularFormat:
     if layout is None:
       layout = self._layouts[chunk.path] = self._read_layout(chunk.path)
     num_fields, index = layout
-    texts, faults = _decode(chunk.payload)
-    rows, row_faults = _split_csv(texts, self.delimiter)
+    texts, faults = csv_lines.decode(chunk.payload)
+    rows, row_faults = csv_lines.split_csv(texts, self.delimiter)
     faults += row_faults
     keep: List[int] = []
     for i, row in enumerate(rows):
@@ -364,79 +364,6 @@ class TabularFormat:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def _decode(payload: List[bytes]) -> Tuple[List[str], List[Tuple[int, str, str]]]:
-  """Lines as str; a line that is not UTF-8 becomes a fault (and an empty, skipped line)."""
-  try:
-    # Lines hold no newline, so one decode and split is exact (and faster than one per line).
-    return b"\n".join(payload).decode("utf-8").split("\n") if payload else [], []
-  except UnicodeDecodeError:
-    texts, faults = [], []
-    for i, raw in enumerate(payload):
-      try:
-        texts.append(raw.decode("utf-8"))
-      except UnicodeDecodeError as e:
-        texts.append("")
-        faults.append((i, "<line>", f"not UTF-8 ({e.reason} at byte {e.start})"))
-    return texts, faults
-
-
-def _split_csv(texts: List[str], delimiter: str) -> Tuple[List[Optional[List[str]]], List[Tuple[int, str, str]]]:
-  """Splits each line into fields with the csv module; lines that do not split are faults (row None).
-
-  csv.reader would join a line that leaves a quote open with the next one; we see that in
-  ``line_num`` and restart the reader after the opening line, so that every record is one line.
-  A blank sentinel line at the end makes an open quote on the last line show the same way.
-  """
-  m = len(texts)
-  rows: List[Optional[List[str]]] = [None] * m
-  faults: List[Tuple[int, str, str]] = []
-  source = texts + [""]
-  start = 0
-  while start < m:
-    reader = csv.reader(itertools.islice(source, start, None), delimiter=delimiter)
-    i = start
-    try:
-      for row in reader:
-        if i == m:  # the sentinel
-          break
-        if reader.line_num != i - start + 1:
-          faults.append((i, "<line>", "a quoted field is not closed on its line (embedded newlines are not supported)"))
-          break
-        rows[i] = row
-        i += 1
-    except csv.Error as e:
-      faults.append((i, "<line>", f"malformed CSV: {e}"))
-    start = i + 1
-  return rows, faults
-
-
-def _floats(values: Any) -> Tuple[np.ndarray, np.ndarray, List[Tuple[int, str]]]:
-  """Parses decimal strings (a sequence or a numpy str array) as Python's float() does.
-
-  Returns:
-    (values float64 with 0 where empty or invalid, empty mask, [(index, why)] of invalid values).
-  """
-  n = len(values)
-  if n == 0:
-    return np.zeros(0), np.zeros(0, bool), []
-  arr = np.asarray(values, dtype=np.str_)
-  empty = arr == ""
-  try:
-    # numpy's str -> float cast accepts exactly what float() does (checked in the tests), in C.
-    return np.where(empty, "0", arr).astype(np.float64), empty, []
-  except ValueError:
-    pass
-  x = np.zeros(n)
-  invalid: List[Tuple[int, str]] = []
-  for i, v in enumerate(arr.tolist()):
-    if v:
-      try:
-        x[i] = float(v)
-      except ValueError:
-        invalid.append((i, f"not a number: {v[:40]!r}"))
-  return x, empty, invalid
 
 
 def _as_strings(col: Any) -> List[str]:
