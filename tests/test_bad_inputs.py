@@ -526,3 +526,22 @@ def test_a_csv_field_longer_than_the_limit_is_one_bad_record(tiny_config, tmp_pa
   reader = readers.build_reader(config)
   (batch, n), *_ = reader.eval()
   assert n == 2 and batch["label"].tolist() == [1.0, 1.0] and reader.bad.count == 0  # eval counts apart
+
+
+def test_an_eval_set_of_one_class_reports_auc_nan_instead_of_failing_the_run():
+  from recsys_jax.metrics import auc
+  from recsys_jax.training.evaluation import auc_or_nan
+
+  s = np.array([0.3, -1.0, 2.0])
+  assert np.isnan(auc_or_nan(np.ones(3, np.float32), s)) and np.isnan(auc_or_nan(np.zeros(3, np.float32), s))
+  y = np.array([1.0, 0.0, 1.0], np.float32)
+  assert auc_or_nan(y, s) == auc(y, s) == 1.0  # both positives (0.3, 2.0) score above the negative (-1.0)
+
+
+def test_a_mesh_size_that_does_not_divide_the_devices_names_the_field():
+  from recsys_jax.parallel import mesh
+
+  with pytest.raises(
+    ValueError, match=r"config\.mesh: 1 devices are not divisible by 2147483648 \(replica=-1, fsdp=2147483648\)"
+  ):
+    mesh.mesh_shape(-1, 2**31, 1)
