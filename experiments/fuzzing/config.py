@@ -110,9 +110,10 @@ class ConfigTarget(Target):
     from recsys_jax.training.validation import validate_config
 
     config = tiny.get_config()
-    names = []
+    names = []  # what an error may name: a changed field, or the dict it is in (an unknown feature)
     for path, value in case["mutations"]:
-      names.append(path.split(".")[-1])
+      parts = path.split(".")
+      names += [parts[-1]] + [".".join(parts[:k]) for k in range(2, len(parts))]
       try:
         assign(config, path, value)
       except (TypeError, ValueError) as e:  # ml_collections' type check: the field is named
