@@ -25,6 +25,7 @@ step 1 too. Then a fresh PS restores it:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Dict, List
@@ -38,10 +39,12 @@ LAYOUTS = ("full", "chain", "remote")
 
 
 def _files(root: str) -> List[str]:
+  """The files under ``root`` in an order that is the same for every setup: orbax names its data
+  files by random hashes, so they are ordered by their place with the hash left out, then size."""
   out = []
   for d, _, names in os.walk(root):
     out += [os.path.relpath(os.path.join(d, n), root) for n in names]
-  return sorted(out)
+  return sorted(out, key=lambda f: (re.sub(r"[0-9a-f]{32}", "#", f), os.path.getsize(os.path.join(root, f)), f))
 
 
 def damage(path: str, how: str, k: int, flips: List[int]) -> None:

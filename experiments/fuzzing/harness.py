@@ -51,26 +51,35 @@ class _StopRound(BaseException):
 # -- inputs ----------------------------------------------------------------------------------
 
 
+# Tags of values JSON cannot hold; a drawn dict whose one key is a tag is wrapped, so it is never
+# taken for one (the wire target draws arbitrary JSON objects).
+_TAGS = ("\0b64", "\0float", "\0dict")
+
+
 def to_json(x: Any) -> Any:
-  """An input as JSON: bytes become ``{"b64": ...}``, tuples lists."""
+  """An input as JSON: bytes become ``{"\\0b64": ...}``, NaN and inf ``{"\\0float": ...}``, tuples lists."""
   if isinstance(x, (bytes, bytearray)):
-    return {"b64": base64.b64encode(bytes(x)).decode()}
+    return {"\0b64": base64.b64encode(bytes(x)).decode()}
   if isinstance(x, dict):
+    if len(x) == 1 and next(iter(x)) in _TAGS:
+      return {"\0dict": [[k, to_json(v)] for k, v in x.items()]}
     return {str(k): to_json(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
     return [to_json(v) for v in x]
   if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-    return {"float": repr(x)}
+    return {"\0float": repr(x)}
   return x
 
 
 def from_json(x: Any) -> Any:
   """The inverse of :func:`to_json` (tuples come back as lists)."""
   if isinstance(x, dict):
-    if set(x) == {"b64"}:
-      return base64.b64decode(x["b64"])
-    if set(x) == {"float"}:
-      return float(x["float"])
+    if set(x) == {"\0b64"}:
+      return base64.b64decode(x["\0b64"])
+    if set(x) == {"\0float"}:
+      return float(x["\0float"])
+    if set(x) == {"\0dict"}:
+      return {k: from_json(v) for k, v in x["\0dict"]}
     return {k: from_json(v) for k, v in x.items()}
   if isinstance(x, list):
     return [from_json(v) for v in x]
