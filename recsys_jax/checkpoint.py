@@ -114,14 +114,20 @@ class Checkpointer:
     self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
     self.full_every = full_every
     self.max_to_keep = max_to_keep
-    # Rotation is ours (``_rotate``): orbax would delete old checkpoints before the new one is verified.
-    self._mgr = ocp.CheckpointManager(
-      self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
-      item_names=("state", "meta"),
-    )
+    self._mgr = self._open()
     self._chain: List[str] = []
     self._since_full = 0
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+      self.directory,
+      # Rotation is ours (``_rotate``): orbax would delete old checkpoints before the new one is
+      # verified. lightweight_initialize: orbax reads no step's _CHECKPOINT_METADATA when it lists
+      # the steps (it only feeds time- and metric-based retention, which we do not use), so one
+      # damaged file cannot stop it from starting; a restore of that step fails and falls back.
+      options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True, lightweight_initialize=True),
+      item_names=("state", "meta"),
+    )
 
   def save(self, step: int, state: Any, ps, meta: Dict[str, Any]) -> None:
     """Writes checkpoint ``step`` (PS snapshot, then dense state + meta) and waits for it."""
@@ -273,7 +279,8 @@ class Checkpointer:
         warn(f"{e}; moved to {self._set_aside(s)}, resuming from checkpoint {step}")
       if damaged:
         distributed.barrier(f"damaged checkpoints set aside before step {step}")
-        self._mgr.reload()
+        self._mgr.close()
+        self._mgr = self._open()  # lists the steps left, as at the start (reload() would read their metadata)
       return step, state, meta
     if len(damaged) == 1:
       raise damaged[0][1]

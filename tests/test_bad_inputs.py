@@ -555,3 +555,25 @@ def test_a_mesh_size_that_does_not_divide_the_devices_names_the_field():
     ValueError, match=r"config\.mesh: 1 devices are not divisible by 2147483648 \(replica=-1, fsdp=2147483648\)"
   ):
     mesh.mesh_shape(-1, 2**31, 1)
+
+
+def test_a_damaged_orbax_step_metadata_file_does_not_stop_the_checkpointer(tmp_path):
+  import jax.numpy as jnp
+
+  from recsys_jax.checkpoint import Checkpointer
+
+  saved = _two_checkpoints(tmp_path)
+  path = tmp_path / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
+  text = path.read_bytes()
+  # Two keys damaged: orbax files the first unknown one under custom_metadata and raised a
+  # ValueError for the second when the manager listed the steps, before any restore.
+  path.write_bytes(text.replace(b'"item_handlers"', b'"item_handlerw"').replace(b'"metrics"', b'"letrics"'))
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
+  warnings = []
+  step, state, meta = ckpt.restore_newest_intact(
+    {"w": jnp.zeros((3, 2)), "b": jnp.zeros(4)}, _small_ps(), warnings.append
+  )
+  ckpt.close()
+  assert step in (1, 2) and meta["data_position"] == step
+  np.testing.assert_array_equal(np.asarray(state["w"]), saved[step][0]["w"])
+  assert len(warnings) == (step == 1)
