@@ -404,7 +404,7 @@ def test_a_damaged_snapshot_on_remote_ps_servers_falls_back_to_the_previous_chec
 
 def _fuzz(target, tmp_path, examples: int, seed: int = 1234, case_filter=None):
   """``examples`` inputs of ``target``'s strategy through its checks; fails on the first crash."""
-  from hypothesis import HealthCheck, Phase, given, settings
+  from hypothesis import given
   from hypothesis import seed as hseed
 
   from experiments.fuzzing import harness
@@ -412,13 +412,7 @@ def _fuzz(target, tmp_path, examples: int, seed: int = 1234, case_filter=None):
   target.setup(str(tmp_path / "setup"))
   outcomes = []
 
-  @settings(
-    max_examples=examples,
-    deadline=None,
-    database=None,
-    phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck),
-  )
+  @harness.fuzz_settings(examples)
   @hseed(seed)
   @given(target.strategy())
   def one(case):

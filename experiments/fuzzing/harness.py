@@ -147,11 +147,27 @@ def _emit(out, **event) -> None:
   out.flush()
 
 
+def fuzz_settings(examples: int):
+  """hypothesis settings of a fuzz round: ``examples`` inputs, generation only (a crash is
+  counted, not shrunk), no example database, no deadline (the parent keeps the time)."""
+  from hypothesis import HealthCheck, Phase, Verbosity, settings
+
+  return settings(
+    max_examples=examples,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+    verbosity=Verbosity.quiet,
+    report_multiple_bugs=False,
+  )
+
+
 def work(target: Target, seed: int, first_round: int, until: float, max_examples: int, state_dir: str, out) -> None:
   """Runs hypothesis rounds from ``first_round`` until ``until`` (time.time) or ``max_examples``
   inputs, announcing each input on ``out`` (see the module docstring)."""
   from absl import logging
-  from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+  from hypothesis import given
   from hypothesis import seed as hseed
 
   logging.set_verbosity(logging.ERROR)  # refusals are logged as warnings: thousands of lines
@@ -166,15 +182,7 @@ def work(target: Target, seed: int, first_round: int, until: float, max_examples
     _emit(out, event="round", r=r)
     n = min(ROUND_EXAMPLES, max_examples - tried)
 
-    @settings(
-      max_examples=n,
-      deadline=None,
-      database=None,
-      phases=[Phase.generate],
-      suppress_health_check=list(HealthCheck),
-      verbosity=Verbosity.quiet,
-      report_multiple_bugs=False,
-    )
+    @fuzz_settings(n)
     @hseed(seed * 1_000_003 + r)
     @given(target.strategy())
     def one(case):
