@@ -173,7 +173,7 @@ class TabularFormat:
     try:
       pf = pq.ParquetFile(path)
       names = pf.schema_arrow.names
-    except (pa.ArrowException, OSError) as e:  # not Parquet, cut short, a damaged footer
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not Parquet, cut short, a damaged footer or name
       raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {base.one_line(e)})") from None
     if any(c not in names for c in self.columns):
       raise self._missing_columns_error(path, names)
@@ -191,7 +191,7 @@ class TabularFormat:
             row += chunk_records
             rest = table.slice(chunk_records)
             pending, held = ([rest] if rest.num_rows else []), rest.num_rows
-      except (pa.ArrowException, OSError) as e:  # a damaged page or row group
+      except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a damaged page or row group
         raise ValueError(
           f"{path}: cannot be read after row {row + held - 1} ({type(e).__name__}: {base.one_line(e)})"
         ) from None
@@ -220,7 +220,7 @@ class TabularFormat:
 
       try:
         lines, values, faults = self._parquet_values(chunk)
-      except pa.ArrowException as e:  # a column of a type that does not convert (e.g. a struct)
+      except (pa.ArrowException, UnicodeDecodeError) as e:  # a type that does not convert, text that is not UTF-8
         raise ValueError(
           f"{chunk.path}: rows from {chunk.first_line}: {type(e).__name__}: {base.one_line(e)}"
         ) from None
