@@ -204,14 +204,14 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {_short(e)})") from e
     if not isinstance(meta, dict):
       raise CheckpointError(f"checkpoint {path}: meta is damaged: not a JSON object")
-    # Checkpoints written before meta checksums have neither checksum; one without the other
-    # lost a key to damage.
-    if "meta_crc32" in meta or "state_crc32" in meta:
+    # Checkpoints written before meta checksums have none and are read as before (a damaged
+    # meta_crc32 key alone leaves the rest intact, so reading such a meta unchecked is right too).
+    if "meta_crc32" in meta:
       got = meta_checksum(meta)
-      if meta.get("meta_crc32") != got:
+      if meta["meta_crc32"] != got:
         raise CheckpointError(
           f"checkpoint {path} is damaged: its meta does not match its checksum "
-          f"(written {meta.get('meta_crc32')}, read {got})"
+          f"(written {meta['meta_crc32']}, read {got})"
         )
     return meta
 

@@ -571,3 +571,23 @@ def test_a_damaged_orbax_step_metadata_file_does_not_stop_the_checkpointer(tmp_p
   assert step in (1, 2) and meta["data_position"] == step
   np.testing.assert_array_equal(np.asarray(state["w"]), saved[step][0]["w"])
   assert len(warnings) == (step == 1)
+
+
+def test_a_checkpoint_written_before_meta_checksums_still_restores(tmp_path):
+  import jax.numpy as jnp
+
+  from recsys_jax.checkpoint import Checkpointer
+
+  saved = _two_checkpoints(tmp_path)
+  path = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  del meta["meta_crc32"]  # what the code before this change wrote: state_crc32 only
+  path.write_text(json.dumps(meta))
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
+  warnings = []
+  step, state, got = ckpt.restore_newest_intact(
+    {"w": jnp.zeros((3, 2)), "b": jnp.zeros(4)}, _small_ps(), warnings.append
+  )
+  ckpt.close()
+  assert step == 2 and got == meta and not warnings
+  np.testing.assert_array_equal(np.asarray(state["w"]), saved[2][0]["w"])
