@@ -97,10 +97,18 @@ def snapshot_parts(chain: Sequence[str]) -> List[List[str]]:
     d = os.path.abspath(d)
     mpath = os.path.join(d, MANIFEST)
     if os.path.exists(mpath):
-      with open(mpath) as f:
-        m = json.load(f)
+      try:
+        with open(mpath, "rb") as f:
+          m = json.loads(f.read().decode("utf-8"))
+      except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{mpath}: cannot read the RemotePS snapshot manifest ({type(e).__name__}: {e})") from None
       if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("parts"), list):
         raise ValueError(f"{mpath} is not a RemotePS snapshot manifest ({FORMAT})")
+      # Parts are directories beside remote.json: a damaged name must not point elsewhere.
+      if not m["parts"] or not all(
+        isinstance(p, str) and p and os.path.basename(p) == p not in (".", "..") for p in m["parts"]
+      ):
+        raise ValueError(f"{mpath}: its parts {m['parts']!r} are not names of directories beside it")
       links.append([os.path.join(d, p) for p in m["parts"]])
     elif os.path.exists(os.path.join(d, snapshot.MANIFEST)):
       links.append([d])

@@ -177,7 +177,9 @@ def decode(data: bytes) -> Message:
     )
   try:
     header = json.loads(bytes(view[_PREFIX.size : start]).decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+  # ValueError covers UnicodeDecodeError, JSONDecodeError and an integer of more digits than
+  # int() converts (4300 by default), which json raises as a plain ValueError.
+  except (ValueError, RecursionError) as e:
     raise WireError(f"header is not valid UTF-8 JSON ({e})") from None
   if not isinstance(header, dict):
     raise WireError("header must be a JSON object")
@@ -202,7 +204,7 @@ def decode(data: bytes) -> Message:
       raise WireError(f"array entry {i}: name must be a non-empty string")
     if name in arrays:
       raise WireError(f"array {name!r} appears twice")
-    if e["dtype"] not in DTYPES:
+    if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:  # a list or dict is not hashable
       raise WireError(f"array {name!r}: dtype {e['dtype']!r} is not allowed (allowed: {sorted(DTYPES)})")
     dt = DTYPES[e["dtype"]]
     shape = e["shape"]
