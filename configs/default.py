@@ -114,6 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
   # remote: deadline of a snapshot or restore call, which moves a whole shard to or from disk
   # (0: 10 x timeout_s). A server that hangs during one is detected within it.
   c.ps.snapshot_timeout_s = 0.0
+  # remote: the largest request or answer of one call to a server, MiB; larger lookups and pushes
+  # go in chunks (0: each server's --max_message_mb, which also caps this).
+  c.ps.max_request_mb = 0.0
 
   # The dense model, picked from recsys_jax.models.MODELS.
   c.model = ml_collections.ConfigDict()

@@ -15,6 +15,7 @@ to are deleted only after a save succeeded.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import zlib
@@ -30,6 +31,10 @@ from recsys_jax.parallel import distributed
 
 class CheckpointError(RuntimeError):
   """A checkpoint that exists but cannot be read."""
+
+
+# Status codes with which a remote PS server refuses to restore a snapshot that is damaged or missing.
+_SNAPSHOT_REFUSED = ("FAILED_PRECONDITION", "NOT_FOUND")
 
 
 def _without_empty(tree: Any) -> Any:
@@ -69,6 +74,17 @@ def _short(e: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def meta_checksum(meta: Dict[str, Any]) -> str:
+  """CRC32 of a meta dict without its own ``meta_crc32``, over its canonical JSON.
+
+  The dense arrays have their own checksums (``state_crc32``, inside the meta); this one covers
+  the rest: a bit flipped in a digit of ``data_position`` still leaves valid JSON, which would
+  otherwise resume from the wrong record.
+  """
+  rest = {k: v for k, v in meta.items() if k != "meta_crc32"}
+  return f"{zlib.crc32(json.dumps(rest, sort_keys=True, separators=(',', ':')).encode()) & 0xFFFFFFFF:08x}"
+
+
 def _first_mismatch(expected: Dict[str, str], got: Dict[str, str]) -> Optional[str]:
   for name in sorted(set(expected) | set(got)):
     if expected.get(name) != got.get(name):
@@ -98,14 +114,20 @@ class Checkpointer:
     self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
     self.full_every = full_every
     self.max_to_keep = max_to_keep
-    # Rotation is ours (``_rotate``): orbax would delete old checkpoints before the new one is verified.
-    self._mgr = ocp.CheckpointManager(
-      self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
-      item_names=("state", "meta"),
-    )
+    self._mgr = self._open()
     self._chain: List[str] = []
     self._since_full = 0
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+      self.directory,
+      # Rotation is ours (``_rotate``): orbax would delete old checkpoints before the new one is
+      # verified. lightweight_initialize: orbax reads no step's _CHECKPOINT_METADATA when it lists
+      # the steps (it only feeds time- and metric-based retention, which we do not use), so one
+      # damaged file cannot stop it from starting; a restore of that step fails and falls back.
+      options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True, lightweight_initialize=True),
+      item_names=("state", "meta"),
+    )
 
   def save(self, step: int, state: Any, ps, meta: Dict[str, Any]) -> None:
     """Writes checkpoint ``step`` (PS snapshot, then dense state + meta) and waits for it."""
@@ -125,12 +147,11 @@ class Checkpointer:
           ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
       else:
         snapshot.save(ps, path, incremental=not full, meta={"step": int(step)})
+      meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)
+      meta["meta_crc32"] = meta_checksum(meta)
       self._mgr.save(
         step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(_without_empty(state)),
-          meta=ocp.args.JsonSave(dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)),
-        ),
+        args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
       )
       self._mgr.wait_until_finished()
       self._verify(step, self._read_state(step, state), crc)
@@ -178,16 +199,29 @@ class Checkpointer:
   def _read_meta(self, step: int) -> Dict[str, Any]:
     path = os.path.join(self.directory, str(step))
     try:
-      return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # orbax raises many types; name the place and keep the cause
-      raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {e})") from e
+      raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {_short(e)})") from e
+    if not isinstance(meta, dict):
+      raise CheckpointError(f"checkpoint {path}: meta is damaged: not a JSON object")
+    # Checkpoints written before meta checksums have none and are read as before (a damaged
+    # meta_crc32 key alone leaves the rest intact, so reading such a meta unchecked is right too).
+    if "meta_crc32" in meta:
+      got = meta_checksum(meta)
+      if meta["meta_crc32"] != got:
+        raise CheckpointError(
+          f"checkpoint {path} is damaged: its meta does not match its checksum "
+          f"(written {meta['meta_crc32']}, read {got})"
+        )
+    return meta
 
   def restore(self, step: int, state_template: Any, ps) -> Tuple[Any, Dict[str, Any]]:
     """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
 
     Raises:
-      CheckpointError: naming the directory, if any part is missing or unreadable; the
-        files are left as they are.
+      CheckpointError: naming the directory, if any part is missing or unreadable (remote PS
+        servers included: they refuse a damaged snapshot); the files are left as they are.
+      ConnectionError: a remote PS server out of reach, which says nothing about the checkpoint.
     """
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
@@ -208,10 +242,14 @@ class Checkpointer:
         distributed.barrier(f"ps restored at step {step}")
       else:
         snapshot.load(ps, paths)
-    except ConnectionError:
-      raise  # a PS server out of reach says nothing about the checkpoint
+    except ConnectionError as e:
+      # A server that answered that the snapshot is damaged or missing was reached: the checkpoint
+      # is at fault (and a restore of an older one clears the server's partial tables).
+      if getattr(getattr(e, "code", None), "name", None) not in _SNAPSHOT_REFUSED:
+        raise  # a PS server out of reach says nothing about the checkpoint
+      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
     except (ValueError, OSError) as e:
-      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {e}") from e
+      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
     self._chain = chain
     self._since_full = len(chain) - 1
     return state, meta
@@ -241,7 +279,8 @@ class Checkpointer:
         warn(f"{e}; moved to {self._set_aside(s)}, resuming from checkpoint {step}")
       if damaged:
         distributed.barrier(f"damaged checkpoints set aside before step {step}")
-        self._mgr.reload()
+        self._mgr.close()
+        self._mgr = self._open()  # lists the steps left, as at the start (reload() would read their metadata)
       return step, state, meta
     if len(damaged) == 1:
       raise damaged[0][1]

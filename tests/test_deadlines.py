@@ -16,7 +16,7 @@ import pytest
 from recsys_jax.async_ps import factory
 from recsys_jax.async_ps.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
-from tests.test_remote_ps import _Servers
+from tests.conftest import _Servers
 
 SPECS = [TableSpec(name="user", dim=4, optimizer="adagrad", optimizer_kwargs=(("learning_rate", 0.1),))]
 TIMEOUT = 1.5

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import rpc, wire
+from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.ids import as_ids
 from recsys_jax.async_ps.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
@@ -21,21 +21,6 @@ from recsys_jax.embeddings.specs import TableSpec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = [TableSpec(name="user", dim=4), TableSpec(name="item", dim=2)]
 C = grpc.StatusCode
-
-
-@pytest.fixture
-def start():
-  """Starts in-process shard servers ((address, handlers)); stops them at teardown."""
-  servers = []
-
-  def _start(**kwargs):
-    server, port, handlers = rpc.serve("127.0.0.1", 0, **kwargs)
-    servers.append(server)
-    return f"127.0.0.1:{port}", handlers
-
-  yield _start
-  for s in servers:
-    s.stop(0)
 
 
 class _Raw:

@@ -318,6 +318,7 @@ def test_a_checkpoint_whose_arrays_do_not_match_their_checksums_is_not_used(tiny
   meta = json.loads(meta_path.read_text())
   name = ".params['top']['dense_0']['kernel']"
   meta["state_crc32"][name] = "%08x" % (int(meta["state_crc32"][name], 16) ^ 1)  # as if the data had changed
+  meta["meta_crc32"] = checkpoint_lib.meta_checksum(meta)  # ... and not the meta (whose own damage has a test)
   meta_path.write_text(json.dumps(meta))
   capsys.readouterr()
   tiny_config.num_steps = 30

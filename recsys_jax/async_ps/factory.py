@@ -101,4 +101,5 @@ def build_ps(
     wire_dtype=p.wire_dtype,
     timeout_s=float(p.timeout_s),
     snapshot_timeout_s=snapshot_timeout(p),
+    max_request_mb=float(p.max_request_mb),
   )

@@ -48,7 +48,9 @@ class IdMap:
     """Returns the row of each id, or -1 where the id is absent. Repeats are allowed."""
     keys = np.ascontiguousarray(keys, np.uint64)
     out = np.empty(keys.shape, np.int64)
-    kernels.find(self._slot_keys, self._slot_rows, self._mask, self._salt, keys.reshape(-1), out.reshape(-1))
+    kernels.find(
+      self._slot_keys, self._slot_rows, self._mask, self._salt, kernels.read_only(keys.reshape(-1)), out.reshape(-1)
+    )
     return out
 
   def insert(self, keys: np.ndarray) -> np.ndarray:
@@ -63,7 +65,7 @@ class IdMap:
     if m == 0:
       return np.zeros((0,), np.int64)
     # Checked before anything is written, so a refused insert leaves the map as it was.
-    if kernels.first_repeat(keys, self._salt ^ _SCRATCH_SALT) >= 0:
+    if kernels.first_repeat(kernels.read_only(keys), self._salt ^ _SCRATCH_SALT) >= 0:
       raise ValueError("IdMap.insert got an id twice in one call; deduplicate first")
     present = self.find(keys) >= 0
     if present.any():
@@ -95,6 +97,8 @@ class IdMap:
     cap = self.capacity
     while need > _MAX_LOAD * cap:
       cap *= 2
+    # The ids are placed again from _row_keys: the old slots go first, not after the new exist.
+    self._slot_keys = self._slot_rows = None
     self._alloc(cap)
     if self.size:
       self._place(self._row_keys[: self.size], np.arange(self.size, dtype=np.int64))

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Type
 
 import numpy as np
 
+from recsys_jax.async_ps.kernels import read_only
 from recsys_jax.async_ps.kernels_lookup import first_repeat
 
 # The repeat check's scratch table hashes ids with a salt drawn per process: the answer does not
@@ -59,7 +60,7 @@ def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueE
     ``error``: naming the table and one repeated id.
   """
   if ids.shape[0] > 1:
-    i = first_repeat(np.ascontiguousarray(ids, np.uint64), _REPEAT_SALT)
+    i = first_repeat(read_only(np.ascontiguousarray(ids, np.uint64)), _REPEAT_SALT)  # one kernel signature
     if i >= 0:
       raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
 

@@ -8,10 +8,13 @@ once, in place.
 
 The kernels live by path: ``kernels_lookup`` (the id map's hashing and probing, the row
 gather), ``kernels_update`` (the fused row-optimizer updates); ``kernels_jit`` holds the
-numba options and the prefetching they share. This module gathers their public names.
+numba options and the prefetching they share. This module gathers their public names, and
+``read_only``, which callers pass arrays through so that each kernel has one signature.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from recsys_jax.async_ps.kernels_lookup import find, first_repeat, gather_rows, place, splitmix64
 from recsys_jax.async_ps.kernels_update import (
@@ -22,7 +25,23 @@ from recsys_jax.async_ps.kernels_update import (
   sgd_apply,
 )
 
+
+def read_only(x: np.ndarray) -> np.ndarray:
+  """``x``, or a read-only view of it (no copy).
+
+  numba compiles a kernel once per argument type, and a read-only array is another type than a
+  writable one: ids and gradients arrive read-only from the wire, or writable from numpy, so
+  passing every input through here halves what a server compiles (and warms up, ``warmup``).
+  """
+  if not x.flags.writeable:
+    return x
+  v = x.view()
+  v.flags.writeable = False
+  return v
+
+
 __all__ = [
+  "read_only",
   "splitmix64",
   "find",
   "place",

@@ -13,6 +13,11 @@ Failures raise ``RemotePSError`` naming the server and the RPC. Every call has a
 create rows that are a function of the id); pushes carry a request id and are never retried,
 so a gradient is applied at most once.
 
+A call whose request or answer to a server would pass that server's message limit (or
+``max_request_mb``) goes to it as several chunks (``chunking``), sent one after another within
+the call's one deadline; together they do what one call would: the same rows, and a push
+that the server applies once, when its last chunk is in (``service``).
+
 Several workers (``num_workers``) may share the servers: each step's pushes are summed over
 the workers on the servers, and a lookup of step t waits there until the pushes of steps
 <= t - staleness - 1 of every worker are applied.
@@ -24,6 +29,7 @@ of a chain into an in-process PS (``snapshot_parts``, ``load_into``) in ``snapsh
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
@@ -31,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from recsys_jax.async_ps import snapshot_chain, wire
+from recsys_jax.async_ps import chunking, snapshot_chain, wire
 from recsys_jax.async_ps.ids import as_ids, check_out
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
@@ -40,6 +46,8 @@ from recsys_jax.async_ps.snapshot_chain import snapshot_parts as snapshot_parts
 from recsys_jax.async_ps.transport import RemotePSError as RemotePSError
 from recsys_jax.async_ps.transport import Transport
 from recsys_jax.embeddings.specs import TableSpec
+
+_DEFAULT_LIMIT = 256 << 20  # the server's default --max_message_mb
 
 
 class RemotePS:
@@ -65,6 +73,9 @@ class RemotePS:
     lookup_retries: retries of a lookup after UNAVAILABLE or DEADLINE_EXCEEDED.
     snapshot_timeout_s: deadline of a snapshot or restore.
     tls_server_name: the name the servers' certificates carry, if not the address's host.
+    max_request_mb: the largest request or answer of one call to a server, MiB; a larger
+      lookup or push is sent in chunks (0: the server's ``--max_message_mb``, which also
+      caps this).
   """
 
   def __init__(
@@ -83,6 +94,7 @@ class RemotePS:
     lookup_retries: int = 3,
     snapshot_timeout_s: float = 3600.0,
     tls_server_name: Optional[str] = None,
+    max_request_mb: float = 0.0,
   ):
     addresses = [str(a) for a in addresses]
     if not addresses:
@@ -97,6 +109,9 @@ class RemotePS:
       raise ValueError("timeouts must be positive")
     if lookup_retries < 0:
       raise ValueError(f"lookup_retries must be >= 0, got {lookup_retries}")
+    if not 0 <= max_request_mb < 1 << 20:  # also refuses nan
+      raise ValueError(f"max_request_mb must be in [0, 2**20) (0: the servers' limit), got {max_request_mb}")
+    self._max_request = int(max_request_mb * (1 << 20)) or None
     wire.check_wire_dtype(wire_dtype)
     self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
     if len(self.specs) != len(tables):
@@ -131,13 +146,16 @@ class RemotePS:
       "num_shards": self.num_shards,
     }
     until = time.monotonic() + self.timeout_s
-    self._servers.fan(
+    got = self._servers.fan(
       "control",
       {
         i: (lambda i=i: self._servers.call(i, "Configure", {**fields, "shard_index": i}, until=until))
         for i in range(self.num_shards)
       },
     )
+    # The largest message of each server (its --max_message_mb; an older server does not say).
+    limits = [got[i].fields.get("max_message_bytes") or _DEFAULT_LIMIT for i in range(self.num_shards)]
+    self.message_limits = [min(m, self._max_request or m) for m in limits]
 
   def _check(self, table: str) -> None:
     if table not in self.specs:
@@ -191,7 +209,8 @@ class RemotePS:
 
     Raises:
       KeyError: an unknown table.
-      ValueError: ids that are not 1-D, or not unsigned or non-negative integers.
+      ValueError: ids that are not 1-D, or not unsigned or non-negative integers; repeated ids
+        in a lookup sent in chunks (nothing is sent then).
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
     """
     for t in ids:
@@ -203,32 +222,43 @@ class RemotePS:
     check_out(self.specs, ids, out)
     routes = self._route(ids)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
+    deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
+    size = wire.DTYPES[self.wire_dtype].itemsize
+    if out is None:
+      out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
+
+    def send(s, part, chunks):
+      for c in chunks:
+        arrays = {f"ids/{t}": part[t][a:b] for t, (a, b) in c.items()}
+        got = self._servers.call(s, "Lookup", fields, arrays, retries=self.lookup_retries, deadline=deadline)
+        for t, (a, b) in c.items():  # each chunk's rows go in place at once: no reply is kept
+          out[t][routes[t][s][a:b]] = self._rows(got, s, t, b - a)
+
     # With a step, every server sees every step's lookup: each one's staleness bookkeeping
     # starts at the first step it sees, so none may first hear of a later one.
     work = {}
     for s in range(self.num_shards):
-      part = {f"ids/{t}": ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
+      part = {t: ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
       if part or step is not None:
-        work[s] = lambda s=s, part=part: self._servers.call(s, "Lookup", fields, part, retries=self.lookup_retries)
-    replies = self._servers.fan("lookup", work) if work else {}
-    result = {}
-    for t, v in ids.items():
-      dim = self.specs[t].dim
-      rows = np.empty((v.shape[0], dim), np.float32) if out is None else out[t]
-      for s, sel in enumerate(routes[t]):
-        if not sel.shape[0]:
-          continue
-        got = replies[s].arrays.get(f"rows/{t}")
-        if got is None or got.shape != (sel.shape[0], dim) or got.dtype.name not in wire.FLOAT_DTYPES:
-          have = None if got is None else (got.dtype.name, list(got.shape))
-          raise RemotePSError(
-            f"{self._servers.where(s)}: Lookup answered rows/{t} as {have}, expected [{sel.shape[0]}, {dim}]",
-            self.addresses[s],
-            "Lookup",
-          )
-        rows[sel] = got  # converts bfloat16 / float16 to float32
-      result[t] = rows
-    return result
+        sizes = ({t: 8 for t in part}, {t: self.specs[t].dim * size for t in part})
+        chunks = chunking.split(part, self.message_limits[s], fields, (["ids"], ["rows"]), sizes, "lookup")
+        work[s] = functools.partial(send, s, part, chunks)
+    if work:
+      self._servers.fan("lookup", work)
+    return out
+
+  def _rows(self, reply: wire.Message, s: int, t: str, n: int) -> np.ndarray:
+    """The rows of table t in a Lookup answer of server s, checked to be [n, dim] of a float dtype."""
+    dim = self.specs[t].dim
+    got = reply.arrays.get(f"rows/{t}")
+    if got is None or got.shape != (n, dim) or got.dtype.name not in wire.FLOAT_DTYPES:
+      have = None if got is None else (got.dtype.name, list(got.shape))
+      raise RemotePSError(
+        f"{self._servers.where(s)}: Lookup answered rows/{t} as {have}, expected [{n}, {dim}]",
+        self.addresses[s],
+        "Lookup",
+      )
+    return got  # float32 on assignment: bfloat16 / float16 are converted exactly
 
   def apply_many(
     self,
@@ -240,7 +270,9 @@ class RemotePS:
     """Pushes summed row gradients: {table: (distinct ids, float32 [n, dim])}.
 
     Never retried: a failed push raises and may or may not have reached a server (each
-    server applies a request id at most once, so re-sending the same ``request_id`` is safe).
+    server applies a request id at most once, so re-sending the same ``request_id`` is safe;
+    a push sent in chunks is applied when its last chunk is in: re-sending it with the same
+    ``request_id`` completes it, its chunks already in acknowledged, not applied again).
 
     Args:
       grads: per table, distinct uint64 ids (or non-negative integers) and their gradients.
@@ -250,7 +282,7 @@ class RemotePS:
     Raises:
       KeyError: an unknown table.
       ValueError: gradients that are not [len(ids), dim]; ids that are not unsigned or
-        non-negative integers (nothing is sent then).
+        non-negative integers; repeated ids in a push sent in chunks (nothing is sent then).
       RemotePSError: a server failed or refused.
     """
     arrays = {}
@@ -265,18 +297,37 @@ class RemotePS:
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
     routes = self._route({t: i for t, (i, _) in arrays.items()})
     fields = {"worker": self.worker, "step": None if step is None else int(step), "request_id": rid}
+    deadline = time.monotonic() + self.timeout_s  # one for all the chunks
+    size = wire.DTYPES[self.wire_dtype].itemsize
+
+    def send(s, sel, part, chunks):
+      for k, c in enumerate(chunks):
+        message = {}
+        for t, (a, b) in c.items():
+          message[f"ids/{t}"] = part[t][a:b]
+          message[f"grads/{t}"] = wire.to_wire(arrays[t][1][sel[t][a:b]], self.wire_dtype)
+        # The server applies the push once all its chunks are in (a repeated chunk is acknowledged).
+        more = {"chunk": k, "chunks": len(chunks)} if len(chunks) > 1 else {}
+        got = self._servers.call(s, "Push", {**fields, **more}, message, deadline=deadline)
+      missing = got.fields.get("chunks_missing", 0)
+      if missing:  # the server lost the earlier chunks: a Restore, or a restart, came in between
+        raise RemotePSError(
+          f"{self._servers.where(s)}: Push {rid!r}: {missing} of its {len(chunks)} chunks are missing after "
+          "the last was sent (a Restore or restart in between?); nothing of it is applied there",
+          self.addresses[s],
+          "Push",
+        )
+
     work = {}
     for s in range(self.num_shards):
-      part = {}
-      for t, (i, g) in arrays.items():
-        sel = routes[t][s]
-        if sel.shape[0]:
-          part[f"ids/{t}"] = i[sel]
-          part[f"grads/{t}"] = wire.to_wire(g[sel], self.wire_dtype)
+      sel = {t: routes[t][s] for t in arrays if routes[t][s].shape[0]}
       # With a step every server hears from every worker at every step, or it could not
       # tell when a step is complete.
-      if part or step is not None:
-        work[s] = lambda s=s, part=part: self._servers.call(s, "Push", fields, part)
+      if sel or step is not None:
+        sizes = ({t: 8 + self.specs[t].dim * size for t in sel}, {t: 0 for t in sel})
+        part = {t: arrays[t][0][v] for t, v in sel.items()}
+        chunks = chunking.split(part, self.message_limits[s], fields, (["ids", "grads"], []), sizes, "push")
+        work[s] = functools.partial(send, s, sel, part, chunks)
     if work:
       self._servers.fan("push", work)
 

@@ -28,6 +28,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from recsys_jax.async_ps import kernels
+
 Slots = Dict[str, np.ndarray]
 
 
@@ -89,7 +91,7 @@ class FusedUpdate:
     grads = np.ascontiguousarray(grads, np.float32)
     if grads.shape != (rows.shape[0], dim):
       raise ValueError(f"fused row update: grads have shape {grads.shape}, expected {(rows.shape[0], dim)}")
-    bad = self._apply(weights, slots, rows, grads, np.float32(self.clip))
+    bad = self._apply(weights, slots, kernels.read_only(rows), kernels.read_only(grads), np.float32(self.clip))
     if bad >= 0:
       raise IndexError(f"fused row update: row {rows[bad]} out of range [0, {num_rows}); nothing written")
 

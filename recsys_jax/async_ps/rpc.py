@@ -13,7 +13,10 @@ Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids t
 uint64, wrong shape, non-finite gradients, a step outside +-2**62), FAILED_PRECONDITION (out
 of order, not configured, mismatched configuration), OUT_OF_RANGE (a step too far ahead),
 UNAUTHENTICATED (a token is set and no ``authorization: Bearer <token>`` metadata) or
-RESOURCE_EXHAUSTED (over ``max_message_mb``, enforced by gRPC); the server keeps serving.
+RESOURCE_EXHAUSTED (a request over ``max_message_mb``, enforced by gRPC; a lookup whose answer
+would be, refused before any work; no room in ``max_inflight_mb`` within the deadline, see
+``budget``); the server keeps serving. ``Configure`` answers with the server's
+``max_message_bytes``, so that ``RemotePS`` sends larger calls in chunks under it.
 Waits for pushes end with CANCELLED, DEADLINE_EXCEEDED or UNAVAILABLE (see ``service``);
 ``serve`` keeps two RPC threads out of them, for pushes and Health. The PS trusts its callers
 to name snapshot directories: ``snapshot_root`` keeps them under one directory.
@@ -23,24 +26,28 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hmac
 import os
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.budget import ByteBudget, WaitSlots
 from recsys_jax.async_ps.ids import check_distinct
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW, Grads, ServiceError, ShardService
+from recsys_jax.async_ps.staging import MAX_CHUNKS
 
 _RESERVED_META = ("format", "parts", "incremental")  # keys of snapshot.save's own manifest
 _C = grpc.StatusCode
 _MAX_STEP = 2**62  # steps go into int64 arrays (a row's last step), with room for arithmetic
 _FREE_THREADS = 2  # RPC threads no wait for pushes may take: one for pushes, one for Health
+_FINITE_BLOCK = 1 << 20  # gradients checked for finiteness this many values at a time (no full-size masks)
 
 
 def _json_number(v: Any) -> Any:
@@ -60,7 +67,11 @@ class ShardServer:
     local_shards: shards of the in-process PS (threads working one request in parallel).
     token: if set, every call must carry ``authorization: Bearer <token>`` metadata.
     snapshot_root: if set, Snapshot and Restore only touch directories under it.
-    **limits: ``max_wait_s``, ``step_window``, ``max_waiters`` of ``ShardService``.
+    max_message_bytes: the server's message limit, told to clients (None: not told); a lookup
+      whose answer would pass it is refused before any work.
+    max_inflight_bytes: the ``ByteBudget`` of requests and answers in flight (None: none).
+    **limits: ``max_wait_s``, ``step_window``, ``max_waiters`` of ``ShardService`` (the waits
+      for memory count against ``max_waiters`` too).
   """
 
   def __init__(
@@ -70,9 +81,15 @@ class ShardServer:
     local_shards: int = 1,
     token: Optional[str] = None,
     snapshot_root: Optional[str] = None,
+    max_message_bytes: Optional[int] = None,
+    max_inflight_bytes: Optional[int] = None,
     **limits: Any,
   ):
-    self.service = ShardService(shard_index, num_shards, local_shards, **limits)
+    slots = WaitSlots(limits.pop("max_waiters", None))
+    self.service = ShardService(shard_index, num_shards, local_shards, slots=slots, **limits)
+    self._limit = max_message_bytes
+    wait = limits.get("max_wait_s", MAX_WAIT_S)
+    self.budget = None if max_inflight_bytes is None else ByteBudget(max_inflight_bytes, slots, wait)
     self._token = None if token is None else f"Bearer {token}".encode("utf-8")
     self._root = None if not snapshot_root else os.path.realpath(snapshot_root)
     self._counts = collections.Counter()  # refused calls by (method, status)
@@ -90,17 +107,24 @@ class ShardServer:
     Returns:
       A handler to pass to ``grpc.Server.add_generic_rpc_handlers``.
     """
-    methods = {
-      m: grpc.unary_unary_rpc_method_handler(self._wrap(m, getattr(self, f"_rpc_{m.lower()}"))) for m in wire.METHODS
-    }
+    methods = {}
+    for m in wire.METHODS:
+      # A push is read only once its bytes have room in the budget: a stream handler receives the
+      # message when it asks for it (HTTP/2 flow control holds the sender meanwhile), and a
+      # client's unary call is the same on the wire. Lookups are read at once and take their
+      # room after their wait for pushes, so that they never hold room the pushes need.
+      make = grpc.stream_unary_rpc_method_handler if m == "Push" else grpc.unary_unary_rpc_method_handler
+      methods[m] = make(self._wrap(m, getattr(self, f"_rpc_{m.lower()}")))
     return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
 
   def _wrap(self, method: str, fn: Callable[[wire.Message, grpc.ServicerContext], bytes]):
-    def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
+    def behavior(request: Any, context: grpc.ServicerContext) -> bytes:
       try:
         self._authenticate(context)
         if method not in ("Configure", "Health") and self.service.ps is None:
           raise ServiceError("FAILED_PRECONDITION", "the server is not configured yet: call Configure first")
+        if method == "Push":
+          request = self._receive(request, context)
         return fn(wire.decode(request), context)
       except ServiceError as e:
         code, text = _C[e.code], e.message
@@ -116,6 +140,39 @@ class ShardServer:
       context.abort(code, f"{method}: {text}")
 
     return behavior
+
+  def _receive(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    """Reads a push once the bytes its client declared (``wire.SIZE_KEY``) have room in the budget;
+    an undeclared push takes its room once read, one that declared too little the rest at once."""
+    declared = None
+    for key, value in context.invocation_metadata() or ():
+      if key == wire.SIZE_KEY:
+        try:
+          declared = int(value)
+        except ValueError:
+          raise wire.WireError(f"metadata {wire.SIZE_KEY} must be a byte count, got {value!r}") from None
+    if declared is not None and declared < 0:
+      raise wire.WireError(f"metadata {wire.SIZE_KEY} must be a byte count, got {declared}")
+    if declared is not None and self._limit is not None and declared > self._limit:
+      raise ServiceError(
+        "RESOURCE_EXHAUSTED",
+        f"a push of {declared} bytes is over the server's --max_message_mb={self._limit / 2**20:g}: send it in "
+        "chunks (RemotePS does, under the limit Configure reports)",
+      )
+    if declared is not None:
+      self._admit(context, declared, f"a push of {declared} bytes")
+    try:
+      request = next(requests, None)
+    except Exception:  # noqa: BLE001 - gRPC ends the stream with its own error when the caller goes away
+      request = None
+    if request is None and not context.is_active():  # gRPC has answered already (e.g. over the limit)
+      raise ServiceError("CANCELLED", "the call ended before its push was read (over the limit, or the caller left)")
+    if request is None:
+      raise wire.WireError("the call carried no message")
+    more = len(request) - (declared or 0)
+    if more > 0:
+      self._admit(context, more, f"a push of {len(request)} bytes", wait=declared is None)
+    return request
 
   def _authenticate(self, context: grpc.ServicerContext) -> None:
     if self._token is None:
@@ -170,9 +227,11 @@ class ShardServer:
         f"table {table!r}: grads of shape {list(grads.shape)} do not match [n={ids.shape[0]} ids, dim={dim}]"
       )
     g = wire.from_wire(grads)
-    if not np.isfinite(g).all():
-      bad = np.argwhere(~np.isfinite(g))[0]
-      raise wire.WireError(f"table {table!r}: grads are not finite (e.g. row {bad[0]}, column {bad[1]})")
+    rows = max(1, _FINITE_BLOCK // max(dim, 1))
+    for a in range(0, g.shape[0], rows):
+      if not np.isfinite(g[a : a + rows]).all():
+        bad = np.argwhere(~np.isfinite(g[a : a + rows]))[0]
+        raise wire.WireError(f"table {table!r}: grads are not finite (e.g. row {a + bad[0]}, column {bad[1]})")
     return g
 
   # -- RPCs ----------------------------------------------------------------------------
@@ -196,7 +255,7 @@ class ShardServer:
       raise wire.WireError(f"need num_workers >= 1, staleness >= 0, num_shards >= 1; got {cfg}")
     if not 0 <= cfg["shard_index"] < cfg["num_shards"]:
       raise wire.WireError(f"shard_index {cfg['shard_index']} is not in [0, {cfg['num_shards']})")
-    return wire.encode(self.service.configure(specs, cfg))
+    return wire.encode({**self.service.configure(specs, cfg), "max_message_bytes": self._limit})
 
   def _rpc_lookup(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
@@ -206,8 +265,33 @@ class ShardServer:
     ids = {}
     for t, arrs in self._arrays_by_table(msg, ("ids",)).items():
       ids[t] = self._check_ids(t, arrs["ids"])
-    rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active)
+    # Refused before any row is made: an answer over the limit would only fail in gRPC.
+    size = wire.DTYPES[wire_dtype].itemsize
+    answer = sum(v.shape[0] * self.service.ps.specs[t].dim * size for t, v in ids.items())
+    answer += wire.header_bound({}, [f"rows/{t}" for t in ids])
+    n = sum(v.shape[0] for v in ids.values())
+    if self._limit is not None and answer > self._limit:
+      raise ServiceError(
+        "RESOURCE_EXHAUSTED",
+        f"the answer to a lookup of {n} ids would take {answer / 2**20:.1f} MiB, over the server's "
+        f"--max_message_mb={self._limit / 2**20:g}: look up fewer ids per call (RemotePS splits its calls by it)",
+      )
+    cost = _payload(msg) + answer
+    admit = functools.partial(self._admit, context, cost, f"a lookup of {n} ids")
+    rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active, admit)
     return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
+
+  def _admit(self, context, cost: int, what: str, wait: bool = True) -> None:
+    """Takes ``cost`` bytes of the budget (``wait``: once they have room), until the call ends."""
+    if self.budget is None:
+      return
+    if wait:
+      release = self.budget.acquire(cost, context.time_remaining, context.is_active, what)
+    else:
+      release = self.budget.take(cost)
+    if not context.add_callback(release):  # the call has ended already
+      release()
+      raise ServiceError("CANCELLED", f"{what}: the caller went away")
 
   def _rpc_push(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
@@ -221,13 +305,17 @@ class ShardServer:
       raise wire.WireError("request_id must have 1 to 256 characters")
     if step is None and nw > 1:
       raise wire.WireError(f"a push needs a step when num_workers={nw} (steps are summed over workers)")
+    chunks = wire.get_field(f, "chunks", int, 1)
+    chunk = wire.get_field(f, "chunk", int, 0)
+    if not (1 <= chunks <= MAX_CHUNKS and 0 <= chunk < chunks):
+      raise wire.WireError(f"chunk {chunk} of {chunks}: need 0 <= chunk < chunks <= {MAX_CHUNKS}")
     grads: Grads = {}
     for t, arrs in self._arrays_by_table(msg, ("ids", "grads")).items():
       if set(arrs) != {"ids", "grads"}:
         raise wire.WireError(f"table {t!r}: a push needs both ids/{t} and grads/{t}")
       ids = self._check_ids(t, arrs["ids"])
       grads[t] = (ids, self._check_grads(t, ids, arrs["grads"]))
-    return wire.encode(self.service.push(worker, step, request_id, grads))
+    return wire.encode(self.service.push(worker, step, request_id, grads, chunk, chunks))
 
   def _rpc_snapshot(self, msg: wire.Message, context) -> bytes:
     f = msg.fields
@@ -259,7 +347,12 @@ class ShardServer:
   def _state(self) -> Dict[str, Any]:
     with self._counts_lock:
       refused = dict(self._counts)
-    return {**self.service.state(), "refused": refused}
+    inflight = None if self.budget is None else self.budget.used
+    return {**self.service.state(), "refused": refused, "inflight_bytes": inflight}
+
+
+def _payload(msg: wire.Message) -> int:
+  return sum(a.nbytes for a in msg.arrays.values())
 
 
 def serve(
@@ -273,6 +366,7 @@ def serve(
   tls_cert: Optional[bytes] = None,
   tls_key: Optional[bytes] = None,
   max_message_mb: int = 256,
+  max_inflight_mb: float = 1024,
   threads: int = 32,
   snapshot_root: Optional[str] = None,
   max_wait_s: float = MAX_WAIT_S,
@@ -285,6 +379,8 @@ def serve(
     shard_index, num_shards, local_shards, token, snapshot_root: see ``ShardServer``.
     tls_cert, tls_key: PEM bytes; both or neither (then plaintext).
     max_message_mb: the largest request and response, in MiB (larger: RESOURCE_EXHAUSTED).
+    max_inflight_mb: bytes of requests and answers the calls in flight may hold, MiB
+      (``budget.ByteBudget``; 0: no bound).
     threads: RPCs served at once (lookups waiting for pushes hold one each; at most threads - 2
       may wait, the rest are refused with UNAVAILABLE, so pushes and Health always find one).
     max_wait_s, step_window: see ``ShardService``.
@@ -297,8 +393,11 @@ def serve(
   """
   waiters = max(1, threads - _FREE_THREADS)
   limits = {"max_wait_s": max_wait_s, "step_window": step_window, "max_waiters": waiters}
-  service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root, **limits)
   limit = int(max_message_mb * (1 << 20))
+  if limit < 1 or max_inflight_mb < 0:
+    raise ValueError(f"need --max_message_mb > 0 and --max_inflight_mb >= 0, got {max_message_mb}, {max_inflight_mb}")
+  inflight = int(max_inflight_mb * (1 << 20)) or None
+  service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root, limit, inflight, **limits)
   server = grpc.server(
     concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
     options=[

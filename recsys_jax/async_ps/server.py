@@ -4,11 +4,12 @@ Run it as::
 
   python -m recsys_jax.async_ps.server --port=5051 [--host=127.0.0.1] \
     [--shard_index=I --num_shards=K] [--token_file=F] [--tls_cert=C --tls_key=K] \
-    [--max_message_mb=256] [--local_shards=1] [--threads=32] [--snapshot_root=DIR] \
-    [--max_wait_s=300] [--step_window=1000]
+    [--max_message_mb=256] [--max_inflight_mb=1024] [--local_shards=1] [--threads=32] \
+    [--snapshot_root=DIR] [--max_wait_s=300] [--step_window=1000] [--nowarmup]
 
 It prints ``ready <host>:<port>`` on stdout once it serves (``--port=0`` picks a free port),
-so launchers can wait for that line. Binds 127.0.0.1 unless ``--host`` says otherwise: the PS
+so launchers can wait for that line; before that it compiles its numba kernels
+(``warmup``), so that no call compiles them within its deadline. Binds 127.0.0.1 unless ``--host`` says otherwise: the PS
 trusts its callers to name snapshot directories, so expose it only with a token (and TLS) on
 a trusted network.
 
@@ -19,6 +20,8 @@ This module is the command line; the server's parts live in:
   the steps' pushes are summed in worker order by ``pushes.sum_pushes``.
 - ``rpc``: the gRPC side (``ShardServer``: request decoding and checks, authentication,
   status codes; ``serve`` starts a server in this process).
+- ``budget``: the bytes of calls in flight (``--max_inflight_mb``) and the waiting calls.
+- ``staging``: the chunks of pushes sent in several messages, until all are in.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 
+from recsys_jax.async_ps import warmup
 from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
 from recsys_jax.async_ps.rpc import ShardServer as ShardServer
 from recsys_jax.async_ps.rpc import serve as serve
@@ -46,6 +50,10 @@ def _define_flags() -> None:
   flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key): serve TLS.")
   flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
   flags.DEFINE_integer("max_message_mb", 256, "Largest request or response, MiB.")
+  flags.DEFINE_float(
+    "max_inflight_mb", 1024, "Bytes of requests and answers in flight, MiB (more wait for room; 0: no bound)."
+  )
+  flags.DEFINE_bool("warmup", True, "Compile the numba kernels before the ready line.")
   flags.DEFINE_integer("local_shards", 1, "Shards (threads) of the in-process PS.")
   flags.DEFINE_integer("threads", 32, "RPCs served at once (all but 2 may wait for pushes).")
   flags.DEFINE_string("snapshot_root", None, "If set, snapshots may only be written and read under it.")
@@ -91,6 +99,7 @@ def main(argv: Sequence[str]) -> None:
       tls_cert=_read(fl.tls_cert, "--tls_cert"),
       tls_key=_read(fl.tls_key, "--tls_key"),
       max_message_mb=fl.max_message_mb,
+      max_inflight_mb=fl.max_inflight_mb,
       threads=fl.threads,
       snapshot_root=fl.snapshot_root,
       max_wait_s=fl.max_wait_s,
@@ -98,6 +107,8 @@ def main(argv: Sequence[str]) -> None:
     )
   except (ValueError, RuntimeError) as e:
     raise app.UsageError(str(e)) from None
+  if fl.warmup:  # while the port is bound but before the ready line: calls wait, none compiles
+    logging.info("numba kernels warmed up in %.2f s", warmup.warm_up(fl.local_shards))
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -8,16 +8,16 @@ the steps in flight (``rpc`` decodes and checks the requests and calls it):
   step <= t - staleness - 1 are applied.
 - ``push``: a worker's row gradients of a step. A step is applied once every worker has
   pushed it (or moved past it): the gradients summed in worker order (``pushes.sum_pushes``),
-  one ``apply_many``.
-  A repeated (worker, request_id) is acknowledged without being applied again.
+  one ``apply_many``. A repeated (worker, request_id) is acknowledged, not applied again; a push
+  in chunks is staged (``staging``) until its last chunk is in, then counts as that one push.
 - ``snapshot`` / ``restore``: ``snapshot.save`` of the local PS after the pushes of the steps
   before ``step``; restore from the parts of any number of servers, keeping this server's ids.
 
 One client must not be able to jam the server: a wait ends when the caller cancels, before
 its deadline, and after ``max_wait_s`` whatever the deadline; at most ``max_waiters`` calls
-wait at once (the rest of the RPC threads stay free for pushes and Health); a step more than
-staleness + ``step_window`` ahead of the applied one is refused (no trainer can be there, and
-it would move the step for everyone).
+wait at once (the rest of the RPC threads stay free for pushes and Health; ``rpc``'s waits for
+memory count too, through the shared ``slots``); a step more than staleness + ``step_window``
+ahead of the applied one is refused (no trainer can be there, and it would move everyone's step).
 
 A refusal is a ``ServiceError`` whose ``code`` names the status the server answers with, so
 this module needs no gRPC.
@@ -35,9 +35,12 @@ import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps import snapshot, snapshot_chain, wire
+from recsys_jax.async_ps.budget import POLL_S, WAIT_MARGIN_S, Active, TimeLeft, WaitSlots
+from recsys_jax.async_ps.errors import ServiceError as ServiceError
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.pushes import Grads as Grads
-from recsys_jax.async_ps.pushes import sum_pushes as sum_pushes
+from recsys_jax.async_ps.pushes import repeated_id, sum_pushes
+from recsys_jax.async_ps.staging import Staging
 from recsys_jax.embeddings.specs import TableSpec
 
 _SEEN_PER_WORKER = 4096  # request ids remembered per worker: far more than pushes in flight
@@ -48,19 +51,6 @@ _MAX_PENDING_STEPS = 1024
 # worker's push, and RemotePS's own deadline (ps.timeout_s, 30 s by default) ends it sooner.
 MAX_WAIT_S = 300.0
 STEP_WINDOW = 1000
-_WAIT_MARGIN_S = 0.05  # answer a little before the client's deadline, so it sees why
-_POLL_S = 0.1  # how often a waiting call checks that its caller is still there
-
-TimeLeft = Callable[[], Optional[float]]  # seconds until the caller's deadline (None: no deadline)
-Active = Callable[[], bool]  # False once the caller cancelled or its deadline passed
-
-
-class ServiceError(Exception):
-  """Ends a call with the status named ``code`` (a ``grpc.StatusCode`` name) and ``message``."""
-
-  def __init__(self, code: str, message: str):
-    super().__init__(message)
-    self.code, self.message = code, message
 
 
 def _no_deadline() -> Optional[float]:
@@ -83,6 +73,7 @@ class ShardService:
     max_wait_s: the longest a call waits for pushes, whatever its deadline.
     step_window: a step more than staleness + this ahead of the applied step is refused.
     max_waiters: calls that may wait for pushes at once (None: any number); more are refused.
+    slots: instead of ``max_waiters``, the ``WaitSlots`` counting waits (shared with ``rpc``).
   """
 
   def __init__(
@@ -94,6 +85,7 @@ class ShardService:
     max_wait_s: float = MAX_WAIT_S,
     step_window: int = STEP_WINDOW,
     max_waiters: Optional[int] = None,
+    slots: Optional[WaitSlots] = None,
   ):
     if (shard_index is None) != (num_shards is None):
       raise ValueError("--shard_index and --num_shards go together")
@@ -105,10 +97,8 @@ class ShardService:
       raise ValueError(f"--max_wait_s must be positive, got {max_wait_s}")
     if step_window < 2:  # a trainer's lookup may be staleness + 2 steps ahead
       raise ValueError(f"--step_window must be >= 2, got {step_window}")
-    if max_waiters is not None and max_waiters < 1:
-      raise ValueError(f"max_waiters must be >= 1, got {max_waiters}")
-    self._max_wait_s, self._step_window, self._max_waiters = float(max_wait_s), int(step_window), max_waiters
-    self._waiting = 0  # calls in _wait_applied
+    self._max_wait_s, self._step_window = float(max_wait_s), int(step_window)
+    self.slots = slots or WaitSlots(max_waiters)  # calls waiting
     self._fixed_place = None if num_shards is None else (shard_index, num_shards)
     self._local_shards = local_shards
     self._cond = threading.Condition()
@@ -118,9 +108,10 @@ class ShardService:
     self.ps: Optional[ParameterServer] = None
     self._config: Dict[str, Any] = {}
     self._applied: Optional[int] = None  # every step <= this is applied (None: no step seen yet)
-    self._pending: Dict[int, Dict[int, Grads]] = {}  # step -> worker -> gradients
+    self._pending: Dict[int, Dict[int, List[Grads]]] = {}  # step -> worker -> gradients (its chunks)
     self._last: Dict[int, int] = {}  # worker -> the last step it pushed
     self._seen: Dict[int, "collections.OrderedDict[str, int]"] = {}  # worker -> request ids
+    self._staging = Staging()  # pushes with chunks still missing
     self._broken: Optional[str] = None  # why the tables cannot be used (a failed restore)
 
   @property
@@ -154,17 +145,16 @@ class ShardService:
       return self._applied is not None and self._applied < target and self._broken is None
 
     if behind():
-      if self._max_waiters is not None and self._waiting >= self._max_waiters:
+      if not self.slots.enter():
         raise ServiceError(
           "UNAVAILABLE",
           f"{what} would wait for the pushes of steps <= {target} (steps <= {self._applied} are applied), but "
-          f"{self._waiting} calls already wait, the most this server lets wait so that pushes and Health keep "
+          f"{self.slots.count} calls already wait, the most this server lets wait so that pushes and Health keep "
           "a thread (start it with more --threads)",
         )
       left = time_left()
-      limit = self._max_wait_s if left is None else min(self._max_wait_s, left - _WAIT_MARGIN_S)
+      limit = self._max_wait_s if left is None else min(self._max_wait_s, left - WAIT_MARGIN_S)
       start = time.monotonic()
-      self._waiting += 1
       try:
         while behind():
           waited = time.monotonic() - start
@@ -184,9 +174,9 @@ class ShardService:
             )
           # Polled, not woken: gRPC runs cancellation callbacks on its serving thread, which must
           # never block on _cond.
-          self._cond.wait(min(_POLL_S, limit - waited))
+          self._cond.wait(min(POLL_S, limit - waited))
       finally:
-        self._waiting -= 1
+        self.slots.leave()
     if self._broken is not None:
       raise ServiceError("FAILED_PRECONDITION", self._broken)
 
@@ -249,8 +239,10 @@ class ShardService:
     step: Optional[int],
     time_left: TimeLeft = _no_deadline,
     active: Active = _always,
+    admit: Optional[Callable[[], None]] = None,
   ) -> Dict[str, np.ndarray]:
-    """Rows of distinct ids per table, after the staleness wait when ``step`` is given."""
+    """Rows of distinct ids per table, after the staleness wait when ``step`` is given, then
+    ``admit`` (which may wait for memory: a call waiting for pushes holds none)."""
     with self._cond:
       if step is not None:
         if self._applied is None:
@@ -261,49 +253,82 @@ class ShardService:
         self._wait_applied(step - self._config["staleness"] - 1, time_left, active, what)
       elif self._broken is not None:
         raise ServiceError("FAILED_PRECONDITION", self._broken)
+    if admit is not None:
+      admit()
     return self.ps.lookup_many(ids, create, step)
 
-  def push(self, worker: int, step: Optional[int], request_id: str, grads: Grads) -> Dict[str, Any]:
+  def _refuse_push(self, worker: int, step: Optional[int], request_id: str) -> bool:
+    """Checks a push (holding ``_cond``) and refuses it if it cannot be taken; True: a repeat."""
+    if self._broken is not None:
+      raise ServiceError("FAILED_PRECONDITION", self._broken)
+    if request_id in self._seen.get(worker, ()):
+      return True
+    if step is not None:
+      if self._applied is None:
+        self._applied = step - 1
+      self._check_step(step, f"push of step {step} from worker {worker}")
+      if step <= self._applied:
+        raise ServiceError(
+          "FAILED_PRECONDITION",
+          f"push of step {step} from worker {worker}: steps <= {self._applied} are already applied",
+        )
+      if step not in self._pending and len(self._pending) >= _MAX_PENDING_STEPS:
+        raise ServiceError(
+          "RESOURCE_EXHAUSTED",
+          f"push of step {step} from worker {worker}: {len(self._pending)} steps already wait for other workers",
+        )
+      last = self._last.get(worker)
+      if last is not None and step <= last:
+        raise ServiceError(
+          "FAILED_PRECONDITION",
+          f"push of step {step} from worker {worker} after its step {last}: steps must arrive in increasing order",
+        )
+    return False
+
+  def push(
+    self, worker: int, step: Optional[int], request_id: str, grads: Grads, chunk: int = 0, chunks: int = 1
+  ) -> Dict[str, Any]:
     """Buffers a worker's gradients of a step; applies every step that all workers have pushed.
 
+    A push in several chunks (``chunk`` of ``chunks``, one ``request_id``) is staged until its
+    last chunk is in, then taken as one push; before that it changes nothing a lookup sees.
+
     Returns:
-      {'duplicate': whether request_id was seen before, 'applied_step': ...}.
+      {'duplicate': whether request_id (or this chunk of it) was seen before, 'applied_step': ...,
+      'chunks_missing': chunks of the push not in yet (0 once it is taken)}.
     """
     nw = self._config["num_workers"]
-    ready: List[Tuple[Optional[int], Dict[int, Grads]]] = []
+    ready: List[Tuple[Optional[int], Dict[int, List[Grads]]]] = []
+    parts, bad = [grads], None
+    if chunks > 1:
+      with self._cond:
+        if self._refuse_push(worker, step, request_id):
+          return {"duplicate": True, "applied_step": self._applied, "chunks_missing": 0}
+        repeat, parts = self._staging.add(worker, request_id, step, chunk, chunks, grads)
+        if parts is None:
+          missing = self._staging.missing(worker, request_id)
+          return {"duplicate": repeat, "applied_step": self._applied, "chunks_missing": missing}
+      bad = repeated_id(parts)  # outside the lock: it sorts every id of the push
     with self._cond:
-      if self._broken is not None:
-        raise ServiceError("FAILED_PRECONDITION", self._broken)
-      seen = self._seen.setdefault(worker, collections.OrderedDict())
-      if request_id in seen:
-        return {"duplicate": True, "applied_step": self._applied}
+      if chunks > 1:
+        what = f"push {request_id!r} of step {step} from worker {worker}"
+        if not self._staging.finish(worker, request_id):
+          raise ServiceError("FAILED_PRECONDITION", f"{what}: a Restore came in while its chunks arrived")
+        if bad is not None:
+          raise ServiceError(
+            "INVALID_ARGUMENT", f"{what}: table {bad[0]!r}: id {bad[1]} is in two of its {chunks} chunks"
+          )
+      if self._refuse_push(worker, step, request_id):
+        return {"duplicate": True, "applied_step": self._applied, "chunks_missing": 0}
       if step is not None:
-        if self._applied is None:
-          self._applied = step - 1
-        self._check_step(step, f"push of step {step} from worker {worker}")
-        if step <= self._applied:
-          raise ServiceError(
-            "FAILED_PRECONDITION",
-            f"push of step {step} from worker {worker}: steps <= {self._applied} are already applied",
-          )
-        if step not in self._pending and len(self._pending) >= _MAX_PENDING_STEPS:
-          raise ServiceError(
-            "RESOURCE_EXHAUSTED",
-            f"push of step {step} from worker {worker}: {len(self._pending)} steps already wait for other workers",
-          )
-        last = self._last.get(worker)
-        if last is not None and step <= last:
-          raise ServiceError(
-            "FAILED_PRECONDITION",
-            f"push of step {step} from worker {worker} after its step {last}: steps must arrive in increasing order",
-          )
-        self._pending.setdefault(step, {})[worker] = grads
+        self._pending.setdefault(step, {})[worker] = parts
         self._last[worker] = step
+      seen = self._seen.setdefault(worker, collections.OrderedDict())
       seen[request_id] = -1 if step is None else step
       while len(seen) > _SEEN_PER_WORKER:
         seen.popitem(last=False)
       if step is None:
-        ready = [(None, {worker: grads})]
+        ready = [(None, {worker: parts})]
         horizon = None
       else:
         # Each worker pushes its steps in increasing order, so once every worker has pushed
@@ -316,13 +341,19 @@ class ShardService:
       if ready:
         self._apply_lock.acquire()  # in step order: taken before _cond is released
     if not ready:
-      return {"duplicate": False, "applied_step": self._applied}
+      return {"duplicate": False, "applied_step": self._applied, "chunks_missing": 0}
     dims = {t: s.dim for t, s in self.ps.specs.items()}
     error = None
     try:
       for s, pushes in ready:
         try:
-          self.ps.apply_many(sum_pushes(pushes, dims), s)
+          if len(pushes) == 1:  # its chunks hold distinct ids: one by one they are one push, uncopied
+            for part in next(iter(pushes.values())):
+              self.ps.apply_many(part, s)
+          else:  # each chunk as its own worker, in (worker, chunk) order: the sum of the workers
+            self.ps.apply_many(
+              sum_pushes({(w, k): p for w, parts in pushes.items() for k, p in enumerate(parts)}, dims), s
+            )
         except (KeyError, ValueError) as e:
           # The step is consumed either way: the server must not wedge on one bad step.
           error = error or ServiceError("FAILED_PRECONDITION", f"applying step {s}: {e}")
@@ -334,7 +365,7 @@ class ShardService:
         self._cond.notify_all()
     if error is not None:
       raise error
-    return {"duplicate": False, "applied_step": self._applied}
+    return {"duplicate": False, "applied_step": self._applied, "chunks_missing": 0}
 
   def snapshot(
     self,
@@ -378,37 +409,17 @@ class ShardService:
     Returns:
       {'rows': rows kept per table, 'applied_step': ...}.
     """
-    for i, link in enumerate(links):
-      for d in link:
-        if not os.path.isdir(d):
-          raise ServiceError("NOT_FOUND", f"snapshot directory {d} does not exist")
-        try:
-          inc = snapshot.is_incremental(d)
-        except ValueError as e:
-          raise ServiceError("FAILED_PRECONDITION", str(e)) from None
-        if (i == 0) == inc:
-          raise ServiceError(
-            "FAILED_PRECONDITION",
-            f"snapshot {d} (link {i} of the chain) must be {'full' if i == 0 else 'incremental'}",
-          )
-    seed, me, k = self._config["seed"], self._config["shard_index"], self._config["num_shards"]
-    rows = collections.Counter()
+    try:
+      snapshot_chain.check_links(links)
+    except FileNotFoundError as e:
+      raise ServiceError("NOT_FOUND", str(e)) from None
+    except ValueError as e:
+      raise ServiceError("FAILED_PRECONDITION", str(e)) from None
+    place = (self._config["seed"], self._config["shard_index"], self._config["num_shards"])
     with self._cond:
       with self._apply_lock:
         try:
-          self.ps.restore({})  # empty every table, then merge the parts in order
-          for link in links:
-            for d in link:
-              for table, part in snapshot.iter_parts(d):
-                if table not in self.ps.specs:
-                  raise ValueError(f"snapshot {d} holds table {table!r}, which this server does not declare")
-                keep = wire.server_of(table, part["ids"], seed, k) == me
-                sub = {key: v[keep] for key, v in part.items() if key != "deleted"}
-                if "deleted" in part:
-                  sub["deleted"] = part["deleted"][wire.server_of(table, part["deleted"], seed, k) == me]
-                self.ps.restore({table: sub}, merge=True)
-                rows[table] += int(keep.sum())
-          self.ps.restore_bounds_states(snapshot_chain.bounds_for(links[-1], me, k))
+          rows = snapshot_chain.restore_server(self.ps, links, *place)
         except Exception as e:  # noqa: BLE001 - the tables are now partial: refuse to serve them
           self._broken = f"a Restore failed ({type(e).__name__}: {e}); the tables are partial: Restore again"
           self._cond.notify_all()
@@ -418,8 +429,9 @@ class ShardService:
         self._pending.clear()
         self._last.clear()
         self._seen.clear()
+        self._staging.clear()
         self._cond.notify_all()
-    return {"rows": dict(rows), "applied_step": self._applied}
+    return {"rows": rows, "applied_step": self._applied}
 
   def state(self) -> Dict[str, Any]:
     """This server's place, applied step, pending steps and why it is broken (if it is)."""
@@ -430,6 +442,7 @@ class ShardService:
         "num_shards": self._config.get("num_shards"),
         "applied_step": self._applied,
         "pending_steps": sorted(self._pending),
-        "waiting_calls": self._waiting,
+        "waiting_calls": self.slots.count,
+        "staged_pushes": self._staging.describe(),
         "broken": self._broken,
       }

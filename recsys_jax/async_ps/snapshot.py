@@ -148,11 +148,45 @@ def _manifest(directory: str) -> Dict[str, Any]:
   try:
     with open(mpath) as f:
       manifest = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
     raise ValueError(f"PS snapshot {directory}: cannot read {MANIFEST} ({e})") from None
-  if manifest.get("format") != 2 or not isinstance(manifest.get("parts"), dict):
+  if not isinstance(manifest, dict) or manifest.get("format") != 2 or not isinstance(manifest.get("parts"), dict):
     raise ValueError(f"PS snapshot {directory}: {MANIFEST} is not a snapshot manifest of format 2")
+  # A damaged manifest can still be JSON: check every entry the readers use, so that a wrong
+  # one is named here rather than failing later as a KeyError or TypeError.
+  for table, parts in manifest["parts"].items():
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and all(map(_is_info, p.values())) for p in parts):
+      raise ValueError(f"PS snapshot {directory}: {MANIFEST}: the parts of table {table!r} are malformed")
+  bounds = manifest.get("bounds", {})
+  if not isinstance(bounds, dict) or not all(isinstance(e, list) and all(map(_is_bounds, e)) for e in bounds.values()):
+    raise ValueError(f"PS snapshot {directory}: {MANIFEST}: its bounds entries are malformed")
+  if not isinstance(manifest.get("incremental"), bool):
+    raise ValueError(f"PS snapshot {directory}: {MANIFEST}: 'incremental' is not true or false")
   return manifest
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_info(info: Any) -> bool:
+  """An array's manifest entry: its shape (non-negative ints) and CRC32."""
+  return (
+    isinstance(info, dict)
+    and isinstance(info.get("shape"), list)
+    and all(_is_int(d) and d >= 0 for d in info["shape"])
+    and _is_int(info.get("crc32"))
+  )
+
+
+def _is_bounds(entry: Any) -> bool:
+  """A shard's bounds entry: its step, last expiry check and admission sketch (or None)."""
+  return (
+    isinstance(entry, dict)
+    and _is_int(entry.get("step"))
+    and _is_int(entry.get("last_expiry_check"))
+    and (entry.get("sketch") is None or _is_info(entry["sketch"]))
+  )
 
 
 def _read_checked(directory: str, arrays: Mapping[str, Tuple[str, Mapping[str, Any]]]) -> Dict[str, np.ndarray]:

@@ -30,6 +30,8 @@ from recsys_jax.async_ps.idmap import IdMap
 from recsys_jax.async_ps.ids import check_distinct
 from recsys_jax.embeddings.specs import TableSpec
 
+_INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
+
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
 
@@ -111,13 +113,27 @@ class Table(Bounds):
     s = self.spec
     return initializers.init_rows(ids, s.dim, self.seed, s.initializer, s.init_scale)
 
-  def _insert(self, ids: np.ndarray, weights: np.ndarray, slots: Optional[Mapping[str, np.ndarray]]) -> np.ndarray:
+  def _insert(
+    self, ids: np.ndarray, weights: Optional[np.ndarray], slots: Optional[Mapping[str, np.ndarray]]
+  ) -> np.ndarray:
+    """Adds rows for absent ids: ``weights`` and ``slots`` given, or (None) their initial values."""
     self._reserve(self.num_rows + ids.shape[0])
     rows = self._ids.insert(ids)
-    self._weights[rows] = weights.astype(self._wdtype)
-    fresh = self.opt.init(ids.shape[0], self.spec.dim) if slots is None else slots
-    for k in self._slots:
-      self._slots[k][rows] = fresh[k]
+    if weights is not None:
+      self._weights[rows] = weights.astype(self._wdtype, copy=False)
+    if slots is not None:
+      for k in self._slots:
+        self._slots[k][rows] = slots[k]
+    if weights is None or slots is None:
+      # A block at a time, so creating many rows holds no temporaries of their full size.
+      for a in range(0, ids.shape[0], _INIT_BLOCK_ROWS):
+        r = rows[a : a + _INIT_BLOCK_ROWS]
+        if weights is None:
+          self._weights[r] = self._init(ids[a : a + _INIT_BLOCK_ROWS])
+        if slots is None:
+          fresh = self.opt.init(r.shape[0], self.spec.dim)
+          for k in self._slots:
+            self._slots[k][r] = fresh[k]
     self._last_seen[rows] = self.step
     self._freq[rows] = 0
     self._dirty[rows] = True
@@ -183,31 +199,32 @@ class Table(Bounds):
           self._freq[hr] += 1
           self._dirty[hr] = True  # an incremental snapshot must carry the new last-seen and count
       if n_miss:
-        miss = np.flatnonzero(~hit)
-        mids = ids[miss]
-        found = np.zeros(miss.shape[0], bool)
+        # Positions only, narrowed in place: a request of millions of new ids keeps few arrays of its size.
+        rest = np.flatnonzero(~hit)
+        del hit
         if self.tier is not None:
+          mids = ids[rest]
           found, w, slots = self.tier.read(mids)
           if create and found.any():
             self.tier.remove(mids[found])
-            rows[miss[found]] = self._insert(mids[found], w[found], {k: v[found] for k, v in slots.items()})
+            rows[rest[found]] = self._insert(mids[found], w[found], {k: v[found] for k, v in slots.items()})
             self.counters["tier_reads"] += int(found.sum())
           elif found.any():
-            out[miss[found]] = w[found]
-        rest = miss[~found]
-        if rest.shape[0]:
-          if create:
-            ok = self._admit(ids[rest]) if self._admission else np.ones(rest.shape[0], bool)
-            if ok.any():
-              new = ids[rest[ok]]
-              rows[rest[ok]] = self._insert(new, self._init(new), None)
-              self.counters["created"] += int(ok.sum())
-              self.counters["admitted"] += int(ok.sum()) if self._admission else 0
-            self.counters["rejected"] += int((~ok).sum())
+            out[rest[found]] = w[found]
+          rest = rest[~found]
+        if rest.shape[0] and create:
+          if self._admission:
+            ok = self._admit(ids[rest])
             out[rest[~ok]] = 0.0
-          else:
-            # Rounded like a created row would be, so reading never depends on create.
-            out[rest] = 0.0 if self._admission else self._init(ids[rest]).astype(self._wdtype)
+            self.counters["rejected"] += int((~ok).sum())
+            rest = rest[ok]
+            self.counters["admitted"] += rest.shape[0]
+          if rest.shape[0]:
+            rows[rest] = self._insert(ids[rest], None, None)
+            self.counters["created"] += rest.shape[0]
+        elif rest.shape[0]:
+          # Rounded like a created row would be, so reading never depends on create.
+          out[rest] = 0.0 if self._admission else self._init(ids[rest]).astype(self._wdtype, copy=False)
       if self._wdtype is np.float32:
         kernels.gather_rows(self._weights, rows, out)  # skips rows == -1 (already filled)
       else:

@@ -95,6 +95,7 @@ class Transport:
     *,
     retries: int = 0,
     timeout: Optional[float] = None,
+    deadline: Optional[float] = None,
     until: Optional[float] = None,
   ) -> wire.Message:
     """One RPC to server i, within one deadline that every attempt shares.
@@ -106,8 +107,10 @@ class Transport:
       retries: how many times to retry after UNAVAILABLE or DEADLINE_EXCEEDED, while the
         deadline allows (each attempt gets the time left).
       timeout: seconds from now to the deadline (default: ``timeout_s``).
-      until: the deadline as a ``time.monotonic()`` time, instead of ``timeout``; then
-        UNAVAILABLE (a server not up yet) is retried until it, however often.
+      deadline: the deadline as a ``time.monotonic()`` time, instead of ``timeout`` (the
+        chunks of one call share it).
+      until: like ``deadline``, but UNAVAILABLE (a server not up yet) is retried until it,
+        however often.
 
     Returns:
       The decoded answer.
@@ -118,13 +121,17 @@ class Transport:
     if self.closed:
       raise RemotePSError(f"{self.where(i)}: {method} after close()", self.addresses[i], method)
     request = wire.encode(fields, arrays)
+    metadata = (*(self._metadata or ()), (wire.SIZE_KEY, str(len(request))))
     start = time.monotonic()
-    deadline = start + (self.timeout_s if timeout is None else timeout) if until is None else until
+    if until is not None:
+      deadline = until
+    elif deadline is None:
+      deadline = start + (self.timeout_s if timeout is None else timeout)
     attempt = 0
     while True:
       try:
         left = max(0.001, deadline - time.monotonic())
-        response = self._stubs[i][method](request, timeout=left, metadata=self._metadata)
+        response = self._stubs[i][method](request, timeout=left, metadata=metadata)
         break
       except ValueError:  # grpc's "closed channel": close() ran in another thread
         if not self.closed:

@@ -41,6 +41,8 @@ VERSION = 1
 SERVICE = "recsys_jax.async_ps.PSShard"
 METHODS = ("Configure", "Lookup", "Push", "Snapshot", "Restore", "Stats", "Health")
 MAX_HEADER_BYTES = 16 << 20
+SIZE_KEY = "rps-request-bytes"
+"""gRPC metadata: the request's length in bytes, so a server can make room before reading it."""
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 8
 
@@ -126,6 +128,22 @@ def encode(fields: Optional[Mapping[str, Any]] = None, arrays: Optional[Mapping[
   return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *buffers])
 
 
+def header_bound(fields: Mapping[str, Any], names: Sequence[str]) -> int:
+  """An upper bound of the bytes besides the payload in a message of these fields and arrays.
+
+  Args:
+    fields: the message's fields (numbers in them as large as they will be).
+    names: the names of its arrays (of at most 2 dimensions).
+
+  Returns:
+    Bytes of the prefix and the padded header, whatever the arrays' shapes and offsets.
+  """
+  big = 10**19  # wider than any shape, offset or length of a message
+  entries = [{"name": n, "dtype": "bfloat16", "shape": [big, big], "offset": big} for n in names]
+  header = {"v": VERSION, "fields": dict(fields), "payload_bytes": big, "arrays": entries}
+  return _PREFIX.size + len(json.dumps(header, separators=(",", ":")).encode("utf-8")) + _ALIGN
+
+
 def _int(value: Any, what: str) -> int:
   if isinstance(value, bool) or not isinstance(value, int):
     raise WireError(f"{what} must be an integer, got {value!r}")
@@ -159,7 +177,9 @@ def decode(data: bytes) -> Message:
     )
   try:
     header = json.loads(bytes(view[_PREFIX.size : start]).decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+  # ValueError covers UnicodeDecodeError, JSONDecodeError and an integer of more digits than
+  # int() converts (4300 by default), which json raises as a plain ValueError.
+  except (ValueError, RecursionError) as e:
     raise WireError(f"header is not valid UTF-8 JSON ({e})") from None
   if not isinstance(header, dict):
     raise WireError("header must be a JSON object")
@@ -184,7 +204,7 @@ def decode(data: bytes) -> Message:
       raise WireError(f"array entry {i}: name must be a non-empty string")
     if name in arrays:
       raise WireError(f"array {name!r} appears twice")
-    if e["dtype"] not in DTYPES:
+    if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:  # a list or dict is not hashable
       raise WireError(f"array {name!r}: dtype {e['dtype']!r} is not allowed (allowed: {sorted(DTYPES)})")
     dt = DTYPES[e["dtype"]]
     shape = e["shape"]

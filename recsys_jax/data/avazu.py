@@ -80,8 +80,7 @@ def check_header(path: str) -> None:
   Args:
     path: an Avazu CSV file, plain or ``.gz``.
   """
-  with base.open_text(path) as f:
-    line = f.readline()
+  line = base.first_line(path)
   if not line:
     raise HeaderError(f"{path}: empty file, expected the Avazu header {','.join(HEADER)!r}")
   got = line.rstrip(b"\r\n").decode("utf-8", errors="replace").split(",")

@@ -195,6 +195,10 @@ class MovieLensFormat:
       raise ValueError(f"MovieLens split {split!r}: choose one of {SPLITS}")
     return self._bounds[split]
 
+  def describe(self, split: str) -> str:
+    """Where a split's records come from, for messages: ``<ratings.csv>[train]``."""
+    return f"{self.ratings_path}[{split}]"
+
   def chunks(self, path: str, chunk_records: int) -> Iterator[base.RawChunk]:
     """Cuts a split into raw chunks of precomputed columns, in time order.
 
@@ -208,7 +212,7 @@ class MovieLensFormat:
     start, stop = self.split_bounds(path)
     if chunk_records < 1:
       raise ValueError(f"chunk_records {chunk_records} must be >= 1")
-    name = f"{self.ratings_path}[{path}]"
+    name = self.describe(path)
 
     def gen() -> Iterator[base.RawChunk]:
       for lo in range(start, stop, chunk_records):
@@ -261,6 +265,46 @@ def _check_header(path: str, header: Optional[List[str]], expected: List[str]) -
     raise ValueError(f"{path}: header {header} is not the MovieLens header {expected}")
 
 
+def _split(raw: bytes) -> Tuple[Optional[List[str]], Optional[str]]:
+  """(fields, None) of one CSV line, or (None, why it is not a line of UTF-8 CSV)."""
+  try:
+    text = raw.rstrip(b"\r\n").decode("utf-8")
+  except UnicodeDecodeError as e:
+    return None, f"not UTF-8 ({e.reason} at byte {e.start})"
+  if "\0" in text:
+    return None, "holds a NUL byte"
+  try:
+    return next(csv.reader([text]), []), None
+  except csv.Error as e:  # e.g. a field longer than csv.field_size_limit()
+    return None, f"not CSV ({e})"
+
+
+def _rows(path: str, expected: List[str], bad: base.BadRecords) -> Iterator[Tuple[int, List[str]]]:
+  """(line number, fields) of each non-blank line of a MovieLens CSV file after its header.
+
+  Lines are split one at a time (MovieLens quotes titles but never spans lines), so a line that
+  is not UTF-8, holds a NUL byte or does not split is one bad record, reported with its line
+  number, and the lines after it are read as usual.
+  """
+  line_no = 0
+  try:
+    with open(path, "rb") as f:
+      for line_no, raw in enumerate(f, 1):
+        row, why = _split(raw)
+        if line_no == 1:
+          if why:
+            raise ValueError(f"{path}:1: the header line is {why}")
+          _check_header(path, row, expected)
+        elif why:
+          bad.report(path, line_no, "<line>", why)
+        elif row:  # a blank line is skipped, as csv.DictReader skips them
+          yield line_no, row
+  except base.READ_ERRORS as e:  # missing, a directory, unreadable
+    raise base.unreadable(path, line_no, e) from None
+  if line_no == 0:
+    _check_header(path, None, expected)
+
+
 # Each column of ratings.csv: its name, how it is read, and what it must be.
 _RATING_FIELDS = (
   ("userId", int, "an integer"),
@@ -268,6 +312,7 @@ _RATING_FIELDS = (
   ("rating", float, "a number"),
   ("timestamp", int, "an integer"),
 )
+_INT64_MAX = 2**63 - 1
 
 
 def _read_ratings(path: str, bad: base.BadRecords) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -276,33 +321,30 @@ def _read_ratings(path: str, bad: base.BadRecords) -> Tuple[np.ndarray, np.ndarr
   movies: List[int] = []
   ratings: List[float] = []
   times: List[int] = []
-  with open(path, newline="", encoding="utf-8") as f:
-    reader = csv.reader(f)
-    _check_header(path, next(reader, None), RATINGS_HEADER)
-    for row in reader:
-      line = reader.line_num
-      if not row:
-        continue  # a blank line, as csv.DictReader skips them
-      if len(row) != 4:
-        bad.report(path, line, "<line>", f"wrong field count: {len(row)} fields, expected 4")
-        continue
-      values, fault = [], None
-      for text, (name, cast, what) in zip(row, _RATING_FIELDS):
-        try:
-          values.append(cast(text))
-        except ValueError:
-          fault = (name, f"not {what}: {text[:40]!r}")
-          break
-      if fault is None and not 0.5 <= values[2] <= 5.0:  # also false for NaN
-        fault = ("rating", f"{values[2]} is outside [0.5, 5]")
-      if fault is not None:
-        bad.report(path, line, *fault)
-        continue
-      u, m, r, t = values
-      users.append(u)
-      movies.append(m)
-      ratings.append(r)
-      times.append(t)
+  for line, row in _rows(path, RATINGS_HEADER, bad):
+    if len(row) != 4:
+      bad.report(path, line, "<line>", f"wrong field count: {len(row)} fields, expected 4")
+      continue
+    values, fault = [], None
+    for text, (name, cast, what) in zip(row, _RATING_FIELDS):
+      try:
+        values.append(cast(text))
+      except ValueError:
+        fault = (name, f"not {what}: {text[:40]!r}")
+        break
+      if cast is int and abs(values[-1]) > _INT64_MAX:  # the arrays below are int64
+        fault = (name, f"{text[:40]!r} is outside the int64 range")
+        break
+    if fault is None and not 0.5 <= values[2] <= 5.0:  # also false for NaN
+      fault = ("rating", f"{values[2]} is outside [0.5, 5]")
+    if fault is not None:
+      bad.report(path, line, *fault)
+      continue
+    u, m, r, t = values
+    users.append(u)
+    movies.append(m)
+    ratings.append(r)
+    times.append(t)
   return (
     np.asarray(users, np.int64),
     np.asarray(movies, np.int64),
@@ -315,22 +357,17 @@ def _read_movies(path: str, bad: base.BadRecords) -> Tuple[Dict[int, List[str]],
   """Genres and release year by movieId from movies.csv (titles hold commas and quotes: csv module)."""
   genres: Dict[int, List[str]] = {}
   years: Dict[int, int] = {}
-  with open(path, newline="", encoding="utf-8") as f:
-    reader = csv.reader(f)
-    _check_header(path, next(reader, None), MOVIES_HEADER)
-    for row in reader:
-      if not row:
-        continue
-      if len(row) != 3:
-        bad.report(path, reader.line_num, "<line>", f"wrong field count: {len(row)} fields, expected 3")
-        continue
-      try:
-        movie = int(row[0])
-      except ValueError:
-        bad.report(path, reader.line_num, "movieId", f"not an integer: {row[0][:40]!r}")
-        continue
-      genres[movie] = [g for g in row[2].split("|") if g and g != NO_GENRES]
-      match = _YEAR.search(row[1].strip())
-      if match:
-        years[movie] = int(match.group(1))
+  for line, row in _rows(path, MOVIES_HEADER, bad):
+    if len(row) != 3:
+      bad.report(path, line, "<line>", f"wrong field count: {len(row)} fields, expected 3")
+      continue
+    try:
+      movie = int(row[0])
+    except ValueError:
+      bad.report(path, line, "movieId", f"not an integer: {row[0][:40]!r}")
+      continue
+    genres[movie] = [g for g in row[2].split("|") if g and g != NO_GENRES]
+    match = _YEAR.search(row[1].strip())
+    if match:
+      years[movie] = int(match.group(1))
   return genres, years

@@ -193,11 +193,16 @@ class Stream:
       if not read_any and first == 0:
         raise ValueError(
           f"data: epoch {epoch} of {len(self.sources)} source(s) gave no records for process "
-          f"{self.process_index} of {self.process_count} (first: {self.sources[0]}): empty files, "
+          f"{self.process_index} of {self.process_count} (first: {self._describe(self.sources[0])}): empty files, "
           "all records bad, or fewer chunks than processes"
         )
     if pending:
       yield base.concat_columns(pending), {"epoch": epoch + 1, "window": 0, "offset": 0, "bad_records": self.bad.count}
+
+  def _describe(self, source: str) -> str:
+    # A format whose sources are not paths (MovieLens's 'train', 'eval') says where they come from.
+    describe = getattr(self.fmt, "describe", None)
+    return describe(source) if describe is not None else source
 
   def __iter__(self):
     return self

@@ -18,16 +18,17 @@ and the lines after it are read as records of their own.
 from __future__ import annotations
 
 import csv
-import itertools
 import operator
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax.data import base
+from recsys_jax.data import base, csv_lines
+from recsys_jax.data.csv_lines import floats as _floats
 
 FILE_TYPES = ("csv", "parquet")
 DENSE_TRANSFORMS = ("log1p", "none")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # One fault of one record: (its index in the chunk, or its line number; field; why).
@@ -163,11 +164,13 @@ class TabularFormat:
 
   def _read_layout(self, path: str) -> Tuple[int, Tuple[int, ...]]:
     """(number of fields, index of each declared column) from a CSV file's header line."""
-    with base.open_text(path) as f:
-      raw = f.readline()
+    raw = base.first_line(path)
     if not raw:
       raise ValueError(f"{path}: empty file, expected a header line naming the columns")
-    header = next(csv.reader([raw.decode("utf-8-sig").rstrip("\r\n")], delimiter=self.delimiter), [])
+    try:
+      header = next(csv.reader([raw.decode("utf-8-sig").rstrip("\r\n")], delimiter=self.delimiter), [])
+    except (UnicodeDecodeError, csv.Error) as e:
+      raise ValueError(f"{path}:1: the header line is not UTF-8 CSV ({e})") from None
     header = [h.strip() for h in header]
     if any(c not in header for c in self.columns):
       raise self._missing_columns_error(path, header)
@@ -180,23 +183,31 @@ class TabularFormat:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
+    try:
+      pf = pq.ParquetFile(path)
+      names = pf.schema_arrow.names
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not Parquet, cut short, a damaged footer or name
+      raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {base.one_line(e)})") from None
     if any(c not in names for c in self.columns):
       raise self._missing_columns_error(path, names)
 
     def gen() -> Iterator[base.RawChunk]:
       # Some pyarrow versions stop batches at row-group ends: regroup so every chunk but the last is full.
       row, pending, held = 1, [], 0
-      for batch in pf.iter_batches(batch_size=chunk_records, columns=list(self.columns)):
-        pending.append(pa.Table.from_batches([batch]))
-        held += batch.num_rows
-        while held >= chunk_records:
-          table = pa.concat_tables(pending)
-          yield base.RawChunk(path, row, table.slice(0, chunk_records))
-          row += chunk_records
-          rest = table.slice(chunk_records)
-          pending, held = ([rest] if rest.num_rows else []), rest.num_rows
+      try:
+        for batch in pf.iter_batches(batch_size=chunk_records, columns=list(self.columns)):
+          pending.append(pa.Table.from_batches([batch]))
+          held += batch.num_rows
+          while held >= chunk_records:
+            table = pa.concat_tables(pending)
+            yield base.RawChunk(path, row, table.slice(0, chunk_records))
+            row += chunk_records
+            rest = table.slice(chunk_records)
+            pending, held = ([rest] if rest.num_rows else []), rest.num_rows
+      except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a damaged page or row group
+        raise ValueError(
+          f"{path}: cannot be read after row {row + held - 1} ({type(e).__name__}: {base.one_line(e)})"
+        ) from None
       if held:
         yield base.RawChunk(path, row, pa.concat_tables(pending))
 
@@ -218,7 +229,14 @@ class TabularFormat:
     if self.file_type == "csv":
       lines, values, faults = self._csv_values(chunk)
     else:
-      lines, values, faults = self._parquet_values(chunk)
+      import pyarrow as pa
+
+      try:
+        lines, values, faults = self._parquet_values(chunk)
+      except (pa.ArrowException, UnicodeDecodeError) as e:  # a type that does not convert, text that is not UTF-8
+        raise ValueError(
+          f"{chunk.path}: rows from {chunk.first_line}: {type(e).__name__}: {base.one_line(e)}"
+        ) from None
     return self._assemble(chunk.path, lines, values, faults, bad)
 
   def _csv_values(self, chunk: base.RawChunk) -> Tuple[np.ndarray, Dict[str, Any], List[Fault]]:
@@ -227,8 +245,8 @@ class TabularFormat:
     if layout is None:
       layout = self._layouts[chunk.path] = self._read_layout(chunk.path)
     num_fields, index = layout
-    texts, faults = _decode(chunk.payload)
-    rows, row_faults = _split_csv(texts, self.delimiter)
+    texts, faults = csv_lines.decode(chunk.payload)
+    rows, row_faults = csv_lines.split_csv(texts, self.delimiter)
     faults += row_faults
     keep: List[int] = []
     for i, row in enumerate(rows):
@@ -273,7 +291,7 @@ class TabularFormat:
     for name in (self.label, *self.dense):
       col = table.column(name)
       if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
-        x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        x = pc.cast(col, pa.float64(), safe=False).to_numpy(zero_copy_only=False)  # ints beyond 2**53 round
         missing = col.is_null().to_numpy(zero_copy_only=False)
         values[name] = (np.where(missing, 0.0, x), missing, [])
       else:
@@ -317,8 +335,10 @@ class TabularFormat:
     for j, name in enumerate(self.dense):
       d, _, invalid = values[name]  # empty or null: 0 (d holds 0 there)
       row_faults += [(i, name, why) for i, why in invalid]
-      for i in np.flatnonzero(~np.isfinite(d)):
-        row_faults.append((int(i), name, f"dense value {d[i]} is not a finite number"))
+      # Raw values go to float32: a finite float64 beyond its range would become inf there.
+      out_of_range = ~np.isfinite(d) if self.dense_transform == "log1p" else ~(np.abs(d) <= _FLOAT32_MAX)
+      for i in np.flatnonzero(out_of_range):
+        row_faults.append((int(i), name, f"dense value {d[i]} is not a finite float32 number"))
       dense[:, j] = d  # non-finite values belong to bad records, dropped below
 
     # Report each bad record once (its first fault by column order), in line order, so that the
@@ -357,79 +377,6 @@ class TabularFormat:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def _decode(payload: List[bytes]) -> Tuple[List[str], List[Tuple[int, str, str]]]:
-  """Lines as str; a line that is not UTF-8 becomes a fault (and an empty, skipped line)."""
-  try:
-    # Lines hold no newline, so one decode and split is exact (and faster than one per line).
-    return b"\n".join(payload).decode("utf-8").split("\n") if payload else [], []
-  except UnicodeDecodeError:
-    texts, faults = [], []
-    for i, raw in enumerate(payload):
-      try:
-        texts.append(raw.decode("utf-8"))
-      except UnicodeDecodeError as e:
-        texts.append("")
-        faults.append((i, "<line>", f"not UTF-8 ({e.reason} at byte {e.start})"))
-    return texts, faults
-
-
-def _split_csv(texts: List[str], delimiter: str) -> Tuple[List[Optional[List[str]]], List[Tuple[int, str, str]]]:
-  """Splits each line into fields with the csv module; lines that do not split are faults (row None).
-
-  csv.reader would join a line that leaves a quote open with the next one; we see that in
-  ``line_num`` and restart the reader after the opening line, so that every record is one line.
-  A blank sentinel line at the end makes an open quote on the last line show the same way.
-  """
-  m = len(texts)
-  rows: List[Optional[List[str]]] = [None] * m
-  faults: List[Tuple[int, str, str]] = []
-  source = texts + [""]
-  start = 0
-  while start < m:
-    reader = csv.reader(itertools.islice(source, start, None), delimiter=delimiter)
-    i = start
-    try:
-      for row in reader:
-        if i == m:  # the sentinel
-          break
-        if reader.line_num != i - start + 1:
-          faults.append((i, "<line>", "a quoted field is not closed on its line (embedded newlines are not supported)"))
-          break
-        rows[i] = row
-        i += 1
-    except csv.Error as e:
-      faults.append((i, "<line>", f"malformed CSV: {e}"))
-    start = i + 1
-  return rows, faults
-
-
-def _floats(values: Any) -> Tuple[np.ndarray, np.ndarray, List[Tuple[int, str]]]:
-  """Parses decimal strings (a sequence or a numpy str array) as Python's float() does.
-
-  Returns:
-    (values float64 with 0 where empty or invalid, empty mask, [(index, why)] of invalid values).
-  """
-  n = len(values)
-  if n == 0:
-    return np.zeros(0), np.zeros(0, bool), []
-  arr = np.asarray(values, dtype=np.str_)
-  empty = arr == ""
-  try:
-    # numpy's str -> float cast accepts exactly what float() does (checked in the tests), in C.
-    return np.where(empty, "0", arr).astype(np.float64), empty, []
-  except ValueError:
-    pass
-  x = np.zeros(n)
-  invalid: List[Tuple[int, str]] = []
-  for i, v in enumerate(arr.tolist()):
-    if v:
-      try:
-        x[i] = float(v)
-      except ValueError:
-        invalid.append((i, f"not a number: {v[:40]!r}"))
-  return x, empty, invalid
 
 
 def _as_strings(col: Any) -> List[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence, Tuple
 
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -53,8 +54,20 @@ class TableSpec:
     def bad(field, why):
       raise SpecError(f"TableSpec {self.name!r}", field, getattr(self, field), why)
 
-    if not self.name:
-      raise ValueError("TableSpec.name must be non-empty")
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"TableSpec.name must be a non-empty string, got {self.name!r}")
+    # Types first (a spec may come from a remote client's JSON): then the comparisons below are defined.
+    for field in ("dim", "capacity", "expire_after", "admit_after", "admission_sketch_width"):
+      v = getattr(self, field)
+      if not isinstance(v, int) or isinstance(v, bool):
+        bad(field, "must be an integer")
+    for field in ("init_scale", "admit_probability"):
+      v = getattr(self, field)
+      if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        bad(field, "must be a finite number")
+    for field in ("optimizer", "initializer", "storage_dtype", "eviction"):
+      if not isinstance(getattr(self, field), str):
+        bad(field, "must be a string")
     if self.dim <= 0:
       bad("dim", "must be positive")
     if self.storage_dtype not in STORAGE_DTYPES:

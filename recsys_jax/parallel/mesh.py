@@ -30,7 +30,9 @@ def mesh_shape(replica: int, fsdp: int, num_devices: int) -> tuple:
   known = int(np.prod([s for s in sizes if s != -1]))
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(f"config.mesh: {num_devices} devices are not divisible by {known}")
+      raise ValueError(
+        f"config.mesh: {num_devices} devices are not divisible by {known} (replica={replica}, fsdp={fsdp})"
+      )
     sizes[sizes.index(-1)] = num_devices // known
   if sizes[0] * sizes[1] != num_devices:
     raise ValueError(f"config.mesh: replica={sizes[0]} x fsdp={sizes[1]} != {num_devices} available devices")

@@ -6,10 +6,20 @@ from typing import Dict
 
 import jax
 import numpy as np
+from absl import logging
 
 from recsys_jax import metrics as metrics_lib
 from recsys_jax.parallel import distributed
 from recsys_jax.training.host import HostPipeline
+
+
+def auc_or_nan(y: np.ndarray, s: np.ndarray) -> float:
+  """AUC, or NaN (with a warning) for an eval set of one class: the AUC is undefined there, and
+  raising at the end of a run would lose its summary (e.g. data whose every label is 1)."""
+  if y.size and y.min() == y.max():
+    logging.warning("the eval set has only labels %g: AUC is undefined, reported as NaN", y[0])
+    return float("nan")
+  return metrics_lib.auc(y, s)
 
 
 def evaluate(state, eval_step, host: HostPipeline, config) -> Dict[str, float]:
@@ -43,13 +53,13 @@ def evaluate(state, eval_step, host: HostPipeline, config) -> Dict[str, float]:
   z, y = got["logits"].astype(np.float64), got["label"]
   p = 1.0 / (1.0 + np.exp(-z))
   out = {
-    "auc": metrics_lib.auc(y, z),
+    "auc": auc_or_nan(y, z),
     "logloss": metrics_lib.logloss(y, p),
     "calibration": metrics_lib.calibration(y, p),
     "eval_samples": int(y.size),
   }
   if "prob" in got:
     q = got["prob"]
-    out["oracle_auc"] = metrics_lib.auc(y, q)
+    out["oracle_auc"] = auc_or_nan(y, q)
     out["oracle_logloss"] = metrics_lib.logloss(y, q)
   return out

@@ -11,6 +11,12 @@ from recsys_jax.embeddings.specs import FeatureSpec, SpecError, TableSpec, check
 from recsys_jax.models.layers import LINEAR_SUFFIX
 
 _FEATURE_OVERRIDES = ("table", "dim", "combiner", "kind")
+_OVERRIDE_TYPES = {
+  "table": (lambda v: isinstance(v, str) and v != "", "a non-empty table name"),
+  "dim": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31, "a positive integer"),
+  "combiner": (lambda v: isinstance(v, str), "a string"),
+  "kind": (lambda v: isinstance(v, str), "a string"),
+}
 
 
 def build_specs(config, schema: Schema, linear_terms: bool = False) -> Tuple[List[TableSpec], List[FeatureSpec], Dict]:
@@ -35,14 +41,20 @@ def build_specs(config, schema: Schema, linear_terms: bool = False) -> Tuple[Lis
     opt_kwargs["initial_accumulator_value"] = float(e.initial_accumulator_value)
   if e.clip:
     opt_kwargs["clip"] = float(e.clip)
-  overrides = {k: dict(v) for k, v in dict(e.features).items()}
   known = {f.name for f in schema.features}
-  for name, o in overrides.items():
+  overrides = {}
+  for name, o in dict(e.features).items():
     if name not in known:
       raise ValueError(f"config.embeddings.features.{name}: the data has no such feature; it has {sorted(known)}")
-    for k in o:
+    if not hasattr(o, "items"):
+      raise ValueError(f"config.embeddings.features.{name} = {o!r}: must be a dict of {_FEATURE_OVERRIDES}")
+    overrides[name] = o = dict(o)
+    for k, v in o.items():
       if k not in _FEATURE_OVERRIDES:
         raise ValueError(f"config.embeddings.features.{name}.{k}: unknown; choose from {_FEATURE_OVERRIDES}")
+      ok, what = _OVERRIDE_TYPES[k]
+      if not ok(v):
+        raise ValueError(f"config.embeddings.features.{name}.{k} = {v!r}: must be {what}")
   features, dims, aliases = [], {}, {}
   # The specs validate their fields (named as in config.embeddings); errors name the config field.
   try:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable, Dict
 
 import ml_collections
@@ -13,6 +15,67 @@ import optax
 
 from recsys_jax.data import readers
 from recsys_jax.models import MODELS
+
+# The type of every field of configs/default.py that something reads (ml_collections lets None
+# and bools through its own type check). A field absent from a config is not checked.
+_INTS = (
+  "seed num_steps batch_size staleness dense_staleness prefetch_depth log_every checkpoint_every max_checkpoints "
+  "checkpoint_full_every eval_every eval_samples eval_batch_size micro_steps data.seed data.chunk_records "
+  "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
+  "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards mesh.replica mesh.fsdp"
+).split()
+# Sizes of arrays, or indices into them, that the jitted step holds as int32.
+_INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.dim data.num_dense".split()
+_FLOATS = (
+  "optimizer.learning_rate embeddings.learning_rate embeddings.initial_accumulator_value embeddings.init_scale "
+  "embeddings.clip embeddings.admit_probability ps.timeout_s ps.snapshot_timeout_s data.eval_fraction data.zipf_alpha "
+  "data.bias data.dense_scale data.id_scale data.pair_scale"
+).split()
+_BOOLS = "progress_bar data.shuffle".split()
+_STRS = (
+  "data.name data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
+  "embeddings.optimizer embeddings.initializer embeddings.combiner embeddings.storage_dtype embeddings.eviction "
+  "ps.tier ps.kind ps.addresses ps.token_file ps.tls_ca ps.wire_dtype model.name optimizer.name optimizer.state_memory"
+).split()
+_SEQUENCES = "data.train_files data.eval_files data.dense data.categorical data.multi_hot data.sequence".split()
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(config, need) -> None:
+  """Each field is of its type before any value is compared (None > 0 is a TypeError)."""
+  present = lambda f: _has(config, f)  # noqa: E731
+  for f in filter(present, _INTS):
+    v = _get(config, f)
+    need(_is_int(v), f, "must be an integer")
+    need(-(2**63) <= v < 2**63, f, "must fit in int64")
+  for f in filter(present, _INT32):
+    need(_get(config, f) < 2**31, f, "must be below 2**31 (device arrays index it with int32)")
+  for f in filter(present, _FLOATS):
+    v = _get(config, f)
+    need((_is_int(v) or isinstance(v, float)) and math.isfinite(v), f, "must be a finite number")
+  if _has(config, "data.label_threshold"):
+    v = config.data.label_threshold
+    need(
+      v is None or ((_is_int(v) or isinstance(v, float)) and math.isfinite(v)),
+      "data.label_threshold",
+      "must be None or a finite number",
+    )
+  for f in filter(present, _BOOLS):
+    need(isinstance(_get(config, f), bool), f, "must be True or False")
+  for f in filter(present, _STRS):
+    need(isinstance(_get(config, f), str), f, "must be a string")
+  for f in filter(present, _SEQUENCES):
+    need(isinstance(_get(config, f), (str, tuple, list)), f, "must be a tuple")
+  if _has(config, "data.vocab_sizes"):
+    v = config.data.vocab_sizes
+    need(
+      isinstance(v, (tuple, list)) and len(v) > 0 and all(_is_int(x) and 0 < x < 2**63 for x in v),
+      "data.vocab_sizes",
+      "must be a non-empty tuple of positive integers",
+    )
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -22,12 +85,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if not ok:
       raise ValueError(f"config.{field} = {_get(config, field)!r}: {msg}")
 
+  _check_types(config, need)
+  need(config.seed >= 0 and config.data.seed >= 0, "seed" if config.seed < 0 else "data.seed", "must be >= 0")
   need(config.num_steps >= 0, "num_steps", "must be >= 0")
   need(config.batch_size > 0, "batch_size", "must be positive")
   need(config.staleness >= 0, "staleness", "must be >= 0 (0 = synchronous)")
   need(config.dense_staleness >= 0, "dense_staleness", "must be >= 0 (0 = synchronous dense part)")
+  rules = config.mesh.rules
   need(
-    all(len(r) == 2 and r[1] in ("fsdp", None) for r in config.mesh.rules),
+    isinstance(rules, (tuple, list))
+    and all(
+      isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and r[1] in ("fsdp", None) for r in rules
+    ),
     "mesh.rules",
     "pairs (logical axis, 'fsdp' or None): dense parameters are sharded inside a group and replicated across",
   )
@@ -45,6 +114,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.data.name == "synthetic":
     need(config.eval_samples >= config.eval_batch_size, "eval_samples", "must be >= eval_batch_size")
   need(config.model.name in MODELS, "model.name", f"unknown model; choose one of {sorted(MODELS)}")
+  _check_model_kwargs(config)
   need(config.data.name in readers.NAMES, "data.name", f"unknown data source; choose one of {readers.NAMES}")
   need(config.data.on_bad_record in ("error", "skip"), "data.on_bad_record", "choose 'error' or 'skip'")
   need(config.eval_samples >= 0, "eval_samples", "must be >= 0 (0: all of the eval files)")
@@ -64,15 +134,50 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   )
   need(config.ps.timeout_s > 0, "ps.timeout_s", "must be positive")
   need(config.ps.snapshot_timeout_s >= 0, "ps.snapshot_timeout_s", "must be >= 0 (0: 10 x ps.timeout_s)")
+  need(0 <= config.ps.max_request_mb < 2**20, "ps.max_request_mb", "must be in [0, 2**20) (0: the servers' limit)")
   need(config.checkpoint_full_every >= 1, "checkpoint_full_every", "must be >= 1 (1 = every snapshot full)")
   if config.ps.tier:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
+
+
+# What each annotation of a model's fields accepts (widths and counts are int32 on the device).
+_KWARG_TYPES = {
+  "Sequence[int]": (
+    lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) and 0 < x < 2**31 for x in v),
+    "a tuple of positive integers",
+  ),
+  "int": (lambda v: _is_int(v) and 0 <= v < 2**31, "an integer >= 0"),
+  "bool": (lambda v: isinstance(v, bool), "True or False"),
+  "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _check_model_kwargs(config) -> None:
+  """Every ``config.model.kwargs`` entry is an argument of the model, of its type."""
+  cls = MODELS[config.model.name]
+  fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")}
+  for k, v in dict(config.model.kwargs).items():
+    if k not in fields:
+      raise ValueError(
+        f"config.model.kwargs.{k}: model {config.model.name!r} takes no such argument; it takes {sorted(fields)}"
+      )
+    ok, what = _KWARG_TYPES.get(str(fields[k]), (lambda v: True, ""))
+    if not ok(v):
+      raise ValueError(f"config.model.kwargs.{k} = {v!r}: must be {what}")
 
 
 def _get(config, dotted: str):
   for part in dotted.split("."):
     config = config[part]
   return config
+
+
+def _has(config, dotted: str) -> bool:
+  for part in dotted.split("."):
+    if not hasattr(config, "keys") or part not in config:
+      return False
+    config = config[part]
+  return True
 
 
 _DENSE_OPTIMIZERS: Dict[str, Callable[[float], optax.GradientTransformation]] = {
