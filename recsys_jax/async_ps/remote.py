@@ -174,19 +174,6 @@ class RemotePS:
     self._check(table)
     return wire.server_of(table, ids, self.seed, self.num_shards)
 
-  def _route(self, ids: Mapping[str, np.ndarray]) -> Dict[str, List[np.ndarray]]:
-    """{table: ids} -> {table: [positions of the ids going to server s, for each s]}."""
-    out = {}
-    for t, v in ids.items():
-      if self.num_shards == 1:
-        out[t] = [np.arange(v.shape[0])]
-        continue
-      server = self.shard_of(t, v)
-      order = np.argsort(server, kind="stable")
-      bounds = np.searchsorted(server[order], np.arange(self.num_shards + 1))
-      out[t] = [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
-    return out
-
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
     self,
@@ -220,7 +207,7 @@ class RemotePS:
       if v.ndim != 1:
         raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
     check_out(self.specs, ids, out)
-    routes = self._route(ids)
+    routes = chunking.route(ids, self.shard_of, self.num_shards)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
     size = wire.DTYPES[self.wire_dtype].itemsize
@@ -295,7 +282,7 @@ class RemotePS:
         )
       arrays[t] = (i, g)
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
-    routes = self._route({t: i for t, (i, _) in arrays.items()})
+    routes = chunking.route({t: i for t, (i, _) in arrays.items()}, self.shard_of, self.num_shards)
     fields = {"worker": self.worker, "step": None if step is None else int(step), "request_id": rid}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks
     size = wire.DTYPES[self.wire_dtype].itemsize
