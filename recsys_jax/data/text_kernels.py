@@ -1,22 +1,25 @@
-"""Compiled one-pass parsing of well-formed Criteo chunks: the fast path of :meth:`CriteoFormat.parse`.
+"""Compiled one-pass parsing of well-formed Criteo and Avazu chunks: the fast path of their ``parse``.
 
-:func:`criteo_columns` walks a chunk's joined bytes once, byte by byte, and decodes the label,
-the decimal and the hex fields as it goes, hashing the hex values with ``splitmix64(value ^
-seed)`` as :func:`recsys_jax.data.base.hash_ints` does. It is compiled with numba (``nogil``,
-cached in ``__pycache__``, compiled on the first call), so host worker threads parse chunks
-side by side; the numpy path it replaces held the GIL between its many small array operations.
+:func:`criteo_columns` and :func:`avazu_columns` walk a chunk's joined bytes once, byte by byte,
+decoding and hashing each field as they go. They are compiled with numba (``nogil``, cached in
+``__pycache__``, compiled on the first call), so host worker threads parse chunks side by side;
+the numpy path they replace (``parse_numpy``, kept as the reference) held the GIL between its
+many small array operations, and spent 4 to 5 times their CPU.
 
-It gives up on the whole chunk (returns ``None``) at the first thing it does not accept: a line
-with another number of fields, a label other than ``0``/``1``, a dense value that is not
-``[+-]?[0-9]+`` of at most 32 characters, a categorical that is not 1 to 8 hex digits. The
-caller then parses the chunk with the numpy path, which finds and reports every bad line, so
-what is reported, where and how, is that path's alone.
+Each gives up on the whole chunk (returns ``None``) at the first thing it does not accept: a line
+with another number of fields, or any value the format's rules call bad. The caller then parses
+the chunk with ``parse_numpy``, which finds and reports every bad line, so what is reported,
+where and how, is that path's alone.
 
-The values it returns are bit for bit the numpy path's: a decimal of at most 18 digits is read
-exactly as an int64 and rounded once to float64 (as ``float(int(text))`` and, for 8 digits or
-fewer, the exact SWAR decoding); ``-0`` and other negative zeros of at most 8 characters are
--0.0, longer ones +0.0 (the numpy path reads those with ``float(int(text))``); values of more
-than 18 digits are left to the caller, which reads them with ``float(int(text))`` too.
+The columns are bit for bit ``parse_numpy``'s. Criteo: a decimal of at most 18 digits is read
+exactly as an int64 and rounded once to float64 (as ``float(int(text))`` and, for 8 characters
+or fewer, the exact SWAR decoding do); ``-0`` of at most 8 characters is -0.0, longer negative
+zeros +0.0 (the numpy path reads those with ``float(int(text))``); values of more than 18 digits
+are read by the caller with ``float(int(text))`` too. ``log1p_dense`` of the values below 4096 is
+looked up in a table that ``base.log1p_dense`` itself computed; larger values go through it.
+Hex ids are hashed as ``splitmix64(value ^ seed)`` (``base.hash_ints``). Avazu: FNV-1a over a
+value's bytes, NUL bytes skipped, then splitmix64 (``criteo.hash_fields``; values over 64 bytes
+by ``base.hash_strings``, as there); the hour's date checked against numpy's calendar.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Optional, Tuple
 import numba
 import numpy as np
 
+from recsys_jax.async_ps.hashing import name_seed
 from recsys_jax.data import base
 
 _TAB, _NEWLINE, _MINUS, _PLUS, _ZERO = 9, 10, 45, 43, 48
@@ -187,3 +191,114 @@ def criteo_columns(text: bytes, n: int, num_dense: int, seeds: np.ndarray) -> Op
   for index, start, stop in slow[:num_slow]:
     flat[index] = base.log1p_dense(np.asarray([float(int(text[start:stop]))]))[0]
   return label, dense, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Avazu: id, click, hour (YYMMDDHH), then 21 columns hashed as strings.
+
+_COMMA = 44
+_FNV_PRIME = np.uint64(0x100000001B3)
+_MAX_HASHED_BYTES = 64  # criteo._PAD: the numpy path hashes longer values with base.hash_strings
+_FIRST_DAYS = (
+  ((2000 - 1970) * 12 + np.arange(100 * 12 + 1)).astype("datetime64[M]").astype("datetime64[D]").astype(np.int64)
+)
+"""Days from 1970-01-01 to the first of each month of 2000 .. 2099 (and of 2100-01), by numpy's
+calendar, as the numpy path computes them."""
+_EPOCH_WEEKDAY = 3  # 1970-01-01 was a Thursday (Monday = 0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _splitmix64(z):
+  z = z + _GOLDEN
+  z = (z ^ (z >> np.uint64(30))) * _M1
+  z = (z ^ (z >> np.uint64(27))) * _M2
+  return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def _two_digits(buf, p):
+  """The 2-digit decimal number at ``buf[p:p + 2]``, or -1."""
+  a, b = np.int64(buf[p]) - _ZERO, np.int64(buf[p + 1]) - _ZERO
+  if a < 0 or a > 9 or b < 0 or b > 9:
+    return -1
+  return 10 * a + b
+
+
+@numba.njit(nogil=True, cache=True)
+def _avazu_kernel(buf, n, seeds, first_days, label, ids, slow):
+  """Fills ``label`` [n] and ``ids`` [num_features, n] (hour of day, weekday, the hashed columns).
+
+  ``seeds``: hour of day's, weekday's, then each hashed column's. A hashed value of more than
+  64 bytes is left to the caller as ``slow[k] = (flat index into ids, start, end)``. Returns
+  the number of those, or -1 if the chunk holds anything the kernel does not accept.
+  """
+  end = buf.shape[0]
+  p = 0
+  num_slow = 0
+  for r in range(n):
+    while p < end and buf[p] != _COMMA and buf[p] != _NEWLINE:  # id: not read
+      p += 1
+    if p + 11 >= end or buf[p] != _COMMA or buf[p + 2] != _COMMA:
+      return -1
+    c = buf[p + 1]
+    if c != _ZERO and c != _ZERO + 1:
+      return -1
+    label[r] = np.float32(c - _ZERO)
+    p += 3
+    yy, mm, dd, hh = _two_digits(buf, p), _two_digits(buf, p + 2), _two_digits(buf, p + 4), _two_digits(buf, p + 6)
+    if yy < 0 or mm < 1 or mm > 12 or dd < 1 or hh < 0 or hh > 23:
+      return -1
+    month = yy * 12 + mm - 1
+    if dd > first_days[month + 1] - first_days[month]:
+      return -1
+    weekday = (first_days[month] + dd - 1 + _EPOCH_WEEKDAY) % 7
+    ids[0, r] = _splitmix64(np.uint64(hh) ^ seeds[0])
+    ids[1, r] = _splitmix64(np.uint64(weekday) ^ seeds[1])
+    p += 8
+    for j in range(2, ids.shape[0]):
+      if buf[p] != _COMMA:
+        return -1
+      p += 1
+      start = p
+      h = seeds[j]
+      while True:
+        c = buf[p]
+        if c == _COMMA or c == _NEWLINE:
+          break
+        if c != 0:  # NUL bytes are skipped, as the numpy path's padding is
+          h = (h ^ np.uint64(c)) * _FNV_PRIME
+        p += 1
+      if p - start > _MAX_HASHED_BYTES:
+        slow[num_slow, 0], slow[num_slow, 1], slow[num_slow, 2] = j * n + r, start, p
+        num_slow += 1
+      ids[j, r] = _splitmix64(h)
+    if buf[p] != _NEWLINE:
+      return -1
+    p += 1
+  if p != end:
+    return -1
+  return num_slow
+
+
+def avazu_columns(text: bytes, n: int, names: Tuple[str, ...]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+  """Parses ``n`` well-formed Avazu records, each ending in ``\\n``, in one compiled pass.
+
+  Args:
+    text: the lines, joined, each followed by ``\\n``.
+    n: how many lines.
+    names: the features: ``hour_of_day``, ``weekday``, then the hashed columns in file order.
+
+  Returns:
+    ``(label float32 [n], ids uint64 [len(names), n])``; None if any line is not well formed.
+  """
+  seeds = np.asarray([name_seed(name) for name in names], np.uint64)
+  label = np.empty(n, np.float32)
+  ids = np.empty((len(names), n), np.uint64)
+  slow = np.empty((ids.size, 3), np.int64)
+  num_slow = _avazu_kernel(np.frombuffer(text, np.uint8), n, seeds, _FIRST_DAYS, label, ids, slow)
+  if num_slow < 0:
+    return None
+  flat = ids.reshape(-1)
+  for index, start, stop in slow[:num_slow]:
+    flat[index] = base.hash_strings([text[start:stop]], names[index // n])[0]
+  return label, ids

@@ -1,8 +1,8 @@
-"""The compiled Criteo parser against the numpy one: bit for bit on good chunks, same reports on bad ones.
+"""The compiled Criteo and Avazu parsers against the numpy ones: bit for bit on good chunks, same reports on bad ones.
 
-``CriteoFormat.parse`` runs :mod:`recsys_jax.data.text_kernels` on a chunk whose lines are all
-well formed and falls back to ``parse_numpy`` otherwise; ``parse_numpy`` is the reference here
-(test_criteo.py checks the reader's values against hand-computed ones).
+``parse`` runs :mod:`recsys_jax.data.text_kernels` on a chunk whose lines are all well formed
+and falls back to ``parse_numpy`` otherwise; ``parse_numpy`` is the reference here
+(test_criteo.py and test_avazu.py check the readers' values against hand-computed ones).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from recsys_jax.data import base, text_kernels
+from recsys_jax.data.avazu import HEADER, AvazuFormat
 from recsys_jax.data.criteo import CriteoFormat
 
 FMT = CriteoFormat()
@@ -157,5 +158,109 @@ def test_a_bad_line_is_reported_as_numpy_reports_it(bad_line):
   assert str(fast_error.value) == str(numpy_error.value)
 
 
-def test_kernel_is_compiled_without_the_gil():
+def test_kernels_are_compiled_without_the_gil():
   assert text_kernels._criteo_kernel.targetoptions["nogil"]
+  assert text_kernels._avazu_kernel.targetoptions["nogil"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Avazu.
+
+AVAZU = AvazuFormat()
+
+
+def avazu_hashed(rng: random.Random) -> bytes:
+  r = rng.random()
+  if r < 0.05:
+    return b""
+  if r < 0.1:  # longer than the 64 bytes the kernel hashes itself
+    return bytes(rng.choice(b"abcdef0123") for _ in range(rng.randrange(60, 200)))
+  if r < 0.13:
+    return b"a\x00b" if rng.random() < 0.5 else b"\x00"  # NUL bytes are skipped by both
+  if r < 0.16:
+    return "é".encode() * rng.randrange(1, 4)
+  return f"{rng.randrange(0, 16**8):x}"[: rng.randrange(1, 9)].encode()
+
+
+def avazu_hour(rng: random.Random) -> bytes:
+  yy = rng.randrange(0, 100)
+  mm = rng.randrange(1, 13)
+  days = [31, 29 if yy % 4 == 0 else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][mm - 1]
+  dd = rng.choice([1, days, rng.randrange(1, days + 1)])
+  return f"{yy:02d}{mm:02d}{dd:02d}{rng.randrange(0, 24):02d}".encode()
+
+
+def avazu_line(rng: random.Random) -> bytes:
+  ident = str(rng.randrange(0, 10**20)).encode() if rng.random() < 0.9 else b""
+  hashed = [avazu_hashed(rng) for _ in range(len(HEADER) - 3)]
+  return b",".join([ident, rng.choice([b"0", b"1"]), avazu_hour(rng), *hashed])
+
+
+def avazu_fast(lines):
+  return text_kernels.avazu_columns(b"\n".join(lines + [b""]), len(lines), AVAZU.names)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_avazu_good_chunks_are_bit_identical_to_numpy(seed):
+  rng = random.Random(100 + seed)
+  lines = [avazu_line(rng) for _ in range(rng.choice([1, 300, 2000]))]
+  assert avazu_fast(lines) is not None
+  chunk = base.RawChunk("mem", 2, lines)
+  assert_bit_identical(AVAZU.parse(chunk, base.BadRecords()), AVAZU.parse_numpy(chunk, base.BadRecords()))
+
+
+def test_avazu_every_day_of_the_century_agrees():
+  """Hour of day and weekday of the first, 28th, 29th, 30th and 31st of every month that has it."""
+  rng = random.Random(7)
+  lines = []
+  for yy in range(100):
+    for mm in range(1, 13):
+      days = [31, 29 if yy % 4 == 0 else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][mm - 1]
+      for dd in sorted({1, 28, days}):
+        hashed = [b"x"] * (len(HEADER) - 3)
+        lines.append(b",".join([b"1", b"0", f"{yy:02d}{mm:02d}{dd:02d}{rng.randrange(24):02d}".encode(), *hashed]))
+  assert avazu_fast(lines) is not None
+  chunk = base.RawChunk("mem", 2, lines)
+  assert_bit_identical(AVAZU.parse(chunk, base.BadRecords()), AVAZU.parse_numpy(chunk, base.BadRecords()))
+
+
+def _avazu_with(click=b"1", hour=b"14102100", fields=None):
+  fields = fields if fields is not None else [b"a"] * (len(HEADER) - 3)
+  return b",".join([b"1000009418151094273", click, hour, *fields])
+
+
+AVAZU_BAD_LINES = [
+  b"",
+  b"1,0",
+  _avazu_with(fields=[b"a"] * (len(HEADER) - 2)),  # one field too many
+  _avazu_with(fields=[b"a"] * (len(HEADER) - 4)),  # one too few
+  _avazu_with(click=b"2"),
+  _avazu_with(click=b""),
+  _avazu_with(hour=b"1410210"),  # 7 digits
+  _avazu_with(hour=b"141021000"),  # 9
+  _avazu_with(hour=b"14102124"),  # hour 24
+  _avazu_with(hour=b"14130100"),  # month 13
+  _avazu_with(hour=b"14000100"),  # month 0
+  _avazu_with(hour=b"14100000"),  # day 0
+  _avazu_with(hour=b"15022900"),  # 2015-02-29
+  _avazu_with(hour=b"14043100"),  # April 31st
+  _avazu_with(hour=b"1410210a"),
+  _avazu_with(hour=b"1410\xb12100"),
+]
+
+
+@pytest.mark.parametrize("bad_line", AVAZU_BAD_LINES)
+def test_avazu_bad_line_is_reported_as_numpy_reports_it(bad_line):
+  rng = random.Random(len(bad_line))
+  lines = [avazu_line(rng) for _ in range(200)]
+  lines[rng.randrange(200)] = bad_line
+  assert avazu_fast(lines) is None
+  chunk = base.RawChunk("mem", 2, lines)
+  skip_fast, skip_numpy = base.BadRecords("skip"), base.BadRecords("skip")
+  assert_bit_identical(AVAZU.parse(chunk, skip_fast), AVAZU.parse_numpy(chunk, skip_numpy))
+  assert skip_fast.count == skip_numpy.count == 1 and skip_fast.examples == skip_numpy.examples
+  with pytest.raises(base.BadRecordError) as fast_error:
+    AVAZU.parse(chunk, base.BadRecords("error"))
+  with pytest.raises(base.BadRecordError) as numpy_error:
+    AVAZU.parse_numpy(chunk, base.BadRecords("error"))
+  assert str(fast_error.value) == str(numpy_error.value)
