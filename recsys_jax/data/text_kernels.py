@@ -4,7 +4,7 @@
 decoding and hashing each field as they go. They are compiled with numba (``nogil``, cached in
 ``__pycache__``, compiled on the first call), so host worker threads parse chunks side by side;
 the numpy path they replace (``parse_numpy``, kept as the reference) held the GIL between its
-many small array operations, and spent 4 to 5 times their CPU.
+many small array operations, and spent 3.5 to 5 times their CPU.
 
 Each gives up on the whole chunk (returns ``None``) at the first thing it does not accept: a line
 with another number of fields, or any value the format's rules call bad. The caller then parses
