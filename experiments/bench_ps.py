@@ -19,22 +19,30 @@ Bytes counted (rows and state read and written, the traffic the work cannot avoi
   apply:  read the gradient (dim x 4), read and write the row and its Adagrad slot;
   create: write the new row and its slot (cold and tier only).
 ``memcpy_gb_per_s`` is measured in the same run, with as many threads as shards, each
-copying its own 256 MiB buffer, and counts bytes read plus bytes written, like the PS
-figures; ``fraction_of_memcpy`` = PS bytes per second / memcpy bytes per second.
+copying its own 256 MiB buffer (written once first: no page faults in the timed copies), and
+counts bytes read plus bytes written, like the PS figures. One copy follows every timed batch,
+so the reference sees the same load as the PS: the machine these figures come from is shared,
+and a reference taken once before the run (the best of 5 copies, as this script did until
+issue 14) let the fraction of the same code go from 0.17 to 0.24 between runs minutes apart.
+``fraction_of_memcpy`` = PS bytes per second / memcpy bytes per second, both over the same
+interval; ``fraction_of_best_memcpy`` is against the old reference. The ram configuration runs
+``--ram_repeats`` times over the same tables and the median run is reported.
 
 The last stdout line is one JSON object: ``lookup_rows_per_s``, ``apply_rows_per_s``,
-``memcpy_gb_per_s`` and ``fraction_of_memcpy`` of the ram configuration, then the same
-with ``cold_`` and ``tier_`` prefixes.
+``memcpy_gb_per_s``, ``fraction_of_memcpy``, ``memcpy_best_gb_per_s`` and
+``fraction_of_best_memcpy`` of the ram configuration, the load average at the start and end,
+then the same rates and fraction with ``cold_`` and ``tier_`` prefixes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import threading
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 from absl import app, flags
@@ -50,24 +58,35 @@ _DIM = flags.DEFINE_integer("dim", 64, "Row width.")
 _BATCH = flags.DEFINE_integer("batch_size", 4096, "Samples per batch.")
 _FEATURES = flags.DEFINE_integer("features", 26, "Sparse features (one table each).")
 _ALPHA = flags.DEFINE_float("zipf_alpha", 1.1, "Zipf exponent of id frequencies.")
+_REPEATS = flags.DEFINE_integer("ram_repeats", 3, "Runs of the ram configuration; the median one is reported.")
 _TIER = flags.DEFINE_bool("tier", True, "Also run with the tensorstore tier.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 
 
 def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-  """Bytes read + written per second by ``threads`` threads each copying its own buffer."""
-  srcs = [np.ones(nbytes // 8, np.float64) for _ in range(threads)]
-  dsts = [np.empty_like(s) for s in srcs]
-  best = 0.0
-  for _ in range(repeats):
-    ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dsts, srcs)]
+  """Bytes read + written per second by ``threads`` threads each copying its own buffer: the best of ``repeats``."""
+  m = Memcpy(threads, nbytes)
+  return max(b / s for b, s in (m.copy() for _ in range(repeats)))
+
+
+class Memcpy:
+  """``threads`` threads each copying its own ``nbytes`` buffer, both ends written once first (no page faults
+  in the timed copies). ``run`` calls ``copy`` after every batch, so the reference bandwidth is measured
+  under the same load as the PS: on a shared machine the load moves both by the second."""
+
+  def __init__(self, threads: int, nbytes: int = 256 << 20):
+    self.srcs = [np.ones(nbytes // 8, np.float64) for _ in range(threads)]
+    self.dsts = [np.zeros_like(s) for s in self.srcs]
+
+  def copy(self):
+    """One concurrent copy per thread: (bytes read + written, seconds)."""
+    ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(self.dsts, self.srcs)]
     t0 = time.perf_counter()
     for t in ts:
       t.start()
     for t in ts:
       t.join()
-    best = max(best, 2 * nbytes * threads / (time.perf_counter() - t0))
-  return best
+    return 2 * sum(s.nbytes for s in self.srcs), time.perf_counter() - t0
 
 
 def _id(rank: np.ndarray, f: int) -> np.ndarray:
@@ -113,13 +132,15 @@ def run(
   bytes_apply: int,
   bytes_create: int,
   first_step: int = 1,
+  mem: Optional[Memcpy] = None,
 ) -> Dict:
-  """Times lookup_many + apply_many per batch; bytes per the module docstring."""
+  """Times lookup_many + apply_many per batch, and after each timed batch one ``mem.copy()``; bytes per
+  the module docstring."""
   rng = np.random.default_rng(1)
   biggest = max(len(v) for b in batches for v in b.values())
   grads = rng.standard_normal((biggest, dim)).astype(np.float32) * 1e-3
-  t_lookup = t_apply = 0.0
-  rows = created = 0
+  t_lookup = t_apply = t_copy = 0.0
+  rows = created = copied = 0
   hits0 = lookups0 = None
   for i, b in enumerate(batches):
     st = ps.stats() if i >= warmup else {}
@@ -136,10 +157,13 @@ def run(
       t_apply += t2 - t1
       rows += sum(len(v) for v in b.values())
       created += sum(s["created"] + s["tier_reads"] for s in ps.stats().values()) - before
+      if mem is not None:
+        nbytes, secs = mem.copy()
+        copied, t_copy = copied + nbytes, t_copy + secs
   total = rows * (bytes_lookup + bytes_apply) + created * bytes_create
   st = ps.stats()
   hits = sum(s["hits"] for s in st.values()) - hits0
-  return {
+  out = {
     "hit_rate": hits / (sum(s["lookups"] for s in st.values()) - lookups0),
     "rows": rows,
     "created_or_read_back": created,
@@ -147,6 +171,10 @@ def run(
     "apply_rows_per_s": rows / t_apply,
     "bytes_per_s": total / (t_lookup + t_apply),
   }
+  if mem is not None:
+    out["memcpy_bytes_per_s"] = copied / t_copy
+    out["fraction_of_memcpy"] = out["bytes_per_s"] / out["memcpy_bytes_per_s"]
+  return out
 
 
 def main(argv):
@@ -163,9 +191,11 @@ def main(argv):
   kw = (("learning_rate", 0.05),)
   row = dim * 4
   b_lookup, b_apply, b_create = 2 * row, row + 2 * (row + row), row + row
-  bw = memcpy_bandwidth(shards)
+  mem = Memcpy(shards)
+  best = max(b / s for b, s in (mem.copy() for _ in range(5)))  # the reference before the run (see the docstring)
   results = {
-    "memcpy_gb_per_s": bw / 1e9,
+    "memcpy_best_gb_per_s": best / 1e9,
+    "load_average_start": os.getloadavg()[0],
     "distinct_rows_per_batch": uniq,
     "num_shards": shards,
     "dim": dim,
@@ -173,23 +203,30 @@ def main(argv):
   }
 
   def report(name, r, extra=""):
-    r["fraction_of_memcpy"] = r["bytes_per_s"] / bw
+    r["fraction_of_best_memcpy"] = r["bytes_per_s"] / best
     results[name] = r
     print(
       f"{name:5s} lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply {r['apply_rows_per_s'] / 1e6:6.2f}M "
-      f"rows/s, {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy{extra}",
+      f"rows/s, {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy at "
+      f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s ({r['fraction_of_best_memcpy']:.3f} of the best, "
+      f"{best / 1e9:.1f} GB/s){extra}",
       file=sys.stderr,
     )
 
   specs = [TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw) for t in names]
   ps = ParameterServer(specs, num_shards=shards)
   first = prefill(ps, names, vocab)
-  report("ram", run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first))
+  reps = []
+  for k in range(_REPEATS.value):  # the same tables and batches again: the repeats differ by the load only
+    reps.append(run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first + k * len(batches), mem))
+  reps.sort(key=lambda r: r["fraction_of_memcpy"])
+  r = dict(reps[len(reps) // 2], repeats=[x["fraction_of_memcpy"] for x in reps])
+  report("ram", r, f" (median of {len(reps)}: {', '.join(f'{x:.3f}' for x in r['repeats'])})")
   ps.close()
   del ps
 
   ps = ParameterServer(specs, num_shards=shards)
-  r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create)
+  r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, mem=mem)
   ps.close()
   del ps
   report("cold", r, f" ({r['created_or_read_back'] / r['rows']:.0%} of looked-up rows created)")
@@ -201,7 +238,7 @@ def main(argv):
       ]
       ps = ParameterServer(tiered, num_shards=shards, tier={"driver": "file", "path": d})
       first = prefill(ps, names, vocab)
-      r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first)
+      r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first, mem)
       st = ps.stats()
       ps.close()
     r["tier_rows"] = int(sum(s["tier_rows"] for s in st.values()))
@@ -209,8 +246,12 @@ def main(argv):
     report("tier", r, f" (hit rate {r['hit_rate']:.3f}; {r['ram_rows']:,} rows in RAM, {r['tier_rows']:,} on disk)")
 
   flat = {k: results["ram"][k] for k in ("lookup_rows_per_s", "apply_rows_per_s")}
-  flat["memcpy_gb_per_s"] = bw / 1e9
+  flat["memcpy_gb_per_s"] = results["ram"]["memcpy_bytes_per_s"] / 1e9
   flat["fraction_of_memcpy"] = results["ram"]["fraction_of_memcpy"]
+  flat["memcpy_best_gb_per_s"] = best / 1e9
+  flat["fraction_of_best_memcpy"] = results["ram"]["fraction_of_best_memcpy"]
+  flat["load_average_start"] = results["load_average_start"]
+  flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
   for name in ("cold", "tier"):
     for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate"):
       if name in results and k in results[name]:
