@@ -49,7 +49,8 @@ accumulators read and written. ``floor_ratio`` = measured samples/s / floor samp
 (e.g. main) and one worker, interleaved with the settings of this checkout, so that both see
 the same machine load; ``vs_baseline`` = samples/s / the baseline's.
 
-With ``--repeats=N`` every setting runs N times, interleaved; the median run is reported, with
+With ``--repeats=N`` every setting runs N times, interleaved; the median run is reported (of an
+even number, the faster of the middle two: with 2 runs, the faster run, for every code alike), with
 all runs' samples/s (``runs_samples_per_s``).
 
 With the tiny step, ``step_alone_ms`` is the jitted step alone on the run's last batch (a fresh
@@ -102,7 +103,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to 
 _TRANSFER = flags.DEFINE_bool(
   "transfer", False, "Only measure what handing parsed chunks back from worker processes would cost (no runs)."
 )
-_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported; of 2, the faster).")
 _SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
 
 FILE_RECORDS = 100_000
@@ -553,7 +554,7 @@ def main(argv):
   results = []
   for (source, batch, label, _, step), rs in runs.items():
     rs = sorted(rs, key=lambda r: r["feed_samples_per_s"])
-    r = dict(rs[len(rs) // 2])  # the median run, whole
+    r = dict(rs[len(rs) // 2])  # the median run, whole (of an even number, the faster middle one)
     r["runs_samples_per_s"] = [x["feed_samples_per_s"] for x in rs]
     base = runs.get((source, batch, "base", 1, step))
     if label == "new" and base:
