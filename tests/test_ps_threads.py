@@ -137,7 +137,8 @@ def test_the_default_threshold_keeps_small_calls_on_the_caller_and_still_matches
   try:
     w.run([(10, lambda: seen.add(threading.current_thread().name))] * 5)  # 50 rows: no pool thread
     assert seen == {threading.current_thread().name}
-    w.run([(100, lambda: (time.sleep(0.05), seen.add(threading.current_thread().name)))] * 4)
+    together = threading.Barrier(4, timeout=60)  # passes only when four threads run tasks at once
+    w.run([(100, lambda: (together.wait(), seen.add(threading.current_thread().name)))] * 4)
     assert len(seen) == 4  # the caller and three pool threads
   finally:
     w.close()
@@ -205,16 +206,23 @@ def test_workers_run_every_task_then_raise_the_first_failure_in_task_order():
     w.close()
 
 
-def test_deal_gives_every_task_once_and_balances_rows():
-  w = Workers(4, min_rows=0)
+def test_every_task_runs_once_and_results_keep_task_order():
+  w = Workers(3, min_rows=0)
+  lock = threading.Lock()
   try:
     rng = np.random.default_rng(0)
-    weights = [int(x) for x in rng.integers(1, 1000, size=26)]
-    bins = w.deal(weights)
-    assert sorted(i for b in bins for i in b) == list(range(26))
-    loads = [sum(weights[i] for i in b) for b in bins]
-    assert len(bins) == 4 and max(loads) - min(loads) <= max(weights)  # longest-first greedy bound
-    assert w.deal([5, 5]) == [[0], [1]] and w.deal([]) == []
+    for _ in range(30):
+      weights = [int(x) for x in rng.integers(1, 1000, size=int(rng.integers(1, 30)))]
+      calls = [0] * len(weights)
+
+      def task(i, calls=calls):
+        with lock:
+          calls[i] += 1
+        time.sleep(0.001 * (i % 3))  # uneven, so the threads interleave
+        return i * 10
+
+      assert w.run([(wt, lambda i=i: task(i)) for i, wt in enumerate(weights)]) == [10 * i for i in range(len(weights))]
+      assert calls == [1] * len(weights)
   finally:
     w.close()
 

@@ -6,17 +6,18 @@ each in turn. Tasks touch disjoint tables (each with its own lock), so the order
 they run changes no result: a table's rows, optimizer state and created-row order are the
 same for every thread count.
 
-Tasks are dealt longest first to the least loaded of ``threads`` bins (by rows); the caller
-runs one bin itself, the pool the others, so one thread costs no hand-over at all. A call of
-fewer rows than ``min_rows`` runs on the caller alone: the hand-over to a pool thread (a
-queue, a wake-up, a future) costs more than a small request saves.
+Tasks are taken longest first (by rows) by the caller and ``threads - 1`` pool threads, each
+the next task when it is free, so one thread costs no hand-over at all and a busy machine,
+where a pool thread may wait for a core, costs little: the caller goes on with the tasks. A
+call of fewer rows than ``min_rows`` runs on the caller alone: the hand-over to a pool thread
+(a queue, a wake-up, a future) costs more than a small request saves.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
 import os
+import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 MIN_ROWS = 2048
@@ -49,42 +50,45 @@ class Workers:
       else None
     )
 
-  def deal(self, weights: Sequence[int]) -> List[List[int]]:
-    """Task indices per bin: longest first to the least loaded bin; each bin in task order."""
-    n = len(weights)
-    bins = 1 if self._pool is None or sum(weights) < self.min_rows else min(self.threads, n)
-    if bins <= 1:
-      return [list(range(n))] if n else []
-    heap = [(0, b) for b in range(bins)]
-    out: List[List[int]] = [[] for _ in range(bins)]
-    for i in sorted(range(n), key=lambda i: -weights[i]):  # stable: ties keep task order
-      load, b = heapq.heappop(heap)
-      out[b].append(i)
-      heapq.heappush(heap, (load + weights[i], b))
-    return [sorted(b) for b in out if b]
+  def helpers(self, weights: Sequence[int]) -> int:
+    """Pool threads a call of tasks of these rows gets: none below ``min_rows`` rows in all."""
+    if self._pool is None or sum(weights) < self.min_rows:
+      return 0
+    return min(self.threads, len(weights)) - 1
 
   def run(self, tasks: Sequence[Tuple[int, Callable[[], Any]]]) -> List[Any]:
     """Runs every ``(rows, fn)`` task; returns their results in task order.
 
-    Every task runs even when another fails; then the first failure in task order is raised
-    (so no table's work is left half done behind an error, and none is silently lost).
+    The caller and the helpers take the tasks longest first, each the next one when it is
+    free (so rows are balanced as they go, and a helper the OS has not scheduled yet costs
+    nothing: the caller takes its share and the helper's start is cancelled). Every task runs
+    even when another fails; then the first failure in task order is raised (so no table's
+    work is left half done behind an error, and none is lost).
     """
-    results: List[Any] = [None] * len(tasks)
-    errors: List[Optional[BaseException]] = [None] * len(tasks)
+    n = len(tasks)
+    results: List[Any] = [None] * n
+    errors: List[Optional[BaseException]] = [None] * n
+    helpers = self.helpers([w for w, _ in tasks])
+    order = sorted(range(n), key=lambda i: -tasks[i][0]) if helpers else list(range(n))
+    taken = iter(order)
+    lock = threading.Lock()
 
-    def work(idx: List[int]) -> None:
-      for i in idx:
+    def work() -> None:
+      while True:
+        with lock:
+          i = next(taken, None)
+        if i is None:
+          return
         try:
           results[i] = tasks[i][1]()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other tasks
           errors[i] = e
 
-    bins = self.deal([w for w, _ in tasks])
-    futures = [self._pool.submit(work, b) for b in bins[1:]] if len(bins) > 1 else []
-    if bins:
-      work(bins[0])
+    futures = [self._pool.submit(work) for _ in range(helpers)]
+    work()
     for f in futures:
-      f.result()  # work() catches everything, so this only waits
+      if not f.cancel():  # started: it finishes the task it took (work() catches everything)
+        f.result()
     for e in errors:
       if e is not None:
         raise e
