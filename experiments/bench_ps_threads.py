@@ -167,7 +167,7 @@ def main(argv):
   )
   if _SWEEP.value:
     sweep = {}
-    for n in (128, 256, 512, 1024, 2048, 4096, 8192):
+    for n in (128, 512, 2048, 8192, 16384, 32768, 65536):
       small = criteo_batches(_WARMUP.value + 40, max(8, n // 8), seed=7)
       pair = [make_ps(names, _DIM.value, 1), make_ps(names, _DIM.value, max(threads), min_rows=0)]
       un = {t: np.unique(np.concatenate([b[t] for b in small])) for t in names}

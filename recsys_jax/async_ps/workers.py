@@ -20,9 +20,12 @@ import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-MIN_ROWS = 2048
-"""Rows below which a call stays on the caller's thread; measured with experiments/bench_ps.py
---sweep_min_rows (see experiments/README.md, "bench_ps")."""
+MIN_ROWS = 4096
+"""Rows below which a call stays on the caller's thread. experiments/bench_ps_threads.py measured
+the hand-over at 5-33 us and a row (lookup + push, dim 16) at 165 ns, about half of it in the
+GIL-free kernels, so a second thread breaks even near 800 rows at best; its sweep, on a
+machine with no core free, lost 59% at 220 rows, 22% at 676 and 3-10% from 2k to 10k: 4096
+keeps small calls (eval probes, tests, a remote shard's share) off the pool with a margin."""
 
 
 def default_threads() -> int:
