@@ -99,6 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
   # The parameter server.
   c.ps = ml_collections.ConfigDict()
   c.ps.num_shards = 1  # Shards per table (worked in parallel); ids routed by hash(table, id).
+  # local: threads that work the tables (and shards) of one lookup or push at once, the caller's
+  # included; -1: the cores this process may run on. Results are bit-identical for any count.
+  c.ps.threads = -1
   # Disk tier for bounded tables: '' (none; evicted rows are dropped), 'memory', a directory
   # (relative to the workdir), or a JSON tensorstore kvstore spec (file, gcs, s3, ...).
   c.ps.tier = ""
