@@ -18,6 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
   # hybrid). With staleness k as well, Persia's fully asynchronous baseline.
   c.dense_staleness = 0
   c.prefetch_depth = 2  # Steps placed on the device ahead of the training loop.
+  # Host worker threads that parse and dedup batches ahead of the loop (-1: one per core; 0: none,
+  # all on the prefetcher thread). Results do not depend on it (recsys_jax/training/feed.py).
+  c.host_workers = -1
   c.log_every = 50  # Steps between train-metric records (metrics.jsonl, TensorBoard).
   c.checkpoint_every = 0  # Steps between checkpoints (0: only at the end of the run).
   c.max_checkpoints = 2  # Checkpoints kept in <workdir>/checkpoints.
@@ -96,6 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
   # The parameter server.
   c.ps = ml_collections.ConfigDict()
   c.ps.num_shards = 1  # Shards per table (worked in parallel); ids routed by hash(table, id).
+  # local: threads that work the tables (and shards) of one lookup or push at once, the caller's
+  # included; -1: the cores this process may run on. Results are bit-identical for any count.
+  c.ps.threads = -1
   # Disk tier for bounded tables: '' (none; evicted rows are dropped), 'memory', a directory
   # (relative to the workdir), or a JSON tensorstore kvstore spec (file, gcs, s3, ...).
   c.ps.tier = ""

@@ -1,6 +1,6 @@
 """Parameter-server throughput on a Zipf workload, against this machine's memcpy bandwidth.
 
-    python experiments/bench_ps.py [--batches=20] [--num_shards=1] [--vocab=100000] [--json_out=FILE]
+    python experiments/bench_ps.py [--batches=20] [--num_shards=1] [--ps_threads=1,2] [--vocab=100000] [--json_out=FILE]
 
 Workload: batches of 4096 samples x 26 features (one table each, dim 64, Adagrad), ids drawn
 from a Zipf(1.1) law over ``--vocab`` ids per table and deduplicated per table as the
@@ -18,23 +18,36 @@ Bytes counted (rows and state read and written, the traffic the work cannot avoi
   lookup: read the row (dim x 4), write it to the output (dim x 4);
   apply:  read the gradient (dim x 4), read and write the row and its Adagrad slot;
   create: write the new row and its slot (cold and tier only).
-``memcpy_gb_per_s`` is measured in the same run, with as many threads as shards, each
-copying its own 256 MiB buffer, and counts bytes read plus bytes written, like the PS
-figures; ``fraction_of_memcpy`` = PS bytes per second / memcpy bytes per second.
+``--ps_threads``: the PS's thread counts (``ParameterServer(threads=)``); the ram configuration
+runs once per count, on its own PS, the repeats of all counts in turn; cold and tier run with
+the last count. ``memcpy_gb_per_s`` is measured in the same run, with as many threads as the
+PS (``memcpy_1thread_gb_per_s``: with one), each copying its own 256 MiB buffer (written once first: no page faults in the timed copies), and
+counts bytes read plus bytes written, like the PS figures. One copy follows every timed batch,
+so the reference sees the same load as the PS: the machine these figures come from is shared,
+and a reference taken once before the run (the best of 5 copies, as this script did until
+issue 14) let the fraction of the same code go from 0.17 to 0.24 between runs minutes apart.
+``fraction_of_memcpy`` = PS bytes per second / memcpy bytes per second (as many threads as the
+PS), both over the same interval, ``fraction_of_memcpy_1thread`` against one memcpy thread;
+``fraction_of_best_memcpy`` is against the old reference. The ram configuration runs
+``--ram_repeats`` times over the same tables and the median run is reported.
 
 The last stdout line is one JSON object: ``lookup_rows_per_s``, ``apply_rows_per_s``,
-``memcpy_gb_per_s`` and ``fraction_of_memcpy`` of the ram configuration, then the same
-with ``cold_`` and ``tier_`` prefixes.
+``memcpy_gb_per_s``, ``fraction_of_memcpy``, ``memcpy_1thread_gb_per_s``,
+``fraction_of_memcpy_1thread``, ``memcpy_best_gb_per_s`` and ``fraction_of_best_memcpy`` of the
+ram configuration with the last thread count (``ram_by_threads``: per count, and
+``ram_speedup_vs_first``: its rows per second over the first count's), the load average at the
+start and end, then the same rates and fraction with ``cold_`` and ``tier_`` prefixes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import threading
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 from absl import app, flags
@@ -44,30 +57,42 @@ from recsys_jax.embeddings.specs import TableSpec
 
 _BATCHES = flags.DEFINE_integer("batches", 20, "Timed batches per configuration.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed batches first.")
-_SHARDS = flags.DEFINE_integer("num_shards", 1, "PS shards (worked by that many threads).")
+_SHARDS = flags.DEFINE_integer("num_shards", 1, "PS shards.")
+_THREADS = flags.DEFINE_list("ps_threads", ["1"], "PS thread counts (ParameterServer(threads=)) to compare.")
 _VOCAB = flags.DEFINE_integer("vocab", 100_000, "Distinct ids per table.")
 _DIM = flags.DEFINE_integer("dim", 64, "Row width.")
 _BATCH = flags.DEFINE_integer("batch_size", 4096, "Samples per batch.")
 _FEATURES = flags.DEFINE_integer("features", 26, "Sparse features (one table each).")
 _ALPHA = flags.DEFINE_float("zipf_alpha", 1.1, "Zipf exponent of id frequencies.")
+_REPEATS = flags.DEFINE_integer("ram_repeats", 3, "Runs of the ram configuration; the median one is reported.")
 _TIER = flags.DEFINE_bool("tier", True, "Also run with the tensorstore tier.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 
 
 def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-  """Bytes read + written per second by ``threads`` threads each copying its own buffer."""
-  srcs = [np.ones(nbytes // 8, np.float64) for _ in range(threads)]
-  dsts = [np.empty_like(s) for s in srcs]
-  best = 0.0
-  for _ in range(repeats):
-    ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dsts, srcs)]
+  """Bytes read + written per second by ``threads`` threads each copying its own buffer: the best of ``repeats``."""
+  m = Memcpy(threads, nbytes)
+  return max(b / s for b, s in (m.copy() for _ in range(repeats)))
+
+
+class Memcpy:
+  """``threads`` threads each copying its own ``nbytes`` buffer, both ends written once first (no page faults
+  in the timed copies). ``run`` calls ``copy`` after every batch, so the reference bandwidth is measured
+  under the same load as the PS: on a shared machine the load moves both by the second."""
+
+  def __init__(self, threads: int, nbytes: int = 256 << 20):
+    self.srcs = [np.ones(nbytes // 8, np.float64) for _ in range(threads)]
+    self.dsts = [np.zeros_like(s) for s in self.srcs]
+
+  def copy(self):
+    """One concurrent copy per thread: (bytes read + written, seconds)."""
+    ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(self.dsts, self.srcs)]
     t0 = time.perf_counter()
     for t in ts:
       t.start()
     for t in ts:
       t.join()
-    best = max(best, 2 * nbytes * threads / (time.perf_counter() - t0))
-  return best
+    return 2 * sum(s.nbytes for s in self.srcs), time.perf_counter() - t0
 
 
 def _id(rank: np.ndarray, f: int) -> np.ndarray:
@@ -113,13 +138,16 @@ def run(
   bytes_apply: int,
   bytes_create: int,
   first_step: int = 1,
+  mem: Optional[Memcpy] = None,
+  mem1: Optional[Memcpy] = None,
 ) -> Dict:
-  """Times lookup_many + apply_many per batch; bytes per the module docstring."""
+  """Times lookup_many + apply_many per batch, and after each timed batch one ``mem.copy()`` (and
+  ``mem1.copy()``, one thread); bytes per the module docstring."""
   rng = np.random.default_rng(1)
   biggest = max(len(v) for b in batches for v in b.values())
   grads = rng.standard_normal((biggest, dim)).astype(np.float32) * 1e-3
-  t_lookup = t_apply = 0.0
-  rows = created = 0
+  t_lookup = t_apply = t_copy = t_copy1 = 0.0
+  rows = created = copied = copied1 = 0
   hits0 = lookups0 = None
   for i, b in enumerate(batches):
     st = ps.stats() if i >= warmup else {}
@@ -136,10 +164,16 @@ def run(
       t_apply += t2 - t1
       rows += sum(len(v) for v in b.values())
       created += sum(s["created"] + s["tier_reads"] for s in ps.stats().values()) - before
+      if mem is not None:
+        nbytes, secs = mem.copy()
+        copied, t_copy = copied + nbytes, t_copy + secs
+      if mem1 is not None:
+        nbytes, secs = mem1.copy()
+        copied1, t_copy1 = copied1 + nbytes, t_copy1 + secs
   total = rows * (bytes_lookup + bytes_apply) + created * bytes_create
   st = ps.stats()
   hits = sum(s["hits"] for s in st.values()) - hits0
-  return {
+  out = {
     "hit_rate": hits / (sum(s["lookups"] for s in st.values()) - lookups0),
     "rows": rows,
     "created_or_read_back": created,
@@ -147,6 +181,13 @@ def run(
     "apply_rows_per_s": rows / t_apply,
     "bytes_per_s": total / (t_lookup + t_apply),
   }
+  if mem is not None:
+    out["memcpy_bytes_per_s"] = copied / t_copy
+    out["fraction_of_memcpy"] = out["bytes_per_s"] / out["memcpy_bytes_per_s"]
+  if mem1 is not None:
+    out["memcpy_1thread_bytes_per_s"] = copied1 / t_copy1
+    out["fraction_of_memcpy_1thread"] = out["bytes_per_s"] / out["memcpy_1thread_bytes_per_s"]
+  return out
 
 
 def main(argv):
@@ -163,33 +204,63 @@ def main(argv):
   kw = (("learning_rate", 0.05),)
   row = dim * 4
   b_lookup, b_apply, b_create = 2 * row, row + 2 * (row + row), row + row
-  bw = memcpy_bandwidth(shards)
+  counts = [int(t) for t in _THREADS.value]
+  mems = {n: Memcpy(n) for n in sorted(set(counts) | {1})}
+  threads = counts[-1]
+  mem, mem1 = mems[threads], mems[1]
+  best = max(b / s for b, s in (mem.copy() for _ in range(5)))  # the reference before the run (see the docstring)
   results = {
-    "memcpy_gb_per_s": bw / 1e9,
+    "memcpy_best_gb_per_s": best / 1e9,
+    "load_average_start": os.getloadavg()[0],
     "distinct_rows_per_batch": uniq,
     "num_shards": shards,
+    "ps_threads": counts,
     "dim": dim,
     "vocab": vocab,
   }
 
   def report(name, r, extra=""):
-    r["fraction_of_memcpy"] = r["bytes_per_s"] / bw
+    r["fraction_of_best_memcpy"] = r["bytes_per_s"] / best
     results[name] = r
     print(
       f"{name:5s} lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply {r['apply_rows_per_s'] / 1e6:6.2f}M "
-      f"rows/s, {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy{extra}",
+      f"rows/s, {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy at "
+      f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, {r['fraction_of_memcpy_1thread']:.3f} of 1-thread memcpy at "
+      f"{r['memcpy_1thread_bytes_per_s'] / 1e9:.1f} GB/s ({r['fraction_of_best_memcpy']:.3f} of the best, "
+      f"{best / 1e9:.1f} GB/s){extra}",
       file=sys.stderr,
     )
 
   specs = [TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw) for t in names]
-  ps = ParameterServer(specs, num_shards=shards)
-  first = prefill(ps, names, vocab)
-  report("ram", run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first))
-  ps.close()
-  del ps
+  pss = [ParameterServer(specs, num_shards=shards, threads=n) for n in counts]
+  first = [prefill(ps, names, vocab) for ps in pss][0]
+  reps = [[] for _ in counts]
+  for k in range(_REPEATS.value):  # the same tables and batches again: the repeats differ by the load only
+    for j, (n, ps) in enumerate(zip(counts, pss)):  # every thread count in turn, so all see the same load
+      step = first + k * len(batches)
+      reps[j].append(run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, step, mems[n], mem1))
+  for ps in pss:
+    ps.close()
+  del pss, ps
+  by_threads = {}
+  for j, n in enumerate(counts):
+    fr = sorted(x["fraction_of_memcpy"] for x in reps[j])
+    r = dict(sorted(reps[j], key=lambda x: x["fraction_of_memcpy"])[len(fr) // 2], repeats=fr)
+    # Paired: repeat k of this count against repeat k of the first, run back to back.
+    ratios = sorted(x["bytes_per_s"] / y["bytes_per_s"] for x, y in zip(reps[j], reps[0]))
+    r["speedup_vs_first"] = ratios[len(ratios) // 2]
+    report(
+      "ram",
+      r,
+      f" [{n} thread(s); median of {len(fr)}: {', '.join(f'{x:.3f}' for x in fr)}; "
+      f"{r['speedup_vs_first']:.2f}x the rows/s of {counts[0]} thread(s), median of paired repeats]",
+    )
+    by_threads[n] = r
+  results["ram"] = by_threads[threads]
+  results["ram_by_threads"] = by_threads
 
-  ps = ParameterServer(specs, num_shards=shards)
-  r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create)
+  ps = ParameterServer(specs, num_shards=shards, threads=threads)
+  r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, mem=mem, mem1=mem1)
   ps.close()
   del ps
   report("cold", r, f" ({r['created_or_read_back'] / r['rows']:.0%} of looked-up rows created)")
@@ -199,9 +270,9 @@ def main(argv):
       tiered = [
         TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw, capacity=max(1, vocab // 4)) for t in names
       ]
-      ps = ParameterServer(tiered, num_shards=shards, tier={"driver": "file", "path": d})
+      ps = ParameterServer(tiered, num_shards=shards, tier={"driver": "file", "path": d}, threads=threads)
       first = prefill(ps, names, vocab)
-      r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first)
+      r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first, mem, mem1)
       st = ps.stats()
       ps.close()
     r["tier_rows"] = int(sum(s["tier_rows"] for s in st.values()))
@@ -209,13 +280,23 @@ def main(argv):
     report("tier", r, f" (hit rate {r['hit_rate']:.3f}; {r['ram_rows']:,} rows in RAM, {r['tier_rows']:,} on disk)")
 
   flat = {k: results["ram"][k] for k in ("lookup_rows_per_s", "apply_rows_per_s")}
-  flat["memcpy_gb_per_s"] = bw / 1e9
+  flat["memcpy_gb_per_s"] = results["ram"]["memcpy_bytes_per_s"] / 1e9
   flat["fraction_of_memcpy"] = results["ram"]["fraction_of_memcpy"]
+  flat["memcpy_1thread_gb_per_s"] = results["ram"]["memcpy_1thread_bytes_per_s"] / 1e9
+  flat["fraction_of_memcpy_1thread"] = results["ram"]["fraction_of_memcpy_1thread"]
+  flat["ram_by_threads"] = {
+    n: {k: r[k] for k in ("fraction_of_memcpy", "fraction_of_memcpy_1thread", "bytes_per_s", "speedup_vs_first")}
+    for n, r in by_threads.items()
+  }
+  flat["memcpy_best_gb_per_s"] = best / 1e9
+  flat["fraction_of_best_memcpy"] = results["ram"]["fraction_of_best_memcpy"]
+  flat["load_average_start"] = results["load_average_start"]
+  flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
   for name in ("cold", "tier"):
     for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate"):
       if name in results and k in results[name]:
         flat[f"{name}_{k}"] = results[name][k]
-  flat.update(distinct_rows_per_batch=uniq, num_shards=shards, dim=dim, vocab=vocab)
+  flat.update(distinct_rows_per_batch=uniq, num_shards=shards, ps_threads=counts, dim=dim, vocab=vocab)
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as f:
       json.dump(results, f, indent=2)

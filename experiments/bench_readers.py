@@ -14,7 +14,9 @@ Avazu-format file (CSV with the published header, values shaped like the publish
 MB/s counts the uncompressed text, so plain and ``.gz`` compare directly; ``gz_mb_per_s``
 counts the compressed file. For scale, ``naive`` is a line-by-line Python parse of the same
 Criteo chunks into the same columns (``str.split``, ``int``, ``int(x, 16)``), which the
-vectorised ``parse`` replaces.
+vectorised ``parse`` replaces. Last, for each format, the compiled ``parse`` against
+``parse_numpy`` (the numpy path it replaced) on the plain file's chunks, interleaved, median of at
+least 5 repeats: thread CPU per record on one thread, and records/s parsing the chunks on 2 threads.
 
 The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``,
 ``..._mb_per_s``, ``..._parse_records_per_s`` (parse alone) and the parameters.
@@ -22,7 +24,9 @@ The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``,
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -139,6 +143,33 @@ def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int
   }
 
 
+def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> Dict[str, float]:
+  """``parse`` (compiled kernel) against ``parse_numpy`` on the same chunks, interleaved, medians.
+
+  CPU: thread CPU time per record, parsing on this thread. Threads: records/s of wall time
+  parsing all chunks on 2 threads (what host workers get: the kernel holds no GIL).
+  """
+  n = sum(len(c) for c in chunks)
+  ways = {"compiled": fmt.parse, "numpy": fmt.parse_numpy}
+  cpu: Dict[str, List[float]] = {k: [] for k in ways}
+  wall2: Dict[str, List[float]] = {k: [] for k in ways}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for _ in range(max(repeats, 5)):
+      for way, parse in ways.items():
+        t0 = time.thread_time()
+        for c in chunks:
+          parse(c, base.BadRecords())
+        cpu[way].append((time.thread_time() - t0) / n * 1e6)
+        t0 = time.perf_counter()
+        list(pool.map(lambda c, parse=parse: parse(c, base.BadRecords()), chunks))
+        wall2[way].append(n / (time.perf_counter() - t0))
+  out = {}
+  for way in ways:
+    out[f"{name}_{way}_parse_cpu_us_per_record"] = round(float(np.median(cpu[way])), 3)
+    out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(float(np.median(wall2[way])), 1)
+  return out
+
+
 def print_json(result: Dict[str, object]) -> None:
   """Prints ``result`` as the last stdout line, one JSON object; also writes it to ``--json_out``."""
   line = json.dumps(result, sort_keys=True)
@@ -177,6 +208,7 @@ def main(argv):
         chunks = list(fmt.chunks(plain, chunk))
         t = best_of(lambda chunks=chunks: [naive_criteo(c.payload) for c in chunks], repeats)
         result["criteo_naive_parse_records_per_s"] = round(n / t, 1)
+      result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats))
   result["cpu_count"] = os.cpu_count()
   result["machine"] = platform.processor() or platform.machine()
 
@@ -191,6 +223,10 @@ def main(argv):
       f" {r['read_records_per_s']:11.0f} {r['parse_records_per_s']:12.0f}"
     )
   print(f"criteo naive line-by-line parse: {result['criteo_naive_parse_records_per_s']:.0f} rec/s")
+  for name, way in itertools.product(("criteo", "avazu"), ("numpy", "compiled")):
+    cpu, wall2 = result[f"{name}_{way}_parse_cpu_us_per_record"], result[f"{name}_{way}_parse_2_threads_records_per_s"]
+    print(f"{name} parse, {way:8}: {cpu:.3f} us of CPU a record on 1 thread; {wall2:.0f} rec/s on 2 threads")
+  print(f"load average after the run: {os.getloadavg()}")
   print_json(result)
 
 

@@ -291,6 +291,31 @@ def test_chunks_concatenate_to_the_whole_file(tmp_path):
   assert_same(base.concat_columns(parts), whole)
 
 
+@pytest.mark.parametrize("block", [1, 3, 64, 1 << 22])
+@pytest.mark.parametrize("header_lines", [0, 2])
+@pytest.mark.parametrize("gz", [False, True])
+def test_text_chunks_equal_cutting_line_by_line(tmp_path, monkeypatch, block, header_lines, gz):
+  """Blocks of any size, cut at newlines: the same lines and line numbers as iterating the file
+  line by line, with CRLF, lone CRs, empty lines and no final newline on random bytes."""
+  monkeypatch.setattr(base, "_BLOCK", block)
+  rng = random.Random(block * 4 + header_lines * 2 + gz)
+  pieces = [b"a", b"bc", b"\t", b"\r", b"\n", b"\r\n", b"\n\n", b"12345678", b"\r\r\n"]
+  for case in range(20):
+    data = b"".join(rng.choice(pieces) for _ in range(rng.randrange(0, 200)))
+    path = str(tmp_path / f"f{case}{'.gz' if gz else ''}")
+    with (gzip.open if gz else open)(path, "wb") as f:
+      f.write(data)
+    with (gzip.open if gz else open)(path, "rb") as f:  # the reference: the lines of a file object
+      for _ in range(header_lines):
+        f.readline()
+      want = [raw.rstrip(b"\r\n") for raw in f]
+    for records in (1, 4, 1000):
+      chunks = list(base.text_chunks(path, records, header_lines))
+      assert [x for c in chunks for x in c.payload] == want, (case, records)
+      assert all(len(c.payload) == records for c in chunks[:-1])
+      assert [c.first_line for c in chunks] == [header_lines + 1 + i * records for i in range(len(chunks))]
+
+
 def test_error_line_numbers_in_later_chunks(tmp_path):
   lines = random_lines(40, seed=3)
   lines[32] = lines[32].replace("\t", "\t\t", 1)  # line 33: one field too many

@@ -221,3 +221,21 @@ def test_bucket_size_is_smallest_grid_value():
   assert dd.bucket_size(3, min_bucket=16) == 16
   assert dd.bucket_size(17, min_bucket=16) == 20
   assert dd.bucket_size(0, min_bucket=4) == 4
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 15, 16, 17, 1000, 70_000])
+def test_unique_inverse_equals_numpy_unique(n):
+  """The compiled kernel against np.unique: sorted distinct ids and the same inverse, plus the offset."""
+  rng = np.random.default_rng(n)
+  for pool in (3, max(1, n // 4), n + 1, None):  # few distinct ids, some, all distinct, the full range
+    if pool is None:
+      ids = rng.integers(0, U64_MAX, size=n, dtype=np.uint64, endpoint=True)
+    else:
+      values = rng.integers(0, U64_MAX, size=pool, dtype=np.uint64, endpoint=True)
+      values[: min(pool, 3)] = np.array([0, 2**63, U64_MAX], np.uint64)[: min(pool, 3)]
+      ids = rng.choice(values, size=n)
+    want_u, want_inv = np.unique(ids, return_inverse=True)
+    got_u, got_inv = dd.unique_inverse(ids, offset=7)
+    assert got_u.dtype == np.uint64 and got_inv.dtype == np.int32
+    np.testing.assert_array_equal(got_u, want_u)
+    np.testing.assert_array_equal(got_inv, want_inv.reshape(-1) + 7)

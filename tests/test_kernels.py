@@ -319,6 +319,41 @@ def test_first_repeat_finds_the_first_later_occurrence():
     assert kernels.first_repeat(small, salt) == first
 
 
+def _first_repeat_loop(keys: np.ndarray):
+  seen = set()
+  for k, x in enumerate(keys.tolist()):
+    if x in seen:
+      return k
+    seen.add(x)
+  return -1
+
+
+def test_first_repeat_on_sorted_and_nearly_sorted_ids():
+  """Strictly increasing ids take a shortcut (one compare per id); ids that stop increasing go on
+  to the hash table, which must still find the first repeat, also one inside the increasing prefix."""
+  rng = np.random.default_rng(4)
+  salt = np.uint64(7)
+  assert kernels.first_repeat(np.array([0, U64_MAX], np.uint64), salt) == -1
+  assert kernels.first_repeat(np.array([U64_MAX, U64_MAX], np.uint64), salt) == 1
+  assert kernels.first_repeat(np.array([1, 2, 3, 2], np.uint64), salt) == 3  # increasing, then an earlier id
+  assert kernels.first_repeat(np.array([1, 5, 3, 4], np.uint64), salt) == -1  # stops increasing, no repeat
+  assert kernels.first_repeat(np.array([1, 2, 2, 3], np.uint64), salt) == 2  # equal neighbours
+  for n in [2, 3, 100, 5000]:
+    keys = np.unique(rng.integers(0, U64_MAX, size=n, dtype=np.uint64, endpoint=True))
+    assert kernels.first_repeat(keys, salt) == -1
+    for _ in range(20):
+      k = keys.copy()
+      i, j = sorted(rng.choice(k.shape[0], size=2, replace=False)) if k.shape[0] > 1 else (0, 0)
+      how = rng.integers(3)
+      if how == 0:
+        k[j] = k[i]  # a repeat, sorted before it
+      elif how == 1:
+        k[i], k[j] = k[j], k[i]  # out of order, distinct
+      else:
+        k[j] = k[rng.integers(k.shape[0])]  # anywhere
+      assert kernels.first_repeat(k, salt) == _first_repeat_loop(k)
+
+
 def test_raw_kernels_refuse_mismatched_shapes():
   """numba does not bounds-check: the kernels check the shapes that their loops rely on."""
   f32 = np.float32

@@ -14,6 +14,7 @@ import pytest
 from recsys_jax.models import DIN, DLRM, LINEAR_SUFFIX, MODELS, DCNv2, DeepFM, WideDeep, pool_sequences, split_linear
 from recsys_jax.models.deepfm import fm_interaction
 from recsys_jax.models.dlrm import MLP as DlrmMLP
+from recsys_jax.models.dlrm import dot_interaction
 from recsys_jax.models.layers import MLP
 
 B = 6
@@ -124,6 +125,35 @@ def test_dlrm_matches_reference_and_pools_sequences():
   with_seq = model.apply(variables, dense, {k: emb[k] for k in ("a", "m")}, {"z": seq})
   pooled = dict(emb, z=_np_pool(*seq).astype(np.float32))
   np.testing.assert_allclose(with_seq, _np_dlrm(_params(variables), dense, pooled), rtol=1e-5, atol=1e-6)
+
+
+def _np_dot_interaction(t, cot):
+  """Pair dot products and, for the cotangent ``cot`` of them, t's gradient, in float64 loops."""
+  t, cot = np.asarray(t, np.float64), np.asarray(cot, np.float64)
+  i, j = np.triu_indices(t.shape[1], k=1)
+  out, grad = np.zeros((t.shape[0], len(i))), np.zeros_like(t)
+  for p, (a, b) in enumerate(zip(i, j)):
+    out[:, p] = (t[:, a] * t[:, b]).sum(-1)
+    grad[:, a] += cot[:, p, None] * t[:, b]
+    grad[:, b] += cot[:, p, None] * t[:, a]
+  return out, grad
+
+
+@pytest.mark.parametrize("shape", [(6, 4, 3), (33, 27, 16), (2, 2, 5), (3, 1, 4)])
+def test_dot_interaction_and_its_gradient_match_float64(shape):
+  rng = np.random.default_rng(shape[1])
+  t = rng.normal(size=shape).astype(np.float32)
+  n = shape[1] * (shape[1] - 1) // 2
+  cot = rng.normal(size=(shape[0], n)).astype(np.float32)
+  out, vjp = jax.vjp(jax.jit(dot_interaction), t)
+  want_out, want_grad = _np_dot_interaction(t, cot)
+  assert out.shape == (shape[0], n)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(vjp(cot)[0], want_grad, rtol=1e-5, atol=1e-5)
+  # The autodiff formulation it replaced (experiments/bench_step.py times both) agrees to round-off.
+  i, j = np.triu_indices(shape[1], k=1)
+  _, old_vjp = jax.vjp(lambda x: jnp.einsum("bfd,bgd->bfg", x, x)[:, i, j], t)
+  np.testing.assert_allclose(vjp(cot)[0], old_vjp(cot)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_dlrm_names_unequal_widths():

@@ -110,3 +110,18 @@ def test_embed_features_all_pooled_equals_the_reference():
   assert not seqs and list(pooled) == ["a", "b", "c"]
   for i, n in enumerate(("a", "b", "c")):
     np.testing.assert_allclose(np.asarray(pooled[n]), ref[:, i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_embed_features_gradient_through_every_pooled_feature(weighted):
+  # Each pooled feature gets its own cotangent: the rows' gradient must send each one back
+  # through its own feature's slots (the split into features is transposed as a whole).
+  rows, inverse, weights, cot = _inputs(5, weighted=weighted)
+  feats = tuple((n, "pooled", 4) for n in ("a", "b", "c"))
+
+  def loss(r):
+    pooled, _ = pooling.embed_features(r, inverse, weights, feats)
+    return sum(jnp.sum(pooled[n] * cot[:, k]) for k, n in enumerate(("a", "b", "c")))
+
+  g = np.asarray(jax.jit(jax.grad(loss))(rows))
+  np.testing.assert_allclose(g, _ref_grad(rows, inverse, weights, cot), rtol=1e-5, atol=1e-5)

@@ -81,6 +81,10 @@ def test_two_servers_equal_in_process_ps(servers):
     assert set(np.unique(remote.shard_of("user", ids["user"]))) == {0, 1}
     shuffled = {t: rng.permutation(v) for t, v in ids.items()}
     _assert_rows_equal(remote.lookup_many(shuffled, create=False), local.lookup_many(shuffled, create=False))
+    out = {t: np.full((v.shape[0], DIMS[t]), np.nan, np.float32) for t, v in shuffled.items()}
+    got = remote.lookup_many(shuffled, create=False, out=out)  # into the caller's arrays, once from the wire
+    assert all(got[t] is out[t] for t in out)
+    _assert_rows_equal(out, local.lookup_many(shuffled, create=False), rtol=0)
     np.testing.assert_array_equal(remote.lookup("user", ids["user"][:5]), local.lookup("user", ids["user"][:5]))
     rs, ls = remote.stats(), local.stats()
     for t in DIMS:

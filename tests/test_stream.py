@@ -1,5 +1,8 @@
 """The stream: deterministic shuffled order, split per process, exact resume, bounded memory."""
 
+import concurrent.futures
+import time
+
 import numpy as np
 import pytest
 
@@ -144,3 +147,75 @@ def test_bad_policy_error_names_the_record():
 def test_no_records_is_an_error():
   with pytest.raises(ValueError, match="gave no records"):
     next(stream.Stream(_Numbered(), ["s1"], 4))
+
+
+class _Jittery(_Numbered):
+  """Parses after a random short sleep, so that chunks parsed on worker threads finish out of order."""
+
+  def parse(self, chunk, bad):
+    time.sleep(float(np.random.default_rng(int(chunk.payload[0]) if chunk.payload else 0).random()) * 0.004)
+    return super().parse(chunk, bad)
+
+
+def _everything(s, n):
+  out = []
+  for _ in range(n):
+    try:
+      cols, pos = next(s)
+    except StopIteration:
+      break
+    out.append((_ids(cols), cols["label"].tolist(), pos, s.bad.count))
+  return out, list(s.bad.examples)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("epochs", [None, 2])
+def test_parsing_ahead_on_workers_changes_nothing(workers, epochs):
+  """Batches, positions and bad-record counts and examples equal the inline stream's, from the start and resumed."""
+  kw = dict(batch_size=11, epochs=epochs)
+  want = _everything(_stream(**kw), 60)
+  with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+    s = stream.Stream(
+      _Jittery(), SOURCES, 11, chunk_records=7, window_chunks=3, seed=3, epochs=epochs,
+      bad=base.BadRecords("skip"), executor=ex,
+    )  # fmt: skip
+    assert _everything(s, 60) == want
+    for k in (0, 4, 13, 21):
+      pos = want[0][k][2]
+      resumed = _stream(**kw, position=pos, executor=ex)
+      got, _ = _everything(resumed, 60 - k - 1)
+      assert got == want[0][k + 1 :]
+
+
+def test_parsing_ahead_raises_the_first_bad_record_in_order():
+  with concurrent.futures.ThreadPoolExecutor(3) as ex:
+    s = stream.Stream(
+      _Jittery(), SOURCES, 16, chunk_records=7, window_chunks=3, epochs=1, shuffle=False,
+      bad=base.BadRecords("error"), executor=ex,
+    )  # fmt: skip
+    with pytest.raises(base.BadRecordError, match=r"s0:30: field 'f'"):
+      list(s)
+
+
+class _KeepsOneFault(_Numbered):
+  """Reports its bad records as the preprocessed cache does: the first one, then the rest as a count."""
+
+  def parse(self, chunk, bad):
+    rec = base.Recorder(limit=1)
+    cols = super().parse(chunk, rec)
+    base.replay(bad, chunk.path, rec.faults, rec.count)
+    return cols
+
+
+def test_parsing_ahead_keeps_counts_beyond_the_faults_a_format_lists():
+  def run(executor):
+    s = stream.Stream(
+      _KeepsOneFault(), SOURCES, 9, chunk_records=40, window_chunks=2, seed=3, epochs=1,
+      bad=base.BadRecords("skip"), executor=executor,
+    )  # fmt: skip
+    return [(p, s.bad.count) for _, p in s], s.bad.examples
+
+  want = run(None)
+  assert want[0][-1][1] == sum(SIZES) // 29  # every bad record counted, though chunks list only their first
+  with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    assert run(ex) == want

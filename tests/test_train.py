@@ -216,6 +216,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, tmp_path, 
     ("mesh.replica", 3, "config.mesh"),
     ("eval_samples", 10, "config.eval_samples"),
     ("micro_steps", 0, "config.micro_steps"),
+    ("host_workers", -2, "config.host_workers"),
     ("micro_steps", 3, "config.batch_size"),  # 256 examples do not split into 3 micro-batches
     ("mesh.rules", (("mlp", "replica"),), "config.mesh.rules"),
     ("data.name", "kaggle", "config.data.name"),

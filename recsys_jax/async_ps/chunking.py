@@ -10,7 +10,7 @@ by ``wire.header_bound``) and the 8-byte padding of each array are kept out of t
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -19,6 +19,22 @@ from recsys_jax.async_ps.ids import check_distinct
 
 Chunk = Dict[str, Tuple[int, int]]
 """{table: (start, stop)}: the slice of each table's ids that one chunk carries."""
+
+
+def route(
+  ids: Mapping[str, np.ndarray], shard_of: Callable[[str, np.ndarray], np.ndarray], num_shards: int
+) -> Dict[str, List[np.ndarray]]:
+  """{table: ids} -> {table: [positions of the ids going to server s, for each s]}, in id order."""
+  out = {}
+  for t, v in ids.items():
+    if num_shards == 1:
+      out[t] = [np.arange(v.shape[0])]
+      continue
+    server = shard_of(t, v)
+    order = np.argsort(server, kind="stable")
+    bounds = np.searchsorted(server[order], np.arange(num_shards + 1))
+    out[t] = [order[bounds[s] : bounds[s + 1]] for s in range(num_shards)]
+  return out
 
 
 def plan(

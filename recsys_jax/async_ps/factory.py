@@ -76,6 +76,7 @@ def build_ps(
       seed=config.seed,
       tier=parse_kvstore(p.tier, workdir),
       protect_steps=config.staleness + 1,
+      threads=None if p.get("threads", -1) == -1 else int(p.threads),
     )
   from recsys_jax.async_ps.remote import RemotePS  # grpc only where it is used
 

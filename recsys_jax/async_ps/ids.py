@@ -1,5 +1,6 @@
 """What the PS takes as ids: unsigned or non-negative integers, as uint64 (``as_ids``), and
-distinct where rows are updated (``check_distinct``).
+distinct where rows are updated (``check_distinct``); the arrays a lookup may write its rows
+into (``check_out``).
 
 numpy turns -1 into 2**64 - 1 and 1.5 into 1 without a word when it casts to uint64, and the PS
 would create rows for those ids; so the clients of the PS check the ids before they cast.
@@ -8,7 +9,7 @@ would create rows for those ids; so the clients of the PS check the ids before t
 from __future__ import annotations
 
 import os
-from typing import Any, Type
+from typing import Any, Mapping, Optional, Type
 
 import numpy as np
 
@@ -62,3 +63,14 @@ def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueE
     i = first_repeat(read_only(np.ascontiguousarray(ids, np.uint64)), _REPEAT_SALT)  # one kernel signature
     if i >= 0:
       raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
+
+
+def check_out(specs: Mapping[str, Any], ids: Mapping[str, np.ndarray], out: Optional[Mapping[str, np.ndarray]]) -> None:
+  """Raises ValueError unless ``out`` (if given) holds a float32 [len(ids), dim] array for every table of ``ids``."""
+  if out is None:
+    return
+  for t, v in ids.items():
+    o = out.get(t)
+    if o is None or o.dtype != np.float32 or o.shape != (v.shape[0], specs[t].dim):
+      have = None if o is None else f"{o.dtype} {o.shape}"
+      raise ValueError(f"table {t!r}: out is {have}, expected float32 ({v.shape[0]}, {specs[t].dim})")

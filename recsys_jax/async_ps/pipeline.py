@@ -87,6 +87,8 @@ class Prefetcher:
     gate: the staleness gate shared with the pusher.
     staleness: k; the lookup of step t waits for the pushes of steps <= t - k - 1.
     depth: how many placed steps may wait in the queue.
+    on_close: called by ``close`` before it waits for the thread (e.g. to stop the workers
+      ``prepare`` waits on).
   """
 
   def __init__(
@@ -99,12 +101,14 @@ class Prefetcher:
     gate: StalenessGate,
     staleness: int,
     depth: int = 2,
+    on_close: Optional[Callable[[], None]] = None,
   ):
     if staleness < 0:
       raise ValueError(f"staleness must be >= 0, got {staleness}")
     self._args = (start, stop, prepare, lookup, place)
     self._gate = gate
     self._k = staleness
+    self._on_close = on_close
     self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
     self._stop = threading.Event()
     self.stale_sum = self.stale_max = self.stale_n = 0
@@ -144,6 +148,8 @@ class Prefetcher:
 
   def close(self) -> None:
     self._stop.set()
+    if self._on_close is not None:
+      self._on_close()
     while True:  # unblock a producer waiting on a full queue
       try:
         self._queue.get_nowait()

@@ -1,8 +1,9 @@
 """The in-process parameter server: tables split over N shards behind one interface.
 
 An id goes to shard ``hash(table, id) mod N``; each shard holds its part of every table
-(``Table``), with its own locks, so shards are worked in parallel by a thread pool (numpy
-drops the GIL for the large gathers and scatters). The interface (``lookup_many``,
+(``Table``), with its own lock, so the tables of a call, and their shards, are worked in
+parallel by a thread pool (``workers.Workers``; the row kernels drop the GIL), dealt by rows;
+no result depends on the thread count. The interface (``lookup_many``,
 ``apply_many``, ``lookup``, ``apply``, ``snapshot``, ``restore``, ``stats``) is what the
 trainer talks to; a remote client offers the same methods, so the trainer cannot tell which
 one it has. Row values never depend on the shard count: initial rows come from
@@ -11,7 +12,6 @@ one it has. Row values never depend on the shard count: initial rows come from
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import functools
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -21,8 +21,9 @@ import numpy as np
 from recsys_jax.async_ps import optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
-from recsys_jax.async_ps.ids import as_ids, check_distinct
+from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out
 from recsys_jax.async_ps.table import Table
+from recsys_jax.async_ps.workers import MIN_ROWS, Workers
 from recsys_jax.embeddings.specs import TableSpec
 
 _ROUTE_SALT = np.uint64(0x5851F42D4C957F2D)
@@ -49,6 +50,10 @@ class ParameterServer:
       hold; each (table, shard) gets its own sub-path.
     protect_steps: rows looked up within this many steps are never evicted (staleness k
       needs k + 1, so pushes in flight still find their rows).
+    threads: threads one call works its tables (and shards) on, the caller's included (None:
+      the cores this process may run on). Results are bit-identical for every count.
+    min_rows: calls of fewer rows than this run on the caller's thread alone (handing work to
+      a pool thread costs more than a small call saves).
   """
 
   def __init__(
@@ -58,6 +63,8 @@ class ParameterServer:
     seed: int = 0,
     tier: Optional[Mapping[str, Any]] = None,
     protect_steps: int = 1,
+    threads: Optional[int] = None,
+    min_rows: int = MIN_ROWS,
   ):
     if num_shards < 1:
       raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -85,11 +92,8 @@ class ParameterServer:
           )
         shard[t.name] = Table(t, seed, capacity=cap, tier=disk, protect_steps=protect_steps)
       self.shards.append(shard)
-    self._pool = (
-      concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="ps-shard")
-      if num_shards > 1
-      else None
-    )
+    self._workers = Workers(threads, min_rows)
+    self.threads = self._workers.threads
 
   # -- routing ------------------------------------------------------------------------
   def _check(self, table: str) -> None:
@@ -111,42 +115,50 @@ class ParameterServer:
     bounds = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
     return order, bounds
 
-  def _run(self, work: List[Any]) -> List[Any]:
-    """Runs one callable per shard, in parallel when there are several."""
-    if self._pool is None:
-      return [w() for w in work]
-    return [f.result() for f in [self._pool.submit(w) for w in work]]
-
   def _fan_out(self, ids: Mapping[str, np.ndarray], fn) -> None:
-    """Calls ``fn(table_shard, table, sel)`` for every shard's part ``sel`` of each table's ids,
-    all tables of a shard in one task, shards in parallel."""
-    plan = {t: self._split(t, v) for t, v in ids.items()}
-
-    def work(s):
-      for t, (order, b) in plan.items():
-        sel = order[b[s] : b[s + 1]]
-        if sel.shape[0]:
-          fn(self.shards[s][t], t, sel)
-
-    self._run([functools.partial(work, s) for s in range(self.num_shards)])
+    """Calls ``fn(table_shard, table, sel)`` for every shard's part ``sel`` of each table's ids
+    (``sel`` None: all of them, with one shard), one task per (shard, table), on the workers."""
+    tasks = []
+    if self.num_shards == 1:
+      for t, v in ids.items():
+        tasks.append((v.shape[0], functools.partial(fn, self.shards[0][t], t, None)))
+    else:
+      for t, v in ids.items():
+        order, b = self._split(t, v)
+        for s in range(self.num_shards):
+          sel = order[b[s] : b[s + 1]]
+          if sel.shape[0]:
+            tasks.append((sel.shape[0], functools.partial(fn, self.shards[s][t], t, sel)))
+    self._workers.run(tasks)
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
-    self, ids: Mapping[str, np.ndarray], create: bool = True, step: Optional[int] = None
+    self,
+    ids: Mapping[str, np.ndarray],
+    create: bool = True,
+    step: Optional[int] = None,
+    out: Optional[Mapping[str, np.ndarray]] = None,
   ) -> Dict[str, np.ndarray]:
-    """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}."""
+    """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}.
+
+    ``out``: {table: float32 [n, dim]} to write each table's rows into (views of the step's
+    row buffer, say), so rows are copied once, straight from the table; fresh arrays if None.
+    """
     for t in ids:
       self._check(t)
     ids = {t: as_ids(v, t) for t, v in ids.items()}
-    if self.num_shards == 1:
-      return {t: self.shards[0][t].lookup(v, create, step) for t, v in ids.items()}
-    out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
+    check_out(self.specs, ids, out)
+    if out is None:
+      out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
 
     def look(table, t, sel):
-      out[t][sel] = table.lookup(ids[t][sel], create, step)
+      if sel is None:
+        table.lookup(ids[t], create, step, out[t])
+      else:
+        out[t][sel] = table.lookup(ids[t][sel], create, step)
 
     self._fan_out(ids, look)
-    return out
+    return dict(out)
 
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""
@@ -160,14 +172,13 @@ class ParameterServer:
         )
       arrays[t] = (as_ids(i, t), np.asarray(g, np.float32))
       check_distinct(arrays[t][0], t)  # here, not per table shard: a refused request changes no table
-    if self.num_shards == 1:
-      for t, (i, g) in arrays.items():
-        self.shards[0][t].apply(i, g, step, distinct=True)
-      return
 
     def push(table, t, sel):
       i, g = arrays[t]
-      table.apply(i[sel], g[sel], step, distinct=True)
+      if sel is None:
+        table.apply(i, g, step, distinct=True)
+      else:
+        table.apply(i[sel], g[sel], step, distinct=True)
 
     self._fan_out({t: i for t, (i, _) in arrays.items()}, push)
 
@@ -188,7 +199,12 @@ class ParameterServer:
     """
     out = {}
     for t in self.specs:
-      parts = self._run([lambda s=s, t=t: self.shards[s][t].snapshot(incremental) for s in range(self.num_shards)])
+      parts = self._workers.run(
+        [
+          (self.shards[s][t].num_rows, functools.partial(self.shards[s][t].snapshot, incremental))
+          for s in range(self.num_shards)
+        ]
+      )
       out[t] = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return out
 
@@ -264,8 +280,7 @@ class ParameterServer:
     return out
 
   def close(self) -> None:
-    if self._pool is not None:
-      self._pool.shutdown(wait=True)
+    self._workers.close()
     for shard in self.shards:
       for table in shard.values():
         if table.tier is not None:

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from recsys_jax.async_ps import chunking, snapshot_chain, wire
-from recsys_jax.async_ps.ids import as_ids
+from recsys_jax.async_ps.ids import as_ids, check_out
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
 from recsys_jax.async_ps.snapshot_chain import load_into as load_into
@@ -174,22 +174,13 @@ class RemotePS:
     self._check(table)
     return wire.server_of(table, ids, self.seed, self.num_shards)
 
-  def _route(self, ids: Mapping[str, np.ndarray]) -> Dict[str, List[np.ndarray]]:
-    """{table: ids} -> {table: [positions of the ids going to server s, for each s]}."""
-    out = {}
-    for t, v in ids.items():
-      if self.num_shards == 1:
-        out[t] = [np.arange(v.shape[0])]
-        continue
-      server = self.shard_of(t, v)
-      order = np.argsort(server, kind="stable")
-      bounds = np.searchsorted(server[order], np.arange(self.num_shards + 1))
-      out[t] = [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
-    return out
-
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
-    self, ids: Mapping[str, np.ndarray], create: bool = True, step: Optional[int] = None
+    self,
+    ids: Mapping[str, np.ndarray],
+    create: bool = True,
+    step: Optional[int] = None,
+    out: Optional[Mapping[str, np.ndarray]] = None,
   ) -> Dict[str, np.ndarray]:
     """Rows for distinct ids of several tables: {table: ids} -> {table: float32 [n, dim]}.
 
@@ -197,9 +188,11 @@ class RemotePS:
       ids: distinct uint64 ids per table (or non-negative integers).
       create: training lookup (unseen ids get rows); False reads without changing anything.
       step: the training step; the servers first wait for the pushes of steps <= step - k - 1.
+      out: {table: float32 [n, dim]} to write the rows into, copied once from the wire (fresh
+        arrays if None).
 
     Returns:
-      Fresh float32 arrays, in the order of the given ids.
+      The float32 arrays (``out``'s, or fresh ones), in the order of the given ids.
 
     Raises:
       KeyError: an unknown table.
@@ -213,11 +206,13 @@ class RemotePS:
     for t, v in ids.items():
       if v.ndim != 1:
         raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
-    routes = self._route(ids)
+    check_out(self.specs, ids, out)
+    routes = chunking.route(ids, self.shard_of, self.num_shards)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
     size = wire.DTYPES[self.wire_dtype].itemsize
-    out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
+    if out is None:
+      out = {t: np.empty((v.shape[0], self.specs[t].dim), np.float32) for t, v in ids.items()}
 
     def send(s, part, chunks):
       for c in chunks:
@@ -287,7 +282,7 @@ class RemotePS:
         )
       arrays[t] = (i, g)
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
-    routes = self._route({t: i for t, (i, _) in arrays.items()})
+    routes = chunking.route({t: i for t, (i, _) in arrays.items()}, self.shard_of, self.num_shards)
     fields = {"worker": self.worker, "step": None if step is None else int(step), "request_id": rid}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks
     size = wire.DTYPES[self.wire_dtype].itemsize

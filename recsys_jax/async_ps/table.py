@@ -158,8 +158,10 @@ class Table(Bounds):
     self._ids.insert(ids)
 
   # -- the interface ------------------------------------------------------------------
-  def lookup(self, ids: np.ndarray, create: bool = True, step: Optional[int] = None) -> np.ndarray:
-    """Returns float32 rows [len(ids), dim] (a copy) for distinct ids.
+  def lookup(
+    self, ids: np.ndarray, create: bool = True, step: Optional[int] = None, out: Optional[np.ndarray] = None
+  ) -> np.ndarray:
+    """Returns float32 rows [len(ids), dim] (a copy) for distinct ids, written into ``out`` if given.
 
     Args:
       ids: distinct uint64 ids.
@@ -168,9 +170,15 @@ class Table(Bounds):
         (evaluation), nothing changes: unseen ids read their initial value (zeros under
         admission) and spilled rows are read from the tier in place.
       step: the training step of this lookup (for LRU, expiry and admission by chance).
+      out: float32 [len(ids), dim] to write the rows into (e.g. the caller's slice of a step's
+        row buffer), so they are copied once; a fresh array if None.
     """
     t0 = time.perf_counter()
     ids = np.asarray(ids, np.uint64)
+    if out is not None and (out.dtype != np.float32 or out.shape != (ids.shape[0], self.spec.dim)):
+      raise ValueError(
+        f"table {self.spec.name!r}: out is {out.dtype} {out.shape}, expected float32 ({ids.shape[0]}, {self.spec.dim})"
+      )
     with self.lock:
       if step is not None and create:
         self.step = max(self.step, int(step))
@@ -179,7 +187,8 @@ class Table(Bounds):
       rows = self._ids.find(ids)
       hit = rows >= 0
       n_miss = int((~hit).sum())
-      out = np.empty((ids.shape[0], self.spec.dim), np.float32)
+      if out is None:
+        out = np.empty((ids.shape[0], self.spec.dim), np.float32)
       if create:
         self.counters["lookups"] += ids.shape[0]
         self.counters["hits"] += ids.shape[0] - n_miss

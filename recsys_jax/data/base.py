@@ -16,11 +16,12 @@ list of files into shuffled, resumable, per-process batches.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gzip
 import io
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 from absl import logging
@@ -108,6 +109,47 @@ class BadRecords:
       logging.warning("skipped bad record %s", msg)
 
 
+Fault = Tuple[int, str, str]
+"""A bad record as a :class:`Recorder` keeps it: (line, field, why); its file is its chunk's."""
+
+
+class Recorder(BadRecords):
+  """Collects the bad records of one chunk (the first ``limit``, all if None) without logging or
+  raising, to be reported later to the run's :class:`BadRecords` by :func:`replay`: a chunk parsed
+  on a worker thread, or read back from the preprocessed cache, then counts, logs and raises
+  exactly as parsing it there and then would have."""
+
+  def __init__(self, limit: Optional[int] = None):
+    super().__init__("skip", log_first=0)
+    self.limit = limit
+    self.faults: List[Fault] = []
+
+  def report(self, path: str, line: int, field: str, why: str) -> None:
+    self.count += 1
+    if self.limit is None or len(self.faults) < self.limit:
+      self.faults.append((int(line), str(field), str(why)))
+
+
+def replay(bad: BadRecords, path: str, faults: Sequence[Fault], count: int) -> None:
+  """Reports a chunk's recorded bad records to ``bad`` as parsing it would (raises under 'error');
+  ``count`` is the chunk's total, beyond the ``faults`` kept."""
+  for line, field, why in faults:
+    bad.report(path, line, field, why)
+  bad.count += count - len(faults)
+
+
+def run_ahead(executor, fn: Callable[[Any], Any], items: Iterator[Any], ahead: int) -> Iterator[Tuple[Any, Any]]:
+  """``(item, future of fn(item))`` for each of ``items``, in order, with up to ``ahead`` more
+  submitted to ``executor`` than taken. The items are drawn on the calling thread."""
+  pending: Deque[Tuple[Any, Any]] = collections.deque()
+  for item in items:
+    pending.append((item, executor.submit(fn, item)))
+    if len(pending) > ahead:
+      yield pending.popleft()
+  while pending:
+    yield pending.popleft()
+
+
 # ---------------------------------------------------------------------------------------------
 # Text files.
 
@@ -144,10 +186,17 @@ def first_line(path: str) -> bytes:
     raise unreadable(path, 0, e) from None
 
 
+_BLOCK = 1 << 18
+"""Bytes read at a time by :func:`text_chunks` (256 KiB cut fastest: 64 KiB and 1 MiB within 10%,
+4 MiB 2x slower, each block a fresh allocation)."""
+
+
 def text_chunks(path: str, chunk_records: int, header_lines: int = 0) -> Iterator[RawChunk]:
   """Cuts a text file into chunks of ``chunk_records`` lines (after ``header_lines``).
 
   Lines keep no trailing newline (``\\n`` or ``\\r\\n``); an empty last line is not a record.
+  The file is read in blocks, each cut at its newlines by one ``bytes.split``, on the thread
+  that feeds the parsers: 0.25 us of CPU a Criteo record against 0.35 iterating over lines.
 
   Raises:
     ValueError: naming the file and the last line read, if it cannot be read (e.g. a
@@ -159,16 +208,44 @@ def text_chunks(path: str, chunk_records: int, header_lines: int = 0) -> Iterato
     with open_text(path) as f:
       for _ in range(header_lines):
         f.readline()
-      for raw in f:
-        lines.append(raw.rstrip(b"\r\n"))
-        if len(lines) == chunk_records:
-          yield RawChunk(path, line_no, lines)
-          line_no += len(lines)
-          lines = []
+      tail = b""
+      while True:
+        block = f.read(_BLOCK)
+        if not block:
+          break
+        data = tail + block if tail else block
+        parts = data.split(b"\n")
+        tail = parts.pop()  # after the last newline: the start of a line the next block ends
+        if b"\r" in data:
+          parts = [x.rstrip(b"\r") for x in parts]
+        lines += parts
+        while len(lines) >= chunk_records:
+          yield RawChunk(path, line_no, lines[:chunk_records])
+          line_no += chunk_records
+          del lines[:chunk_records]
+      if tail:
+        lines.append(tail.rstrip(b"\r"))
   except READ_ERRORS as e:
-    raise unreadable(path, line_no + len(lines) - 1, e) from None
-  if lines:
-    yield RawChunk(path, line_no, lines)
+    # A block read that fails gives none of its lines; count the ones the stream does give.
+    raise unreadable(path, header_lines + _readable_lines(path, header_lines), e) from None
+  while lines:
+    yield RawChunk(path, line_no, lines[:chunk_records])
+    line_no += len(lines[:chunk_records])
+    del lines[:chunk_records]
+
+
+def _readable_lines(path: str, header_lines: int) -> int:
+  """The lines after the header that ``path`` gives, line by line, before it fails to read."""
+  n = 0
+  try:
+    with open_text(path) as f:
+      for _ in range(header_lines):
+        f.readline()
+      for _ in f:
+        n += 1
+  except READ_ERRORS:
+    pass
+  return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,10 +351,17 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
 
 def take_columns(cols: Columns, index: np.ndarray) -> Columns:
   """Selects records ``index`` (an int array or slice) of every column."""
-  out: Columns = {k: v[index] for k, v in cols.items() if k not in ("sparse", "sparse_weights")}
-  out["sparse"] = {f: v[index] for f, v in cols["sparse"].items()}
+  if isinstance(index, slice):
+    take = lambda v: v[index]  # noqa: E731 - views
+  else:  # np.take copies rows of a 2-d array 2 to 4x faster than v[index] does
+    index = np.asarray(index)
+    if index.dtype == bool:
+      index = np.flatnonzero(index)
+    take = lambda v: np.take(v, index, axis=0)  # noqa: E731
+  out: Columns = {k: take(v) for k, v in cols.items() if k not in ("sparse", "sparse_weights")}
+  out["sparse"] = {f: take(v) for f, v in cols["sparse"].items()}
   if cols.get("sparse_weights"):
-    out["sparse_weights"] = {f: v[index] for f, v in cols["sparse_weights"].items()}
+    out["sparse_weights"] = {f: take(v) for f, v in cols["sparse_weights"].items()}
   return out
 
 

@@ -52,18 +52,18 @@ import re
 import secrets
 import shutil
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from absl import logging
 
 from recsys_jax.async_ps import hashing
-from recsys_jax.data import base, chunkfile, criteo
+from recsys_jax.data import base, chunkfile, criteo, text_kernels
 
 HEAD_BYTES = 1 << 20
 """Bytes at the start of a source hashed into its key (with its size and mtime)."""
 MANIFEST = "manifest.json"
 SOURCE = "source.json"
-_CODE_MODULES = (base, chunkfile, criteo, hashing)  # parsing code every format shares (criteo: its helpers)
+_CODE_MODULES = (base, chunkfile, criteo, text_kernels, hashing)  # parsing code formats share (criteo: helpers)
 
 
 def _digest(data: bytes, n: int = 12) -> str:
@@ -91,26 +91,6 @@ class _Ref:
   @property
   def file(self) -> str:
     return os.path.join(self.directory, f"{self.index:06d}.chunk")
-
-
-class _Recorder(base.BadRecords):
-  """Collects a chunk's bad records (the first MAX_FAULTS with their messages) without logging or raising."""
-
-  def __init__(self):
-    super().__init__("skip", log_first=0)
-    self.faults: List[chunkfile.Fault] = []
-
-  def report(self, path: str, line: int, field: str, why: str) -> None:
-    self.count += 1
-    if len(self.faults) < chunkfile.MAX_FAULTS:
-      self.faults.append((int(line), str(field), str(why)))
-
-
-def replay(bad: base.BadRecords, path: str, faults: List[chunkfile.Fault], count: int) -> None:
-  """Reports a chunk's recorded bad records to ``bad`` as parsing it would (raises under 'error')."""
-  for line, field, why in faults:
-    bad.report(path, line, field, why)
-  bad.count += count - len(faults)
 
 
 class CachedFormat:
@@ -265,11 +245,11 @@ class CachedFormat:
       cols = None
     if cols is None:
       raw = ref.raw if ref.raw is not None else self._cut(chunk.path, ref)
-      recorder = _Recorder()
+      recorder = base.Recorder(chunkfile.MAX_FAULTS)
       cols = self.inner.parse(raw, recorder)
       faults, count = recorder.faults, recorder.count
       self._try_write(chunkfile.write_chunk, ref.file, cols, faults, count)
-    replay(bad, chunk.path, faults, count)
+    base.replay(bad, chunk.path, faults, count)
     return cols
 
   # -- helpers ---------------------------------------------------------------------------------

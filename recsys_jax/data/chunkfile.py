@@ -49,7 +49,7 @@ MAX_FAULTS = 64
 _PREFIX = struct.Struct("<8sII")
 _ALIGN = 64
 
-Fault = Tuple[int, str, str]
+Fault = base.Fault
 
 
 class CorruptChunk(ValueError):

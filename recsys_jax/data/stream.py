@@ -18,12 +18,20 @@ the next record is record ``offset`` of window ``window``; a stream restarted at
 cuts (without parsing) and drops the chunks of the earlier windows and continues with
 exactly the records the uninterrupted stream would have read next. ``bad_records`` restores
 the skipped-record count as it stood at the start of that window, so nothing is counted twice.
+
+With an ``executor`` (the trainer's host worker threads), chunks are parsed on it up to one
+window ahead of the window being read, across epoch boundaries, each with its own
+:class:`base.Recorder`; the stream reports their bad records in chunk order as it reaches
+them, so batches, positions and bad-record counts, messages and errors are the same as
+without one, for any number of workers. Memory is then about three windows.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+import operator
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,6 +59,8 @@ class Stream:
     bad: the bad-record policy and count.
     position: where to start (default: the beginning).
     epochs: epochs to read (None: forever); the last batch of the last epoch may be short.
+    executor: a ``concurrent.futures`` executor to parse chunks ahead on (None: parse each
+      window when it is reached, on the reading thread).
   """
 
   def __init__(
@@ -68,6 +78,7 @@ class Stream:
     bad: Optional[base.BadRecords] = None,
     position: Optional[Dict[str, int]] = None,
     epochs: Optional[int] = None,
+    executor: Any = None,
   ):
     if not sources:
       raise ValueError("data: no sources to read (check config.data.train_files / eval_files)")
@@ -83,6 +94,7 @@ class Stream:
     self.process_index, self.process_count = int(process_index), int(process_count)
     self.bad = bad if bad is not None else base.BadRecords("error")
     self.epochs = epochs
+    self.executor = executor
     pos = dict(initial_position() if position is None else position)
     missing = set(initial_position()) - set(pos)
     if missing:
@@ -102,56 +114,90 @@ class Stream:
     chunks = itertools.chain.from_iterable(self.fmt.chunks(s, self.chunk_records) for s in self._source_order(epoch))
     return itertools.islice(chunks, self.process_index, None, self.process_count)
 
-  def _windows(self, epoch: int, first_window: int) -> Iterator[Tuple[int, int, base.Columns]]:
-    """(window index, bad count before it, its parsed and permuted records) from ``first_window``."""
-    mine = self._my_chunks(epoch)
-    for _ in range(first_window * self.window_chunks):  # cut, not parsed
-      if next(mine, None) is None:
-        return
-    w = first_window
-    while True:
-      raw = list(itertools.islice(mine, self.window_chunks))
-      if not raw:
-        return
-      bad_before = self.bad.count
-      cols = base.concat_columns([self.fmt.parse(c, self.bad) for c in raw])
-      if self.shuffle:
-        n = base.num_records(cols)
-        perm = np.random.default_rng([self.seed, epoch, w, self.process_index]).permutation(n)
-        cols = base.take_columns(cols, perm)
-      yield w, bad_before, cols
-      w += 1
+  def _chunks_from(self, epoch: int, first_window: int) -> Iterator[Tuple[int, Optional[base.RawChunk]]]:
+    """``(epoch, raw chunk)`` from window ``first_window`` of ``epoch`` on, then the later epochs;
+    ``(epoch, None)`` ends each epoch. The chunks before ``first_window`` are cut, not parsed."""
+    while self.epochs is None or epoch < self.epochs:
+      mine = self._my_chunks(epoch)
+      for _ in range(first_window * self.window_chunks):
+        if next(mine, None) is None:
+          break
+      for chunk in mine:
+        yield epoch, chunk
+      yield epoch, None
+      epoch, first_window = epoch + 1, 0
+
+  def _parses(self, chunks) -> Iterator[Tuple[int, Optional[Callable[[], base.Columns]]]]:
+    """``(epoch, parse)`` for each of ``chunks``: ``parse()`` returns the chunk's records and reports
+    its bad records to ``self.bad``. Called in chunk order; with an executor the parsing itself
+    runs ahead on it (one window's worth of chunks)."""
+    if self.executor is None:
+      for epoch, chunk in chunks:
+        yield epoch, None if chunk is None else functools.partial(self.fmt.parse, chunk, self.bad)
+      return
+
+    def parse(item):
+      epoch, chunk = item
+      if chunk is None:
+        return None
+      rec = base.Recorder()
+      return self.fmt.parse(chunk, rec), rec
+
+    def collect(future, path):
+      cols, rec = future.result()
+      base.replay(self.bad, path, rec.faults, rec.count)
+      return cols
+
+    for (epoch, chunk), future in base.run_ahead(self.executor, parse, chunks, self.window_chunks):
+      yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path)
 
   # -- batches ----------------------------------------------------------------------------------
   def _batches(self) -> Iterator[Tuple[base.Columns, Dict[str, int]]]:
     pending, have = [], 0
-    epoch, window, offset = self.position["epoch"], self.position["window"], self.position["offset"]
-    while self.epochs is None or epoch < self.epochs:
+    first_epoch, first_window, offset = self.position["epoch"], self.position["window"], self.position["offset"]
+    parses = self._parses(self._chunks_from(first_epoch, first_window))
+    epoch = first_epoch
+    for epoch, items in itertools.groupby(parses, key=operator.itemgetter(0)):
+      w = first = first_window if epoch == first_epoch else 0
+      chunks = (parse for _, parse in items if parse is not None)
       read_any = False
-      for w, bad_before, cols in self._windows(epoch, window):
+      while True:
+        window = list(itertools.islice(chunks, self.window_chunks))
+        if not window:
+          break
+        bad_before = self.bad.count
+        cols = base.concat_columns([parse() for parse in window])
         n = base.num_records(cols)
         read_any |= n > 0
+        # The window's records in the order (seed, epoch, window, process) gives; each batch
+        # gathers its run of them, so the permuted window is never copied whole.
+        order = None
+        if self.shuffle:
+          order = np.random.default_rng([self.seed, epoch, w, self.process_index]).permutation(n)
         while offset < n:
           take = min(self.batch_size - have, n - offset)
-          pending.append(base.take_columns(cols, slice(offset, offset + take)))
+          pending.append(
+            base.take_columns(cols, slice(offset, offset + take) if order is None else order[offset : offset + take])
+          )
           have += take
           offset += take
           if have == self.batch_size:
             pos = {"epoch": epoch, "window": w, "offset": offset, "bad_records": bad_before}
             if offset == n:  # the next record starts the next window
               pos = {"epoch": epoch, "window": w + 1, "offset": 0, "bad_records": self.bad.count}
-            yield base.concat_columns(pending), pos
+            one_copy = len(pending) == 1 and order is not None  # gathered: already a copy, not a view of the window
+            yield pending[0] if one_copy else base.concat_columns(pending), pos
             pending, have = [], 0
         offset = 0
-      if not read_any and window == 0:
+        w += 1
+      if not read_any and first == 0:
         raise ValueError(
           f"data: epoch {epoch} of {len(self.sources)} source(s) gave no records for process "
           f"{self.process_index} of {self.process_count} (first: {self._describe(self.sources[0])}): empty files, "
           "all records bad, or fewer chunks than processes"
         )
-      epoch, window = epoch + 1, 0
     if pending:
-      yield base.concat_columns(pending), {"epoch": epoch, "window": 0, "offset": 0, "bad_records": self.bad.count}
+      yield base.concat_columns(pending), {"epoch": epoch + 1, "window": 0, "offset": 0, "bad_records": self.bad.count}
 
   def _describe(self, source: str) -> str:
     # A format whose sources are not paths (MovieLens's 'train', 'eval') says where they come from.

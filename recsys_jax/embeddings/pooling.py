@@ -49,7 +49,9 @@ def embed_features(
     sel = jnp.asarray(pooled_idx)
     p = pool(rows, inverse[:, sel], None if weights is None else weights[:, sel])
   if pooled_idx:
-    pooled = {features[i][0]: p[:, k] for k, i in enumerate(pooled_idx)}
+    # unstack, not p[:, k]: the gradient of F slices is F zero-padded [B, F, D] arrays summed
+    # (F^2 B D adds, ~50 ms of DLRM's tiny step at batch 8192 on CPU), unstack's is one stack.
+    pooled = dict(zip((features[i][0] for i in pooled_idx), jnp.unstack(p, axis=1)))
   sequences = {}
   for i, (name, kind, max_len) in enumerate(features):
     if kind != "sequence":

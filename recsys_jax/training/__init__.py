@@ -4,6 +4,7 @@ In the order data flows through them:
 
 - ``validation``: config values checked before anything is built; the dense optimizer.
 - ``specs``: table and feature specs from the reader's schema and ``config.embeddings``.
+- ``feed``: the host worker threads that read, parse and dedup batches ahead, in order.
 - ``host``: the host half of a step (dedup, PS lookup, placement on the mesh, push).
 - ``steps``: the jitted train and eval steps and the dense train state they update.
 - ``job``: builds reader, PS, mesh, model, steps and initial state from a config.

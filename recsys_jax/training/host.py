@@ -1,8 +1,9 @@
 """The host half of a step: dedup, PS lookup, placement on the mesh, and the push back.
 
-The prefetcher runs ``prepare`` (read + dedup) and ``lookup`` ahead of the loop, within the
-staleness bound, and ``place`` puts the batch and its rows on the devices; the pusher runs
-``push_step`` when the device step is done. Nothing here is traced by jax.
+The host workers (:mod:`recsys_jax.training.feed`) read the batches and run ``prepare``
+(dedup) ahead of the loop; the prefetcher takes them in step order and runs ``lookup`` within
+the staleness bound and ``place``, which puts the batch and its rows on the devices; the
+pusher runs ``push_step`` when the device step is done. Nothing here is traced by jax.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training.feed import Feed
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -38,10 +40,15 @@ class Prepared:
 
 
 class HostPipeline:
-  """The host half of a step: the functions the prefetcher runs."""
+  """The host half of a step: the functions the host workers and the prefetcher run.
 
-  def __init__(self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None):
+  ``workers``: host worker threads that read and dedup batches ahead (0: none, both done on
+  the prefetcher thread).
+  """
+
+  def __init__(self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None, workers: int = 0):
     self.reader, self.ps, self.features, self.tables = reader, ps, features, tables_by_name
+    self.workers = int(workers)
     self.aliases = dict(aliases or {})
     self.data_sharding = mesh_lib.data_sharding(mesh)
     self.replicated = mesh_lib.replicated(mesh)
@@ -73,14 +80,17 @@ class HostPipeline:
 
   def lookup(self, p: Prepared, create: bool) -> Prepared:
     """Reads the rows of every table in one PS call (one request per shard)."""
-    wanted = {name: ids for g in p.groups.values() for name, ids, _ in g.tables}
-    got = self.ps.lookup_many(wanted, create=create, step=p.step if create else None)
+    wanted, out = {}, {}
     p.rows = {}
     for dim, g in p.groups.items():
-      rows = np.zeros((g.bucket, dim), np.float32)
+      # The PS writes each table's rows straight into its slice of the step's buffer; only the
+      # bucket's padding, which no id points at, is zeroed here.
+      rows = np.empty((g.bucket, dim), np.float32)
+      rows[g.num_rows :] = 0.0
       for name, ids, off in g.tables:
-        rows[off : off + ids.shape[0]] = got[name]
+        wanted[name], out[name] = ids, rows[off : off + ids.shape[0]]
       p.rows[dim] = rows
+    self.ps.lookup_many(wanted, create=create, step=p.step if create else None, out=out)
     return p
 
   def push(self, groups: Dict[int, dedup_lib.Group], grads: Dict[str, np.ndarray], step: Optional[int] = None) -> None:
@@ -149,34 +159,43 @@ class HostPipeline:
 
   def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
     """Prepares training steps [start, config.num_steps) from the reader's ``position`` on."""
-    batches = self.reader.train(position)
+    feed = Feed(self.workers)
+    batches = self.reader.train(position, executor=feed.pool, ahead=max(1, self.workers))
+    # range first: zip stops before drawing a batch past the last step
+    feed.start(zip(range(start, config.num_steps), batches), lambda item: self.prepare(item[0], *item[1]))
+
+    def prepare(t: int) -> Prepared:
+      p = next(feed)
+      assert p.step == t, (p.step, t)  # the feed hands batches over in step order
+      return p
+
     return Prefetcher(
       start,
       config.num_steps,
-      prepare=lambda t: self.prepare(t, *next(batches)),
+      prepare=prepare,
       lookup=lambda p: self.lookup(p, create=True),
       place=self.place,
       gate=gate,
       staleness=config.staleness,
       depth=config.prefetch_depth,
+      on_close=feed.close,
     )
 
   def eval_prefetcher(self, depth: int) -> Prefetcher:
     """Prepares the reader's eval batches (read-only lookups); yields None after the last."""
-    batches = self.reader.eval()
+    feed = Feed(self.workers)
+    batches = self.reader.eval(executor=feed.pool, ahead=max(1, self.workers))
+    feed.start(enumerate(batches), lambda item: self.prepare(item[0], item[1][0], n_valid=item[1][1]))
     endless = 1 << 62  # the reader decides where evaluation ends; the prefetcher passes None on
-
-    def prepare(i):
-      item = next(batches, None)
-      return None if item is None else self.prepare(i, item[0], n_valid=item[1])
 
     return Prefetcher(
       0,
       endless,
-      prepare=prepare,
+      prepare=lambda i: next(feed, None),
       lookup=lambda p: p and self.lookup(p, create=False),
       place=lambda p: p and self.place(p),
       gate=StalenessGate(last_applied=endless),  # nothing is pushed during eval
       staleness=0,
       depth=depth,
+      on_close=feed.close,
     )

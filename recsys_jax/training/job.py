@@ -16,6 +16,7 @@ from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.models import MODELS
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import init_state, make_eval_step, make_train_step, state_specs
@@ -67,7 +68,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
   multi = jax.process_count() > 1
   # Several processes evaluate on their own devices, each its share of the eval set.
   eval_mesh = mesh_lib.make_mesh(-1, 1, jax.local_devices()) if multi else mesh
-  host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh)
+  host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh, worker_count(config.host_workers))
   group_features: Dict[str, List[Tuple[str, str, int]]] = {}  # in dedup's order: the inverse's F axis
   for f in features:
     group_features.setdefault(str(tables_by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))

@@ -22,7 +22,7 @@ _INTS = (
   "seed num_steps batch_size staleness dense_staleness prefetch_depth log_every checkpoint_every max_checkpoints "
   "checkpoint_full_every eval_every eval_samples eval_batch_size micro_steps data.seed data.chunk_records "
   "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
-  "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards mesh.replica mesh.fsdp"
+  "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp"
 ).split()
 # Sizes of arrays, or indices into them, that the jitted step holds as int32.
 _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.dim data.num_dense".split()
@@ -102,6 +102,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   )
   need(config.micro_steps >= 1, "micro_steps", "must be >= 1 (1 = no gradient accumulation)")
   need(config.prefetch_depth >= 1, "prefetch_depth", "must be >= 1")
+  need(
+    isinstance(config.host_workers, int) and config.host_workers >= -1,
+    "host_workers",
+    "must be an integer >= -1 (-1: one per core; 0: read and dedup on the prefetcher thread)",
+  )
   need(config.log_every > 0, "log_every", "must be positive")
   need(config.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
   need(config.eval_every >= 0, "eval_every", "must be >= 0 (0 = only at the end)")
@@ -123,6 +128,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   need(config.embeddings.learning_rate > 0, "embeddings.learning_rate", "must be positive")
   need(config.embeddings.clip >= 0, "embeddings.clip", "must be >= 0 (0 = no clipping)")
   need(config.ps.num_shards >= 1, "ps.num_shards", "must be >= 1")
+  if "threads" in config.ps:
+    need(config.ps.threads == -1 or config.ps.threads >= 1, "ps.threads", "must be >= 1, or -1 for the core count")
   need(config.ps.kind in ("local", "remote"), "ps.kind", "choose 'local' or 'remote' (gRPC PS servers)")
   need(
     config.ps.wire_dtype in ("float32", "bfloat16", "float16"), "ps.wire_dtype", "choose float32, bfloat16 or float16"

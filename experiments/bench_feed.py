@@ -1,0 +1,576 @@
+"""The host half of the main job, fed to a no-op (or tiny) device step: how many samples/s it can feed.
+
+    python experiments/bench_feed.py [--sources=tsv,cache,memory] [--batch_sizes=2048,8192,65536]
+        [--workers=1,2] [--step=noop] [--step=tiny] [--records=400000] [--baseline=/path/to/checkout]
+        [--json_out=FILE]
+
+Run from the repository root. Every setting (source x batch x workers) is one run of the main job,
+``recsys_jax.train.train_and_evaluate``, in a fresh subprocess, built by the job's own
+``build_job`` from ``configs/dlrm.py`` (Criteo's shape: 13 dense and 26 categorical fields, rows
+of dim 16, Adagrad rows, the in-process PS) with two things swapped in after it is built:
+
+- ``--step=noop``: the jitted train step returns zero row gradients of the rows' shapes and the
+  state unchanged, so the run measures only the host half: read -> parse -> dedup -> PS lookup ->
+  placement on the device -> pull of the row gradients -> push (Adagrad on the PS). ``tiny``
+  keeps the real step, with bottom and top MLPs of width 16.
+- the final checkpoint only waits for the pushes (it is written after the timed steps anyway).
+
+Sources:
+
+- ``tsv``: Criteo TSV files written by ``experiments/bench_readers.py``'s generator (``--records``
+  records in files of 100k, kept under ``--data_dir``), read by the ``criteo`` reader.
+- ``cache``: the same files through the preprocessed binary cache (``config.data.cache_dir``),
+  warmed by one pass first; skipped, with the reason, where the checkout has no cache.
+- ``memory``: synthetic Criteo-like batches (``recsys_jax/data/synthetic.py``) generated before
+  the run and held in memory: no reading or parsing, everything after it.
+
+Samples/s counts the steps after one pass over the ``--records`` (at least ``--warmup_steps``:
+compiles, worker start, first window) to the last, timed where the pusher finishes each step:
+the first pass creates every row of the PS (its lookups and pushes took about 3x the CPU of
+later passes' on the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far
+more data than this does far less often; ``first_pass_samples_per_s``
+reports that pass (from step ``--warmup_steps`` on) too. Per-stage times are milliseconds per batch,
+wall and CPU (``thread_time`` of the thread doing the stage), measured by wrapping the job's
+own methods: ``read`` (the reader's iterator: with host workers, the feeder thread cutting
+files, gathering batches and waiting for parses; without, the parsing too), ``parse`` (the
+format's parse of a chunk, or its read from the cache), ``prepare`` (dedup), ``lookup``,
+``place``, ``get`` (the pull of the row gradients in ``push_step``), ``push``, and ``wait``
+(the training loop waiting for its next batch: the time a device would sit idle). Stages
+overlap (they run on different threads), so their sum exceeds the wall time per batch.
+
+The floor: the bytes a batch must move, read plus written, at this machine's memcpy rate
+(``bench_ps.memcpy_bandwidth``, one thread, measured in the same run): the source bytes read
+and the parsed columns written, the ids read and inverse written by dedup, each distinct row
+read from the PS and written to the step's buffer, the step's inputs copied to the device, the
+row gradients copied back, and the push's gradients read with the rows and Adagrad
+accumulators read and written. ``floor_ratio`` = measured samples/s / floor samples/s.
+
+``--baseline=DIR`` runs each source x batch once more with the code of the checkout ``DIR``
+(e.g. main) and one worker, interleaved with the settings of this checkout, so that both see
+the same machine load; ``vs_baseline`` = samples/s / the baseline's.
+
+With ``--repeats=N`` every setting runs N times, interleaved; the median run is reported (of an
+even number, the faster of the middle two: with 2 runs, the faster run, for every code alike), with
+all runs' samples/s (``runs_samples_per_s``).
+
+With the tiny step, ``step_alone_ms`` is the jitted step alone on the run's last batch (a fresh
+job, blocking on each step) and ``device_idle_fraction`` = 1 - steps x that / the run's time: the
+share of the time the device would wait for the host. (``loop_wait_fraction``, the loop's own
+wait for its next batch, also counts the step itself at k = 0, where the next lookup waits for
+this step's push.)
+
+Prints a table, then one JSON line per setting: ``feed_samples_per_s``, ``source``, ``batch``,
+``workers``, ``cores``, ``step``, the per-stage ``*_ms`` (wall) and ``*_cpu_ms``,
+``floor_samples_per_s``, ``floor_ratio``, ``load_avg``.
+"""
+
+# ruff: noqa: E402
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, _HERE)
+from bench_ps import memcpy_bandwidth  # noqa: I001 - defines its flags before ours
+
+_SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "memory"], "Sources: tsv, cache, memory.")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["2048", "8192", "65536"], "Batch sizes.")
+_WORKERS = flags.DEFINE_list("workers", None, "Host worker counts (default: 1 and the core count).")
+_STEP = flags.DEFINE_multi_enum(
+  "step", ["noop"], ["noop", "tiny"], "Device steps (repeat the flag for both): none, or DLRM with MLPs of width 16."
+)
+_RECORDS = flags.DEFINE_integer("records", 400_000, "Records of the generated TSV files and of the memory source.")
+_SAMPLES = flags.DEFINE_integer("samples", 600_000, "Samples per setting (at least --min_steps steps).")
+_MIN_STEPS = flags.DEFINE_integer("min_steps", 12, "Steps per setting at least, warmup included.")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Steps not timed.")
+_DATA_DIR = flags.DEFINE_string("data_dir", "/tmp/bench_feed_data", "Where the generated files are kept.")
+_BASELINE = flags.DEFINE_string("baseline", None, "A checkout to run with one worker for comparison.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to this file.", allow_override=True)
+_TRANSFER = flags.DEFINE_bool(
+  "transfer", False, "Only measure what handing parsed chunks back from worker processes would cost (no runs)."
+)
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported; of 2, the faster).")
+_SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
+
+FILE_RECORDS = 100_000
+EVAL_RECORDS = 4096
+
+
+def cores() -> int:
+  return len(os.sched_getaffinity(0))
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def write_criteo(path: str, records: int, seed: List[int]) -> None:
+  """Writes ``records`` Criteo TSV records with bench_readers' generator, in a child process
+  (bench_readers and bench_ps both define a ``--json_out`` flag, so one process imports one)."""
+  if os.path.exists(path):
+    return
+  code = (
+    f"import sys, os, numpy as np; sys.path.insert(0, {_HERE!r}); from bench_readers import criteo_text; "
+    f"open({path + '.tmp'!r}, 'wb').write(criteo_text({records}, np.random.default_rng({seed})))"
+  )
+  subprocess.run([sys.executable, "-c", code], check=True)
+  os.replace(path + ".tmp", path)
+
+
+def criteo_files(data_dir: str, records: int, seed: int = 0) -> Dict[str, Any]:
+  """Criteo TSV files of ``records`` records in all, in files of FILE_RECORDS, written once and kept."""
+  d = os.path.join(data_dir, f"criteo_{records}_{seed}")
+  os.makedirs(d, exist_ok=True)
+  train = []
+  for i, a in enumerate(range(0, records, FILE_RECORDS)):
+    train.append(os.path.join(d, f"day_{i}"))
+    write_criteo(train[-1], min(FILE_RECORDS, records - a), [seed, i])
+  ev = os.path.join(d, "eval")
+  write_criteo(ev, EVAL_RECORDS, [seed, 999])
+  return {"train": train, "eval": ev, "bytes_per_record": sum(os.path.getsize(p) for p in train) / records}
+
+
+# -- one setting, in a child process -------------------------------------------------------------
+
+
+class StageTimes:
+  """Wall and thread-CPU seconds per stage, summed over the timed steps (thread-safe)."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.wall: Dict[str, float] = {}
+    self.cpu: Dict[str, float] = {}
+    self.on = False
+
+  def add(self, stage: str, wall: float, cpu: float) -> None:
+    if self.on:
+      with self.lock:
+        self.wall[stage] = self.wall.get(stage, 0.0) + wall
+        self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu
+
+  def wrap(self, stage: str, fn: Callable) -> Callable:
+    def timed(*args, **kw):
+      w, c = time.perf_counter(), time.thread_time()
+      try:
+        return fn(*args, **kw)
+      finally:
+        self.add(stage, time.perf_counter() - w, time.thread_time() - c)
+
+    return timed
+
+  def wrap_iter(self, stage: str, it):
+    while True:
+      w, c = time.perf_counter(), time.thread_time()
+      try:
+        item = next(it)
+      except StopIteration:
+        return
+      self.add(stage, time.perf_counter() - w, time.thread_time() - c)
+      yield item
+
+
+def memory_batches(config, records: int):
+  """``records`` synthetic records generated now and kept in memory, as one set of columns."""
+  from recsys_jax.data import base, synthetic
+
+  data = synthetic.build({k: v for k, v in dict(config.data).items() if k in synthetic.FIELDS})
+  step = 16384
+  parts = [data.batch(synthetic.TRAIN, i, step) for i in range(-(-records // step))]
+  return base.take_columns(base.concat_columns(parts), slice(0, records))
+
+
+def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
+  """Runs the main job for one setting; returns its figures (see the module docstring)."""
+  sys.path.insert(0, s["code_root"])
+  import jax
+  import jax.numpy as jnp
+  from absl import logging
+
+  from configs import dlrm
+  from recsys_jax import train
+  from recsys_jax.data import base
+
+  logging.set_verbosity(logging.WARNING)
+  B, n = s["batch"], s["steps"]
+  c = dlrm.get_config()
+  c.batch_size, c.num_steps = B, n
+  c.checkpoint_every = c.eval_every = 0
+  c.log_every = 1 << 30
+  c.progress_bar = False
+  c.eval_batch_size = EVAL_RECORDS
+  c.eval_samples = EVAL_RECORDS
+  if "host_workers" in c:
+    c.host_workers = s["workers"]
+  elif s["workers"] != 1:
+    raise ValueError("this checkout has no config.host_workers: run it with one worker")
+  if s["step"] == "tiny":
+    c.model.kwargs.bottom, c.model.kwargs.top = (16,), (16,)
+  if s["source"] in ("tsv", "cache"):
+    c.data.name = "criteo"
+    c.data.train_files, c.data.eval_files = tuple(s["files"]["train"]), (s["files"]["eval"],)
+    if "cache_dir" in c.data:
+      c.data.cache_dir = s["cache_dir"] if s["source"] == "cache" else "none"
+  workdir = tempfile.mkdtemp(prefix="bench_feed_")
+  job = train.build_job(c, workdir)
+  times = StageTimes()
+  host = job.host
+
+  if s["source"] == "memory":
+    cols = memory_batches(c, s["records"])
+    total = base.num_records(cols)
+
+    def memory_train(position=None, **_):  # no reading to do ahead
+      t = int((position or {}).get("batch", 0))
+      while True:
+        a = (t * B) % (total - B + 1)
+        yield base.take_columns(cols, slice(a, a + B)), {"batch": t + 1}
+        t += 1
+
+    host.reader.train = memory_train
+  elif s["source"] == "cache":  # warm the cache: one pass over every file (quick once an earlier setting did it)
+    for _, pos in host.reader.train():
+      if pos["epoch"] >= 1:  # every file read to its end: its manifest and every chunk written
+        break
+
+  if s["step"] == "noop":
+
+    def noop(state, rows, batch):
+      return state, jax.tree.map(jnp.zeros_like, rows), {"loss": jnp.zeros((), jnp.float32)}
+
+    job.train_step = jax.jit(noop, donate_argnums=(0,))
+
+  reader_train = host.reader.train
+  host.reader.train = lambda *a, **k: times.wrap_iter("read", iter(reader_train(*a, **k)))
+  if hasattr(host.reader, "fmt"):  # files: parsing (or reading the cache) runs inside the reader, maybe on workers
+    host.reader.fmt.parse = times.wrap("parse", host.reader.fmt.parse)
+  for stage in ("prepare", "lookup", "place", "push"):
+    setattr(host, stage, times.wrap(stage, getattr(host, stage)))
+  distinct = []
+  lookup = host.lookup
+
+  def counted_lookup(p, create):
+    if create:
+      distinct.append([(g.num_rows, g.bucket) for g in p.groups.values()])
+    return lookup(p, create)
+
+  host.lookup = counted_lookup
+  placed = []
+  place = host.place
+
+  def kept_place(p):
+    out = place(p)
+    if p.n_valid is None:
+      placed[:] = [out]  # the last training batch placed, to time the step alone afterwards
+    return out
+
+  host.place = kept_place
+  done_at: Dict[int, float] = {}
+  push_step, push = host.push_step, host.push
+
+  def timed_push_step(step, payload):
+    t0, c0 = time.perf_counter(), time.thread_time()
+
+    def timed_push(*a, **k):  # push_step pulls the gradients first, then calls push
+      times.add("get", time.perf_counter() - t0, time.thread_time() - c0)
+      return push(*a, **k)
+
+    host.push = timed_push
+    loss = push_step(step, payload)
+    done_at[step] = time.perf_counter()
+    if step + 1 == s["warmup"]:
+      times.on = True  # stages of later steps count
+    return loss
+
+  host.push_step = timed_push_step
+  prefetcher = host.train_prefetcher
+
+  def timed_prefetcher(*a, **k):
+    pre = prefetcher(*a, **k)
+    pre.get = times.wrap("wait", pre.get)
+    return pre
+
+  host.train_prefetcher = timed_prefetcher
+
+  class FinalSaveWaitsOnly(train.RunCheckpoints):
+    def save(self, step, state, ps, pusher):
+      pusher.flush(step - 1)
+
+  build_job = train.build_job
+  train.build_job = lambda config, workdir: job
+  train.RunCheckpoints = FinalSaveWaitsOnly
+  load0 = os.getloadavg()[0]
+  summary = train.train_and_evaluate(c, workdir)
+  w, w0 = s["warmup"], s["first_timed"]
+  timed = n - w
+  elapsed = done_at[n - 1] - done_at[w - 1]
+  first_pass = (w - w0) * B / (done_at[w - 1] - done_at[w0 - 1]) if w > w0 else float("nan")
+  per = lambda v: 1e3 * v / timed  # noqa: E731 - ms per timed batch
+  dims = sorted(t.dim for t in job.tables)
+  dim, F = dims[0], len(job.features)
+  rows = np.mean([sum(r for r, _ in d) for d in distinct[w:]])
+  bucket = np.mean([sum(b for _, b in d) for d in distinct[w:]])
+  col_bytes = 4 + 4 * c.data.num_dense + 8 * F
+  source_bytes = {"tsv": (s["files"] or {}).get("bytes_per_record"), "cache": col_bytes, "memory": 0.0}[s["source"]]
+  row = 4 * dim
+  per_batch = {
+    "parse": B * (source_bytes + col_bytes),  # source read, columns written
+    "dedup": B * F * (8 + 4) + rows * 8,  # ids read, inverse and distinct ids written
+    "lookup": 2 * rows * row,  # rows read from the PS, written to the step's buffer
+    "place": 2 * (bucket * row + B * (F * 4 + 4 * c.data.num_dense + 4)),  # host -> device copy
+    "get": 2 * bucket * row,  # row gradients device -> host
+    "push": rows * row * (1 + 2 + 2),  # gradients read; rows and Adagrad accumulators read + written
+  }
+  floor_s = sum(per_batch.values()) / s["memcpy_bytes_per_s"]
+  sps = timed * B / elapsed
+  out = {
+    "feed_samples_per_s": sps,
+    "source": s["source"],
+    "batch": B,
+    "workers": s["workers"],
+    "cores": cores(),
+    "step": s["step"],
+    "code": s["code_root"],
+    "steps_timed": timed,
+    "first_pass_samples_per_s": first_pass,
+    "job_samples_per_s": summary["samples_per_sec"],
+    "distinct_rows_per_batch": float(rows),
+    "bytes_per_batch": float(sum(per_batch.values())),
+    "floor_samples_per_s": B / floor_s,
+    "floor_ratio": sps / (B / floor_s),
+    "loop_wait_fraction": times.wall.get("wait", 0.0) / elapsed,  # the loop waiting for its next batch
+    "load_avg": [load0, os.getloadavg()[0]],
+  }
+  if s["step"] == "tiny":  # the step alone on the last batch, in a fresh job: how long the device is busy
+    fresh = build_job(c, os.path.join(workdir, "alone"))
+    state, (_, rows, batch) = fresh.state, placed[0]
+    alone = []
+    for _ in range(13):
+      t0 = time.perf_counter()
+      state, g, _ = fresh.train_step(state, rows, batch)
+      jax.block_until_ready(g)
+      alone.append(time.perf_counter() - t0)
+    out["step_alone_ms"] = 1e3 * float(np.median(alone[3:]))
+    out["device_idle_fraction"] = max(0.0, 1.0 - float(np.median(alone[3:])) * timed / elapsed)
+    fresh.ps.close()
+  for k in sorted(times.wall):
+    out[f"{k}_ms"] = per(times.wall[k])
+    out[f"{k}_cpu_ms"] = per(times.cpu[k])
+  job.ps.close()
+  return out
+
+
+# -- threads or processes ------------------------------------------------------------------------
+
+
+def _parse_chunk(chunk):
+  from recsys_jax.data import base
+  from recsys_jax.data.criteo import CriteoFormat
+
+  return CriteoFormat().parse(chunk, base.BadRecords())
+
+
+def pool_parse(raw: List[Any], n: int) -> Dict[str, float]:
+  """Wall microseconds per record (median of 5) parsing ``raw`` chunks inline, on 2 threads and on 2
+  spawned processes (chunks sent, columns sent back, as ``concurrent.futures`` does it), and the
+  CPU the trainer's own process spends per record on each."""
+  import concurrent.futures
+  import multiprocessing
+
+  out = {}
+  with (
+    concurrent.futures.ThreadPoolExecutor(2) as threads,
+    concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as procs,
+  ):
+    list(procs.map(_parse_chunk, raw[:2]))  # start them
+    ways = {"inline": lambda: [_parse_chunk(c) for c in raw]}
+    ways["threads_2"] = lambda: list(threads.map(_parse_chunk, raw))
+    ways["processes_2"] = lambda: list(procs.map(_parse_chunk, raw))
+    times: Dict[str, List[Tuple[float, float]]] = {k: [] for k in ways}
+    for _ in range(5):  # interleaved
+      for k, fn in ways.items():
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        times[k].append((time.perf_counter() - w, time.process_time() - c))
+  for k, v in times.items():
+    out[f"parse_{k}_wall_us"] = 1e6 * float(np.median([w for w, _ in v])) / n
+    out[f"parse_{k}_trainer_cpu_us"] = 1e6 * float(np.median([c for _, c in v])) / n
+  return out
+
+
+def transfer_costs(path: str, chunks: int = 8) -> Dict[str, float]:
+  """CPU microseconds per record (best of 3): parsing Criteo chunks, and moving their columns from
+  a worker process to the trainer, by pickling (what multiprocessing queues do) or by a copy into
+  shared memory and out; and pickling the raw lines, which workers that do not cut files would
+  receive (threads hand both over for nothing); then ``pool_parse``."""
+  import pickle
+  from multiprocessing import shared_memory
+
+  from recsys_jax.data import base
+  from recsys_jax.data.criteo import CriteoFormat
+
+  fmt = CriteoFormat()
+  raw = list(itertools.islice(fmt.chunks(path, 8192), chunks))  # 8 chunks of 8192
+  n = sum(len(c) for c in raw)
+
+  def cpu(fn) -> float:
+    best = float("inf")
+    for _ in range(3):
+      t = time.thread_time()
+      fn()
+      best = min(best, time.thread_time() - t)
+    return 1e6 * best / n
+
+  cols = [fmt.parse(c, base.BadRecords()) for c in raw]
+  blobs = [pickle.dumps(c, protocol=5) for c in cols]
+  arrays = [a for c in cols for a in [c["label"], c["dense"], *c["sparse"].values()]]
+  shm = shared_memory.SharedMemory(create=True, size=sum(a.nbytes for a in arrays))
+  try:
+    views, at = [], 0
+    for a in arrays:
+      views.append(np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=at))
+      at += a.nbytes
+
+    def into_shm():
+      for v, a in zip(views, arrays):
+        v[...] = a
+
+    out = {
+      "parse_us": cpu(lambda: [fmt.parse(c, base.BadRecords()) for c in raw]),
+      "pickle_us": cpu(lambda: [pickle.dumps(c, protocol=5) for c in cols]),
+      "unpickle_us": cpu(lambda: [pickle.loads(b) for b in blobs]),
+      "shm_in_us": cpu(into_shm),
+      "shm_out_us": cpu(lambda: [np.array(v) for v in views]),
+      "pickle_raw_lines_us": cpu(lambda: [pickle.dumps(c.payload, protocol=5) for c in raw]),
+      "bytes_per_record": sum(len(b) for b in blobs) / n,
+    }
+    views.clear()  # the views pin shm.buf: drop them before closing it
+  finally:
+    shm.close()
+    shm.unlink()
+  out.update(pool_parse(raw, n))
+  return out
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+
+
+def child(setting: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+  """Runs one setting in a fresh process (the code of ``setting['code_root']``)."""
+  env = dict(os.environ, PYTHONPATH=setting["code_root"], MALLOC_ARENA_MAX="2")
+  cmd = [sys.executable, os.path.abspath(__file__), f"--setting={json.dumps(setting)}"]
+  p = subprocess.run(cmd, env=env, cwd=setting["code_root"], capture_output=True, text=True)
+  if p.returncode != 0:
+    print(f"setting {setting['source']} B={setting['batch']} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+    return None
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def has_cache(code_root: str) -> bool:
+  return os.path.exists(os.path.join(code_root, "recsys_jax", "data", "cache.py"))
+
+
+STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+  head = f"{'source':7}{'batch':>7}{'wk':>4}{'step':>5}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
+  head += f"{'ratio':>7}{'idle':>6}"
+  head += "".join(f"{s:>9}" for s in STAGES) + "   (ms per batch; CPU ms in brackets below)"
+  print(head)
+  for r in results:
+    spread = "-".join(f"{x / 1e3:.0f}" for x in (r["runs_samples_per_s"][0], r["runs_samples_per_s"][-1]))
+    line = (
+      f"{r['source']:7}{r['batch']:>7}{r['workers']:>4}{r['step']:>5}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
+    )
+    line += f"{spread:>16}{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}"
+    line += f"{r['floor_ratio']:>7.3f}{r.get('device_idle_fraction', 1.0):>6.2f}"
+    line += "".join(f"{r.get(f'{s}_ms', float('nan')):>9.2f}" for s in STAGES)
+    print(line)
+    print(" " * 88 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _SETTING.value:
+    print(json.dumps(run_setting(json.loads(_SETTING.value))), flush=True)
+    return
+  if _TRANSFER.value:
+    files = criteo_files(_DATA_DIR.value, _RECORDS.value)
+    costs = transfer_costs(files["train"][0])
+    print(", ".join(f"{k} {v:.2f}" for k, v in costs.items()), f"(us per record; load {os.getloadavg()})")
+    print(json.dumps({"transfer": costs, "cores": cores(), "load_avg": os.getloadavg()[0]}))
+    return
+  bw = memcpy_bandwidth(1)
+  workers = [int(w) for w in (_WORKERS.value or sorted({1, cores()}))]
+  files = criteo_files(_DATA_DIR.value, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
+  codes = [("new", _ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
+  print(f"{cores()} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}", file=sys.stderr)
+  runs: Dict[tuple, List[Dict[str, Any]]] = {}
+  for source in _SOURCES.value:
+    for batch in (int(b) for b in _BATCHES.value):
+      for rep in range(_REPEATS.value):  # interleaved, so that every setting sees the same load over time
+        for label, root in codes[::-1]:  # the baseline first, then this checkout's worker counts
+          if source == "cache" and not has_cache(root):
+            if rep == 0:
+              print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py in that checkout", file=sys.stderr)
+            continue
+          for w, step in itertools.product([1] if label == "base" else workers, _STEP.value):
+            warmup = max(_WARMUP.value, -(-_RECORDS.value // batch))  # one pass: every row exists
+            setting = {
+              "source": source,
+              "batch": batch,
+              "workers": w,
+              "step": step,
+              "steps": max(_MIN_STEPS.value, warmup + -(-_SAMPLES.value // batch)),
+              "warmup": warmup,
+              "first_timed": _WARMUP.value,
+              "records": _RECORDS.value,
+              "files": files,
+              "cache_dir": os.path.join(_DATA_DIR.value, "cache"),
+              "code_root": root,
+              "memcpy_bytes_per_s": bw,
+            }
+            print(
+              f"{label}: {source} batch {batch} workers {w} {step} (run {rep + 1}) ...", file=sys.stderr, flush=True
+            )
+            r = child(setting)
+            if r is not None:
+              r["label"] = label
+              runs.setdefault((source, batch, label, w, step), []).append(r)
+  results = []
+  for (source, batch, label, _, step), rs in runs.items():
+    rs = sorted(rs, key=lambda r: r["feed_samples_per_s"])
+    r = dict(rs[len(rs) // 2])  # the median run, whole (of an even number, the faster middle one)
+    r["runs_samples_per_s"] = [x["feed_samples_per_s"] for x in rs]
+    base = runs.get((source, batch, "base", 1, step))
+    if label == "new" and base:
+      r["vs_baseline"] = r["feed_samples_per_s"] / sorted(x["feed_samples_per_s"] for x in base)[len(base) // 2]
+    results.append(r)
+  print()
+  print_table(results)
+  print(f"load average at the end: {os.getloadavg()}")
+  print()
+  lines = [json.dumps(r) for r in results]
+  if _JSON_OUT.value:
+    with open(_JSON_OUT.value, "w") as f:
+      f.write("\n".join(lines) + "\n")
+  for line in lines:
+    print(line)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,121 @@
+"""bench_ps's ram configuration for several checkouts at once, batch by batch in turn, on a shared machine.
+
+    python experiments/ps_lockstep.py --rounds=120 old=/tmp/psb_4ff02be new=.
+
+Each ``name=path`` starts one process with ``PYTHONPATH=path`` (a ``git worktree add`` of the
+commit to compare), which builds and prefills its own PS as ``bench_ps.py`` does (26 tables of
+100k ids, dim 64, Adagrad) and then times one ``lookup_many`` + ``apply_many`` per line it is
+sent. The processes take turns (the order reversed every round) and a 256 MiB memcpy is timed
+every 4 rounds, so the load of the machine, which moves whole-run figures by 20-40% and more
+here, falls on every checkout alike. Prints, per checkout, the median per-batch lookup and
+apply rates (wall and thread CPU time) and the fraction of the median memcpy (bytes as
+``bench_ps.py`` counts them), after 3 untimed rounds. Issue 14 bisected bench_ps's drop with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROW_BYTES = 7 * 64 * 4  # lookup: 2 rows; apply: gradient + row and slot read and written (bench_ps)
+
+
+def child() -> None:
+  """Serves 'go I' (time batch I) and 'memcpy' lines on stdin, one JSON answer each."""
+  import numpy as np
+
+  sys.path.insert(0, _HERE)
+  import bench_ps  # noqa: I001 - from this checkout of the experiments, the PS from PYTHONPATH
+
+  from recsys_jax.async_ps.ps import ParameterServer
+  from recsys_jax.embeddings.specs import TableSpec
+
+  batches = bench_ps.zipf_batches(20, 100_000, 1.1, 4096, 26)
+  names = list(batches[0])
+  kw = (("learning_rate", 0.05),)
+  ps = ParameterServer([TableSpec(name=t, dim=64, optimizer="adagrad", optimizer_kwargs=kw) for t in names])
+  step = bench_ps.prefill(ps, names, 100_000)
+  rng = np.random.default_rng(1)
+  grads = rng.standard_normal((max(len(v) for b in batches for v in b.values()), 64)).astype(np.float32) * 1e-3
+  mem = bench_ps.Memcpy(1)
+  print("ready", flush=True)
+  for line in sys.stdin:
+    cmd, i = line.split()
+    if cmd == "memcpy":
+      nbytes, secs = mem.copy()
+      print(json.dumps({"memcpy": nbytes / secs}), flush=True)
+      continue
+    b = batches[int(i) % len(batches)]
+    step += 1
+    c0, t0 = time.thread_time(), time.perf_counter()
+    ps.lookup_many(b, create=True, step=step)
+    c1, t1 = time.thread_time(), time.perf_counter()
+    ps.apply_many({t: (ids, grads[: len(ids)]) for t, ids in b.items()}, step=step)
+    c2, t2 = time.thread_time(), time.perf_counter()
+    rows = sum(len(v) for v in b.values())
+    print(json.dumps({"rows": rows, "lw": t1 - t0, "aw": t2 - t1, "lc": c1 - c0, "ac": c2 - c1}), flush=True)
+
+
+def main(argv) -> None:
+  rounds = 120
+  trees = []
+  for a in argv:
+    if a.startswith("--rounds="):
+      rounds = int(a.split("=", 1)[1])
+    elif "=" in a:
+      trees.append(a.split("=", 1))
+    else:
+      raise SystemExit(f"expected name=path or --rounds=N, got {a!r}")
+  if not trees:
+    raise SystemExit(__doc__)
+  kids = {}
+  for name, tree in trees:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    kids[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd="/")
+  for name, k in kids.items():
+    if k.stdout.readline().strip() != "ready":
+      raise SystemExit(f"{name}: the child did not start")
+
+  def ask(k, line):
+    k.stdin.write(line + "\n")
+    k.stdin.flush()
+    return json.loads(k.stdout.readline())
+
+  res = {n: [] for n in kids}
+  copies = []
+  for r in range(rounds):
+    order = list(kids) if r % 2 == 0 else list(kids)[::-1]
+    for n in order:
+      res[n].append(ask(kids[n], f"go {r}"))
+    if r % 4 == 0:
+      copies.append(ask(kids[order[0]], "memcpy 0")["memcpy"])
+  for k in kids.values():
+    k.stdin.close()
+    k.wait()
+  bw = statistics.median(copies)
+  print(f"memcpy median {bw / 1e9:.1f} GB/s, max {max(copies) / 1e9:.1f} (n={len(copies)}), load {os.getloadavg()}")
+  for n, v in res.items():
+    v = v[3:]
+    med = {k: statistics.median(x["rows"] / x[k] for x in v) for k in ("lw", "aw", "lc", "ac")}
+
+    def frac(lookup, apply):
+      return _ROW_BYTES / (1 / lookup + 1 / apply) / bw
+
+    print(
+      f"{n:12s} wall: lookup {med['lw'] / 1e6:5.2f}M apply {med['aw'] / 1e6:5.2f}M rows/s, "
+      f"{frac(med['lw'], med['aw']):.3f} of memcpy | thread CPU: lookup {med['lc'] / 1e6:5.2f}M "
+      f"apply {med['ac'] / 1e6:5.2f}M"
+    )
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] == ["--child"]:
+    child()
+  else:
+    main(sys.argv[1:])
