@@ -29,7 +29,7 @@ def _check_slots(slot_keys, slot_rows, mask):
 
 
 @_jit_inline
-def _splitmix64(x):
+def splitmix64_one(x):
   """splitmix64 of one uint64 (wrapping), exactly as ``hashing.splitmix64``."""
   z = x + _GOLDEN
   z = (z ^ (z >> _S30)) * _M1
@@ -41,7 +41,7 @@ def _splitmix64(x):
 def splitmix64(keys, out):
   """out[i] = splitmix64(keys[i]) (uint64 arrays); for tests against ``hashing.splitmix64``."""
   for i in range(keys.shape[0]):
-    out[i] = _splitmix64(keys[i])
+    out[i] = splitmix64_one(keys[i])
 
 
 @_jit
@@ -65,7 +65,7 @@ def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
   # First every home slot (into out_rows), so that the probe of key i can prefetch the slots
   # of key i + _KEYS_AHEAD.
   for i in range(n):
-    out_rows[i] = np.int64(_splitmix64(keys[i] ^ salt) & mask)
+    out_rows[i] = np.int64(splitmix64_one(keys[i] ^ salt) & mask)
   for i in range(min(n, _KEYS_AHEAD)):
     _prefetch(slot_rows, out_rows[i], 0)
     _prefetch(slot_keys, out_rows[i], 0)
@@ -101,7 +101,7 @@ def place(slot_keys, slot_rows, mask, salt, keys, rows):
   imask = np.int64(mask)
   for i in range(keys.shape[0]):
     k = keys[i]
-    pos = np.int64(_splitmix64(k ^ salt) & mask)
+    pos = np.int64(splitmix64_one(k ^ salt) & mask)
     while slot_rows[pos] >= 0:
       pos = (pos + 1) & imask
     slot_keys[pos] = k
@@ -132,7 +132,7 @@ def first_repeat(keys, salt):
   used = np.zeros(cap, np.bool_)
   for i in range(n):
     k = keys[i]
-    pos = np.int64(_splitmix64(k ^ salt) & mask)
+    pos = np.int64(splitmix64_one(k ^ salt) & mask)
     while used[pos]:
       if seen_keys[pos] == k:
         return i

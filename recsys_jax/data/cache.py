@@ -56,14 +56,21 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from absl import logging
 
-from recsys_jax.async_ps import hashing
+from recsys_jax.async_ps import hashing, kernels_lookup
 from recsys_jax.data import base, chunkfile, criteo, text_kernels
 
 HEAD_BYTES = 1 << 20
 """Bytes at the start of a source hashed into its key (with its size and mtime)."""
 MANIFEST = "manifest.json"
 SOURCE = "source.json"
-_CODE_MODULES = (base, chunkfile, criteo, text_kernels, hashing)  # parsing code formats share (criteo: helpers)
+_CODE_MODULES = (
+  base,
+  chunkfile,
+  criteo,
+  text_kernels,
+  hashing,
+  kernels_lookup,
+)  # parsing code formats share (criteo: helpers; kernels_lookup: the kernels' splitmix64)
 
 
 def _digest(data: bytes, n: int = 12) -> str:

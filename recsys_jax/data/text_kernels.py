@@ -30,6 +30,7 @@ import numba
 import numpy as np
 
 from recsys_jax.async_ps.hashing import name_seed
+from recsys_jax.async_ps.kernels_lookup import splitmix64_one
 from recsys_jax.data import base
 
 _TAB, _NEWLINE, _MINUS, _PLUS, _ZERO = 9, 10, 45, 43, 48
@@ -37,9 +38,6 @@ _MAX_DENSE_CHARS = 32
 _MAX_EXACT_DIGITS = 18  # 10**18 < 2**63: the value is exact in int64
 _MAX_HEX_DIGITS = 8
 _LOG_TABLE_SIZE = 4096  # 16 KiB of float32: stays in L1/L2 next to the text
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's constants (recsys_jax.async_ps.hashing)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 
 
 def _hex_values() -> np.ndarray:
@@ -137,10 +135,7 @@ def _criteo_kernel(
         return -1, -1
       if digits == 0:
         v = -1  # a missing value hashes as -1
-      z = (np.uint64(v) ^ seeds[j]) + _GOLDEN
-      z = (z ^ (z >> np.uint64(30))) * _M1
-      z = (z ^ (z >> np.uint64(27))) * _M2
-      ids[j, r] = z ^ (z >> np.uint64(31))
+      ids[j, r] = splitmix64_one(np.uint64(v) ^ seeds[j])
     if buf[p] != _NEWLINE:
       return -1, -1
     p += 1
@@ -208,14 +203,6 @@ _EPOCH_WEEKDAY = 3  # 1970-01-01 was a Thursday (Monday = 0)
 
 
 @numba.njit(nogil=True, cache=True)
-def _splitmix64(z):
-  z = z + _GOLDEN
-  z = (z ^ (z >> np.uint64(30))) * _M1
-  z = (z ^ (z >> np.uint64(27))) * _M2
-  return z ^ (z >> np.uint64(31))
-
-
-@numba.njit(nogil=True, cache=True)
 def _two_digits(buf, p):
   """The 2-digit decimal number at ``buf[p:p + 2]``, or -1."""
   a, b = np.int64(buf[p]) - _ZERO, np.int64(buf[p + 1]) - _ZERO
@@ -252,8 +239,8 @@ def _avazu_kernel(buf, n, seeds, first_days, label, ids, slow):
     if dd > first_days[month + 1] - first_days[month]:
       return -1
     weekday = (first_days[month] + dd - 1 + _EPOCH_WEEKDAY) % 7
-    ids[0, r] = _splitmix64(np.uint64(hh) ^ seeds[0])
-    ids[1, r] = _splitmix64(np.uint64(weekday) ^ seeds[1])
+    ids[0, r] = splitmix64_one(np.uint64(hh) ^ seeds[0])
+    ids[1, r] = splitmix64_one(np.uint64(weekday) ^ seeds[1])
     p += 8
     for j in range(2, ids.shape[0]):
       if buf[p] != _COMMA:
@@ -271,7 +258,7 @@ def _avazu_kernel(buf, n, seeds, first_days, label, ids, slow):
       if p - start > _MAX_HASHED_BYTES:
         slow[num_slow, 0], slow[num_slow, 1], slow[num_slow, 2] = j * n + r, start, p
         num_slow += 1
-      ids[j, r] = _splitmix64(h)
+      ids[j, r] = splitmix64_one(h)
     if buf[p] != _NEWLINE:
       return -1
     p += 1
