@@ -24,7 +24,10 @@ Chunk = Dict[str, Tuple[int, int]]
 def route(
   ids: Mapping[str, np.ndarray], shard_of: Callable[[str, np.ndarray], np.ndarray], num_shards: int
 ) -> Dict[str, List[np.ndarray]]:
-  """{table: ids} -> {table: [positions of the ids going to server s, for each s]}, in id order."""
+  """{table: ids} -> {table: [positions of the ids going to server (or shard) s, for each s]}, in id order.
+
+  Shared by ``RemotePS`` (servers) and ``ParameterServer`` (its in-process shards).
+  """
   out = {}
   for t, v in ids.items():
     if num_shards == 1:

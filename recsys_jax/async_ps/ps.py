@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax.async_ps import optimizers
+from recsys_jax.async_ps import chunking, optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
 from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out
@@ -108,12 +108,9 @@ class ParameterServer:
     h = splitmix64(np.asarray(ids, np.uint64) ^ self._route_salt[table])
     return ((h >> np.uint64(16)) % np.uint64(self.num_shards)).astype(np.int64)
 
-  def _split(self, table: str, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): ids[order[bounds[s]:bounds[s+1]]] go to shard s."""
-    shard = self.shard_of(table, ids)
-    order = np.argsort(shard, kind="stable")
-    bounds = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
-    return order, bounds
+  def _split(self, table: str, ids: np.ndarray) -> List[np.ndarray]:
+    """The positions of the ids of ``table`` that go to each shard, in shard order."""
+    return chunking.route({table: ids}, self.shard_of, self.num_shards)[table]
 
   def _fan_out(self, ids: Mapping[str, np.ndarray], fn) -> None:
     """Calls ``fn(table_shard, table, sel)`` for every shard's part ``sel`` of each table's ids
@@ -124,9 +121,7 @@ class ParameterServer:
         tasks.append((v.shape[0], functools.partial(fn, self.shards[0][t], t, None)))
     else:
       for t, v in ids.items():
-        order, b = self._split(t, v)
-        for s in range(self.num_shards):
-          sel = order[b[s] : b[s + 1]]
+        for s, sel in enumerate(self._split(t, v)):
           if sel.shape[0]:
             tasks.append((sel.shape[0], functools.partial(fn, self.shards[s][t], t, sel)))
     self._workers.run(tasks)
@@ -228,13 +223,10 @@ class ParameterServer:
         part = {"ids": np.zeros(0, np.uint64), "weights": np.zeros((0, spec.dim), np.float32)}
         part.update({f"slot_{k}": v for k, v in probe.opt.init(0, spec.dim).items()})
       ids = np.asarray(part["ids"], np.uint64)
-      order, b = self._split(t, ids)
       deleted = np.asarray(part.get("deleted", np.zeros(0, np.uint64)), np.uint64)
-      d_order, d_b = self._split(t, deleted)
-      for s in range(self.num_shards):
-        sel = order[b[s] : b[s + 1]]
+      for s, (sel, d_sel) in enumerate(zip(self._split(t, ids), self._split(t, deleted))):
         sub = {k: np.asarray(v)[sel] for k, v in part.items() if k != "deleted"}
-        sub["deleted"] = deleted[d_order[d_b[s] : d_b[s + 1]]]
+        sub["deleted"] = deleted[d_sel]
         self.shards[s][t].restore(sub, merge=merge)
 
   def bounds_states(self) -> Dict[str, List[Dict[str, Any]]]:
