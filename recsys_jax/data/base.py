@@ -228,10 +228,8 @@ def text_chunks(path: str, chunk_records: int, header_lines: int = 0) -> Iterato
   except READ_ERRORS as e:
     # A block read that fails gives none of its lines; count the ones the stream does give.
     raise unreadable(path, header_lines + _readable_lines(path, header_lines), e) from None
-  while lines:
-    yield RawChunk(path, line_no, lines[:chunk_records])
-    line_no += len(lines[:chunk_records])
-    del lines[:chunk_records]
+  if lines:  # fewer than chunk_records are left
+    yield RawChunk(path, line_no, lines)
 
 
 def _readable_lines(path: str, header_lines: int) -> int:
