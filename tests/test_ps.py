@@ -349,3 +349,34 @@ def test_repeated_ids_in_an_apply_are_refused_and_change_nothing(num_shards, sto
   ps.apply_many({"item": (ids, g[:4]), "user": (ids, g[:4])})
   assert _snapshot_bytes(ps) != before
   ps.close()
+
+
+def test_stats_while_another_thread_creates_rows():
+  """The training loop logs PS stats while the prefetcher's lookups create rows: a stats call
+  must never see the id map in the middle of growing (its slots are briefly None). Without the
+  table's lock in stats this failed within 1M calls in each of 4 runs."""
+  import threading
+
+  from recsys_jax.async_ps.table import Table
+
+  table = Table(TableSpec(name="t", dim=4))
+  done, errors = threading.Event(), []
+
+  def create():
+    try:
+      for start in range(0, 3_000_000, 1000):  # 12 doublings of the id map
+        table.lookup(np.arange(start, start + 1000, dtype=np.uint64) * 7919 + 1, create=True)
+    finally:
+      done.set()
+
+  thread = threading.Thread(target=create)
+  thread.start()
+  while not done.is_set():
+    try:
+      table.stats()
+    except Exception as e:  # noqa: BLE001 - collected, the assertion names it
+      errors.append(repr(e))
+      break
+  thread.join()
+  assert not errors
+  assert table.stats()["rows"] == 3_000_000

@@ -426,7 +426,12 @@ class Table(Bounds):
       self._deleted, self._spilled_ids = [], []
 
   def stats(self) -> Dict[str, float]:
-    """Rows (RAM and tier), bytes in RAM, counters and mean latencies."""
+    """Rows (RAM and tier), bytes in RAM, counters and mean latencies, under the table's lock (a
+    lookup on another thread may be growing the id map, whose slot arrays are briefly None)."""
+    with self.lock:
+      return self._stats()
+
+  def _stats(self) -> Dict[str, float]:
     n = self.num_rows
     slot_bytes = sum(v.dtype.itemsize * int(np.prod(v.shape[1:])) for v in self._slots.values())
     row_bytes = self._weights.dtype.itemsize * self.spec.dim + slot_bytes + 8 + 8 + 4 + 1
