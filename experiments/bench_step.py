@@ -92,7 +92,9 @@ def main(_):
   for name, (interaction, embed) in variants.items():
     dlrm.dot_interaction, pooling.embed_features = interaction, embed  # read while tracing
     fresh = job_lib.build_job(c, tempfile.mkdtemp(prefix="bench_step_"))  # its own jit, traced now
-    states[name], g, m = fresh.train_step(fresh.state, rows, placed)  # the same seed: the same initial state
+    states[name], _, g, m = fresh.train_step(
+      fresh.state, fresh.hot_state, rows, placed
+    )  # the same seed: the same initial state
     outs[name] = jax.tree.map(np.asarray, (states[name].params, g, m))
     fresh.ps.close()
     steps[name] = fresh.train_step
@@ -110,7 +112,7 @@ def main(_):
   for r in range(_REPEATS.value + 2):
     for name, step in steps.items():
       t0 = time.perf_counter()
-      states[name], g, _ = step(states[name], rows, placed)
+      states[name], _, g, _ = step(states[name], {}, rows, placed)
       jax.block_until_ready((states[name], g))
       if r >= 2:
         times[name].append(time.perf_counter() - t0)

@@ -192,18 +192,18 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
       for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
         t[k] += v / n
   _, rows, batch = placed
-  compiled = job.train_step.lower(job.state, rows, batch).compile()
+  compiled = job.train_step.lower(job.state, job.hot_state, rows, batch).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", float("nan")))
-  state = job.state
+  state, hot = job.state, job.hot_state
   for _ in range(3):
-    state, g, _m = job.train_step(state, rows, batch)
+    state, hot, g, _m = job.train_step(state, hot, rows, batch)
   jax.block_until_ready(g)
   times = []
   for _ in range(n):
     t0 = time.perf_counter()
-    state, g, _m = job.train_step(state, rows, batch)
+    state, hot, g, _m = job.train_step(state, hot, rows, batch)
     jax.block_until_ready(g)
     times.append(time.perf_counter() - t0)
   device_s = float(np.median(times))

@@ -82,9 +82,15 @@ class RunCheckpoints:
     self.positions = {start - 1: position}
     return state, start, position
 
-  def save(self, step: int, state, ps, pusher) -> None:
-    """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made)."""
+  def save(self, step: int, state, ps, pusher, write_back=None) -> None:
+    """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made).
+
+    ``write_back(ps)``: called once the pushes are in, before the PS snapshot (the hot rows held
+    on the device go back into the PS, so the snapshot has every row).
+    """
     pusher.flush(step - 1)
+    if write_back is not None:
+      write_back(ps)
     meta = {"data_position": step, "batch_size": self.config.batch_size, "data": self.config.data.name}
     meta["reader_position"] = self.positions[step - 1]
     if jax.process_count() > 1:  # every process's own position, in process order

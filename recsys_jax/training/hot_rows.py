@@ -1,0 +1,290 @@
+"""Hot rows on the device: the tables, the counting, the re-choices and the write-back.
+
+The ids seen at nearly every step (Criteo's low-cardinality fields; a few thousand ids take a
+large share of all lookups) are the rows that staleness hurts most: read k steps early, such a
+row has missed up to k updates. They are also most of the bytes the host sends the device at
+every step. So the most frequent ids of every table live on the device, in one table per row
+width (``HotSet`` says which id is in which slot), and train synchronously inside the jitted
+step with the PS's optimizer math (:mod:`recsys_jax.embeddings.device_optimizers`); the other
+rows go through the PS with staleness k, as before.
+
+The flow of a step does not change direction: the prefetcher thread counts each step's
+distinct ids (in step order, so the counts at a boundary are those of the steps before it) and
+splits them into cold rows, which it looks up, and hot slots, which the step reads on the
+device. Every ``config.hot_every`` steps after ``config.hot_warmup_steps`` (a boundary), the
+training loop re-chooses the set between two steps: with every push of the earlier steps
+applied and the lookups of the boundary step held, leaving rows and their optimizer slots are
+written back into the PS, arriving rows are read from it into their slots, and only then are
+the held lookups let go. So no row is ever read where it is not current. Before a checkpoint
+or an evaluation every hot row is written back, so the PS snapshot is whole and a restore
+with another budget (or none) reads the same rows.
+
+With several trainer processes the counts are summed over all processes before a choice, so
+every process chooses the same set; process 0 writes rows back, and barriers order the moves.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recsys_jax.embeddings import dedup as dedup_lib
+from recsys_jax.embeddings import device_optimizers
+from recsys_jax.embeddings import hot as hot_lib
+from recsys_jax.embeddings.frequency import FrequencyCounter
+from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
+from recsys_jax.parallel import distributed
+from recsys_jax.parallel import mesh as mesh_lib
+
+_NEVER = 1 << 62
+
+
+def row_bytes(opt, dim: int) -> int:
+  """Device bytes of one hot row: its float32 weights and optimizer slots."""
+  return 4 * (dim + sum(dim if full else 1 for full in opt.slot_widths.values()))
+
+
+class HotRows:
+  """The hot rows of a run (``enabled`` is False when the budget buys no slot).
+
+  Args:
+    config: the run's config (``hot_rows_bytes``, ``hot_warmup_steps``, ``hot_every``,
+      ``hot_rows_per_table``, ``hot_min_count``).
+    tables_by_name: the tables.
+    features: the features (they say which tables a step reads, and how many ids a record
+      brings to each row width: the budget is split across widths by that).
+    mesh: the training mesh (the hot tables are replicated over it).
+  The first re-choice comes ``hot_warmup_steps`` after the run's first step (``start_at``): the
+  counts start empty in every run, a resumed one included.
+  """
+
+  def __init__(self, config, tables_by_name: Mapping[str, TableSpec], features: Sequence[FeatureSpec], mesh):
+    groups: Dict[int, list] = {}
+    lookups: Dict[int, int] = {}
+    for f in features:
+      spec = tables_by_name[f.table]
+      lookups[spec.dim] = lookups.get(spec.dim, 0) + f.max_len
+      if f.table not in groups.setdefault(spec.dim, []):
+        groups[spec.dim].append(f.table)
+    self.opts: Dict[int, Any] = {}
+    for dim, names in groups.items():
+      kinds = {(tables_by_name[t].optimizer, tables_by_name[t].optimizer_kwargs) for t in names}
+      if len(kinds) > 1:
+        raise ValueError(
+          f"hot rows: the width-{dim} tables {names} use different row optimizers {sorted(kinds)}; "
+          "one device table holds them all, so they must share one (or set config.hot_rows_bytes = 0)"
+        )
+      spec = tables_by_name[names[0]]
+      self.opts[dim] = device_optimizers.make(spec.optimizer, **dict(spec.optimizer_kwargs))
+    budget = int(config.get("hot_rows_bytes", 0))
+    cap = hot_lib.capacities(budget, lookups, {d: row_bytes(o, d) for d, o in self.opts.items()})
+    cap = {d: c for d, c in cap.items() if c > 0}
+    self.groups = {d: tuple(groups[d]) for d in cap}
+    self.enabled = bool(self.groups)
+    self.set = hot_lib.HotSet(self.groups, cap)
+    self.overrides = {str(k): int(v) for k, v in dict(config.get("hot_rows_per_table", {}) or {}).items()}
+    self.min_count = int(config.get("hot_min_count", 2))
+    self.every = int(config.get("hot_every", 0))
+    self.warmup = int(config.get("hot_warmup_steps", 0))
+    self.counter = FrequencyCounter(
+      [t for ts in self.groups.values() for t in ts], capacity=max(cap.values(), default=1), seed=int(config.seed)
+    )
+    self.replicated = mesh_lib.replicated(mesh)
+    self._cond = threading.Condition()
+    self._next = self.warmup if self.enabled else _NEVER  # the first boundary not yet done
+    self._closed = False
+    self._moves = 0  # write-backs so far (each barrier needs its own name)
+    self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
+    self.choices: list = []
+    """One dict per re-choice: step, rows held, rows moved in and out."""
+
+  def start_at(self, step: int) -> None:
+    """The run's first step is ``step`` (before any lookup): the first re-choice is a warm-up later."""
+    with self._cond:
+      self._next = step + self.warmup if self.enabled else _NEVER
+
+  # -- the device tables --------------------------------------------------------------
+  def init_state(self) -> Dict[str, Any]:
+    """The device tables, empty (all slots free), replicated over the mesh."""
+    state = {}
+    for dim, opt in self.opts.items():
+      if dim not in self.groups:
+        continue
+      n = self.set.capacity[dim]
+      host = {"w": np.zeros((n, dim), np.float32), "slots": jax.tree.map(np.asarray, opt.init(n, dim))}
+      state[str(dim)] = self._put(host)
+    return state
+
+  def _put(self, tree):
+    """Host arrays -> replicated device arrays (on every process, from its identical copy)."""
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.replicated, lambda i: x[i]), tree)
+
+  def device_opts(self) -> Dict[str, Any]:
+    """Row width (as the step's keys) -> the device row optimizer of that width's hot table."""
+    return {str(d): self.opts[d] for d in self.groups}
+
+  # -- the prefetcher thread ----------------------------------------------------------
+  def before_lookup(self, step: int) -> None:
+    """Waits until the hot set of ``step`` is in place (the re-choice of a boundary <= step done)."""
+    with self._cond:
+      while step >= self._next and not self._closed:
+        self._cond.wait(0.1)
+
+  def split(self, groups: Dict[int, dedup_lib.Group], min_bucket) -> tuple:
+    """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width)."""
+    for g in groups.values():
+      for name, ids, _ in g.tables:
+        if name in self.set.group_of:
+          self.counter.add(name, ids)
+    cold, hot_idx = {}, {}
+    hits = lookups = n_hot = 0
+    for dim, g in groups.items():
+      if dim not in self.groups:
+        cold[dim] = g
+        continue
+      s = self.set.split(g, min_bucket)
+      cold[dim], hot_idx[str(dim)] = s.group, s.hot_idx
+      hits, lookups = hits + s.hits, lookups + s.lookups
+      n_hot += int(np.count_nonzero(s.hot_idx < self.set.capacity[dim]))
+    t = self.totals
+    t["hits"] += hits
+    t["lookups"] += lookups
+    t["hot_rows"] += n_hot
+    t["cold_rows"] += sum(g.num_rows for g in cold.values())
+    t["h2d_row_bytes"] += sum(g.bucket * g.dim * 4 for g in cold.values()) + sum(
+      4 * i.shape[0] for i in hot_idx.values()
+    )
+    t["steps"] += 1
+    return cold, hot_idx
+
+  def empty_idx(self) -> Dict[str, np.ndarray]:
+    """Hot slots of a step that touches none (every entry is padding)."""
+    return {str(d): np.full(dedup_lib.MIN_BUCKET, self.set.capacity[d], np.int32) for d in self.groups}
+
+  # -- the training loop --------------------------------------------------------------
+  def boundary(self, step: int) -> bool:
+    """Whether the hot set is re-chosen before ``step``."""
+    return self.enabled and step == self._next
+
+  def rechoose(self, step: int, hot_state, ps) -> Dict[str, Any]:
+    """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.
+
+    Returns the new device tables (``hot_state`` is donated) and lets the lookups of ``step`` go.
+    """
+    counts = self._counts()
+    chosen = hot_lib.choose(counts, self.groups, self.set.capacity, self.overrides, self.min_count)
+    swap = self.set.plan(chosen)
+    self._write_rows(hot_state, ps, swap.demote)
+    coming = {t: ids for t, (ids, _) in swap.promote.items() if ids.shape[0]}
+    if coming:
+      rows = ps.export_rows_many(coming)
+      hot_state = self._scatter(hot_state, swap.promote, rows)
+    self.set.apply(swap)
+    self.choices.append(
+      {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
+    )
+    with self._cond:
+      self._next = step + self.every if self.every > 0 else _NEVER
+      self._cond.notify_all()
+    return hot_state
+
+  def write_back(self, hot_state, ps) -> None:
+    """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
+    if self.enabled:
+      self._write_rows(hot_state, ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
+
+  def _counts(self) -> Dict[str, tuple]:
+    """table -> (candidate ids, counts), summed over every trainer process."""
+    out = {}
+    for dim, tables in self.groups.items():
+      for t in tables:
+        if jax.process_count() == 1:
+          out[t] = self.counter.top(t, self.set.capacity[dim])
+          continue
+        ids = np.unique(distributed.gather_ragged(self.counter.candidates(t)))
+        est = distributed.gather_ragged(self.counter.estimate(t, ids).astype(np.int64))
+        out[t] = (ids, est.reshape(jax.process_count(), ids.shape[0]).sum(0))
+    return out
+
+  def _write_rows(self, hot_state, ps, which: Mapping[str, tuple]) -> None:
+    """Device rows ``which`` (table -> (ids, slots)) into the PS: by process 0, then a barrier."""
+    which = {t: v for t, v in which.items() if v[0].shape[0]}
+    if which:
+      gathered = self._gather(hot_state, which)
+      if jax.process_index() == 0:
+        ps.import_rows_many({t: (which[t][0], *gathered[t]) for t in which})
+    self._moves += 1
+    distributed.barrier(f"hot rows written back {self._moves}")
+
+  def _gather(self, hot_state, which: Mapping[str, tuple]) -> Dict[str, tuple]:
+    """table -> (weights, slots) of the given slots, on the host."""
+    out = {}
+    for t, (_, slots) in which.items():
+      dim = self.set.group_of[t]
+      idx = _padded(slots, self.set.capacity[dim])
+      got = distributed.local_copy(_take(hot_state[str(dim)], self._put(idx)))
+      n = slots.shape[0]
+      out[t] = (np.asarray(got["w"])[:n], {k: np.asarray(v)[:n] for k, v in got["slots"].items()})
+    return out
+
+  def _scatter(self, hot_state, promote: Mapping[str, tuple], rows: Mapping[str, tuple]) -> Dict[str, Any]:
+    """Writes rows from the PS (table -> (weights, slots)) into their slots; returns the new tables."""
+    hot_state = dict(hot_state)
+    for t, (ids, slots) in promote.items():
+      if not ids.shape[0]:
+        continue
+      dim = self.set.group_of[t]
+      cap = self.set.capacity[dim]
+      w, sl = rows[t]
+      idx = _padded(slots, cap)
+      pad = idx.shape[0] - slots.shape[0]
+      vals = {"w": _pad_rows(w, pad), "slots": {k: _pad_rows(np.asarray(v, np.float32), pad) for k, v in sl.items()}}
+      hot_state[str(dim)] = _set(hot_state[str(dim)], self._put(idx), self._put(vals))
+    return hot_state
+
+  def metrics(self) -> Dict[str, float]:
+    """Hot hit rate, rows per step on each side, host -> device row bytes per step, since the start."""
+    t = self.totals
+    n = max(1, t["steps"])
+    last = self.choices[-1] if self.choices else {}
+    return {
+      "hot_hit_rate": t["hits"] / t["lookups"] if t["lookups"] else 0.0,
+      "hot_rows_per_step": t["hot_rows"] / n,
+      "cold_rows_per_step": t["cold_rows"] / n,
+      "h2d_row_bytes_per_step": t["h2d_row_bytes"] / n,
+      "hot_rows_held": float(self.set.size()),
+      "hot_rows_moved_last": float(last.get("promoted", 0) + last.get("demoted", 0)),
+    }
+
+  def close(self) -> None:
+    """Lets a waiting lookup go (the run is ending or failed)."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+
+def _padded(slots: np.ndarray, capacity: int) -> np.ndarray:
+  """Slots padded with ``capacity`` (no slot) to a bucket size, so few shapes are compiled."""
+  out = np.full(dedup_lib.bucket_size(slots.shape[0]), capacity, np.int32)
+  out[: slots.shape[0]] = slots
+  return out
+
+
+def _pad_rows(x: np.ndarray, pad: int) -> np.ndarray:
+  return np.concatenate([np.asarray(x, np.float32), np.zeros((pad,) + x.shape[1:], np.float32)])
+
+
+@jax.jit
+def _take(table, idx):
+  return jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="fill", fill_value=0), table)
+
+
+def _set_rows(table, idx, vals):
+  return jax.tree.map(lambda x, v: x.at[idx].set(v, mode="drop"), table, vals)
+
+
+_set = jax.jit(_set_rows, donate_argnums=0)
