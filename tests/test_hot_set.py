@@ -78,7 +78,7 @@ def test_split_points_every_lookup_at_the_same_row_as_before(weighted):
   tables = {"a": TableSpec(name="a", dim=4), "b": TableSpec(name="b", dim=4)}
   features = [FeatureSpec(name="fa", table="a", max_len=3), FeatureSpec(name="fb", table="b", max_len=1)]
   hs = hot_lib.HotSet({4: ("a", "b")}, {4: 50})
-  for step in range(5):
+  for _ in range(5):
     sparse = {
       "fa": rng.integers(0, 30, (64, 3)).astype(np.uint64),
       "fb": rng.integers(0, 20, (64, 1)).astype(np.uint64),
@@ -97,12 +97,12 @@ def test_split_points_every_lookup_at_the_same_row_as_before(weighted):
     assert cold.bucket == dedup_lib.bucket_size(cold.num_rows)
     by_slot = {int(sl): (t, int(i)) for t in ("a", "b") for i, sl in zip(*hs.hot(t))}
 
-    def decode(layout, index, bucket=None):
+    def decode(layout, index, bucket=None, by_slot=by_slot, hot_idx=s.hot_idx):
       for name, ids, off in layout.tables:
         if off <= index < off + ids.shape[0]:
           return name, int(ids[index - off])
       assert bucket is not None and index >= bucket, index
-      return by_slot[int(s.hot_idx[index - bucket])]
+      return by_slot[int(hot_idx[index - bucket])]
 
     counted = np.ones(g.inverse.shape, bool) if g.weights is None else g.weights != 0
     for pos in zip(*np.nonzero(counted)):

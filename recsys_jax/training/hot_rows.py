@@ -26,7 +26,7 @@ every process chooses the same set; process 0 writes rows back, and barriers ord
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -114,7 +114,20 @@ def make_train_step(
   ``rows_per_device``: with several trainer processes each process looks up its own rows, so
   the rows are not one replicated array: every device gets its process's rows (split over the
   mesh like the batch) and returns its own row gradients, which the process sums on the host.
+
+  Hot rows (:mod:`recsys_jax.training.hot_rows`): ``hot`` holds a device table per row width
+  (``{"w": [H, D], "slots": {...}}``, replicated) and ``rows`` is ``{"cold": row width -> the
+  PS's rows, "hot_idx": row width -> int32 hot slots of this step, padded with H}``. The step
+  reads ``concat(cold rows, w[hot_idx])``, which the remapped inverse indexes, and updates the
+  hot rows it touched with ``hot_opts[width]`` (a :mod:`recsys_jax.embeddings.device_optimizers`
+  optimizer: the PS's math) on their gradient summed over the global batch: synchronously, like
+  the dense part. Only the cold rows' gradients go back to the host. With one trainer process
+  the update is sparse (the touched slots only); with several, each process touches its own
+  slots, so the gradients are scattered into [H, D], summed over every device and applied to
+  the slots any process touched.
   """
+  hot_opts = dict(hot_opts or {})
+  all_axes = tuple(mesh.axis_names)
   dims = mics.group_dims(state_specs.params)
   rows_spec = mics.DATA_SPEC if rows_per_device else P()
   n_micro = micro_steps * mesh.size
