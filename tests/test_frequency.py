@@ -138,6 +138,18 @@ def test_memory_stays_bounded_over_many_distinct_ids():
   assert fc.threshold("t") > 1
 
 
+def test_repeated_ids_do_not_pile_up_below_capacity():
+  """Capacity far above the ids seen: the same ids every step are merged, not held once per step."""
+  fc = FrequencyCounter(["t"], capacity=10**7, width=1 << 10)
+  ids = np.arange(1000, dtype=np.uint64) * _SPREAD
+  ids.sort()
+  for _ in range(1000):
+    fc.add("t", ids)
+    assert fc.nbytes() <= 4 * 4 * (1 << 10) + 8 * (1000 + FrequencyCounter.MERGE_MIN + 1000) + 64
+  np.testing.assert_array_equal(fc.candidates("t"), ids)
+  assert fc.threshold("t") == 1 and (fc.estimate("t", ids) >= 1000).all()
+
+
 def test_sorted_ascending_candidates_and_top_bounds(big):
   fc = _fill(FrequencyCounter(["t"], capacity=50), big[:40])
   c = fc.candidates("t")

@@ -17,8 +17,9 @@ Invariant: every id whose estimate reached the threshold when it was last seen i
 so with exact estimates ``top(n)`` (n <= capacity) is the exact top n up to ties at the cut.
 
 An ``add`` costs O(len(ids)) in a compiled kernel plus a binary search of the new candidates
-against the pool; merging and cutting the pool costs O(capacity log capacity) once per at least
-``capacity`` new candidates, so it is O(log capacity) per id amortised, never O(pool) per call.
+against the pool; new candidates wait in a list and are merged into the pool (O(pool + new)) once
+they are as many as the pool's ids, or past ``2 * capacity`` merged and cut to ``capacity``, so
+it is O(log capacity) per id amortised, never O(pool) per call.
 Results depend only on the sequence of calls (ties broken by id). Calls for different tables may
 run on different threads at once (the kernels drop the GIL; each table has its own lock).
 No jax here: the host feed calls this.
@@ -127,6 +128,9 @@ class FrequencyCounter:
     about (the table's total count) / width for plain count-min, less with conservative update.
   """
 
+  MERGE_MIN = 1 << 16
+  """New candidates held unmerged before they are merged into a pool smaller than this."""
+
   def __init__(
     self,
     tables: Sequence[str],
@@ -190,6 +194,12 @@ class FrequencyCounter:
         t.pending_n += new.size
       if t.pool.size + t.pending_n > 2 * self.capacity:
         self._cut(t)
+      elif t.pending_n >= max(t.pool.size, self.MERGE_MIN):
+        # Ids seen again before a merge are pending twice: merge once the pending list is as large
+        # as the pool (each merge costs O(pool + pending), so still O(log) per id amortised), or
+        # with a capacity far above the distinct ids it would grow to 2 * capacity of repeats.
+        t.pool = self._merged(t)
+        t.pending, t.pending_n = [], 0
 
   def _merged(self, t: _Table) -> np.ndarray:
     if not t.pending:
