@@ -175,6 +175,7 @@ class HotRows:
 
     Returns the new device tables (``hot_state`` is donated) and lets the lookups of ``step`` go.
     """
+    distributed.barrier(f"hot choice before {step}")  # every process's pushes of earlier steps are in
     counts = self._counts()
     chosen = hot_lib.choose(counts, self.groups, self.set.capacity, self.overrides, self.min_count)
     swap = self.set.plan(chosen)
