@@ -55,11 +55,6 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _writer(hot, hot_state):
-  """What writes the hot rows back into the PS before a snapshot (None without hot rows)."""
-  return None if hot is None else functools.partial(hot.write_back, hot_state)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
   """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary.
 
@@ -82,17 +77,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
   hot, hot_state = job.hot, job.hot_state
-  if hot is not None:
-    hot.start_at(start)
+  hot.start_at(start)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
   try:
     for t in range(start, n):
-      if hot is not None and hot.boundary(t):
-        pusher.flush(t - 1)  # the moves need every earlier push applied; the lookups of t wait
-        hot_state = hot.rechoose(t, hot_state, ps)
+      hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
       try:
         _, (p, rows, batch) = pre.get()
         ckpts.positions[t] = p.position
@@ -111,19 +103,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         progress.log_train(done, pre, ps, hot)
       if _due(config.eval_every, done, n):
         pusher.flush(t)
-        if hot is not None:  # evaluation reads the PS: the hot rows' current values go there first
-          hot.write_back(hot_state, ps)
+        hot.write_back(hot_state, ps)  # evaluation reads the PS: the hot rows' current values go there
         distributed.barrier(f"eval at {done}")  # every trainer's pushes are in: the PS is one cut
         progress.log_eval(done, functools.partial(evaluate, state, job.eval_step, host, config))
       if save:
         try:
-          ckpts.save(done, state, ps, pusher, _writer(hot, hot_state))
+          ckpts.save(done, state, ps, pusher, functools.partial(hot.write_back, hot_state))
         finally:
           gate.release()
     if n > start:
-      ckpts.save(n, state, ps, pusher, _writer(hot, hot_state))
-    elif hot is not None:
-      hot.write_back(hot_state, ps)
+      ckpts.save(n, state, ps, pusher, functools.partial(hot.write_back, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -134,8 +123,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     raise
   finally:
     progress.bar.close()
-    if hot is not None:
-      hot.close()
+    hot.close()
     pre.close()
     pusher.close()
     ckpts.close()

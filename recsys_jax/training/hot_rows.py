@@ -71,16 +71,16 @@ class HotRows:
       if f.table not in groups.setdefault(spec.dim, []):
         groups[spec.dim].append(f.table)
     self.opts: Dict[int, Any] = {}
+    budget = int(config.get("hot_rows_bytes", 0))
     for dim, names in groups.items():
       kinds = {(tables_by_name[t].optimizer, tables_by_name[t].optimizer_kwargs) for t in names}
-      if len(kinds) > 1:
+      if budget and len(kinds) > 1:
         raise ValueError(
           f"hot rows: the width-{dim} tables {names} use different row optimizers {sorted(kinds)}; "
           "one device table holds them all, so they must share one (or set config.hot_rows_bytes = 0)"
         )
       spec = tables_by_name[names[0]]
       self.opts[dim] = device_optimizers.make(spec.optimizer, **dict(spec.optimizer_kwargs))
-    budget = int(config.get("hot_rows_bytes", 0))
     cap = hot_lib.capacities(budget, lookups, {d: row_bytes(o, d) for d, o in self.opts.items()})
     cap = {d: c for d, c in cap.items() if c > 0}
     self.groups = {d: tuple(groups[d]) for d in cap}
@@ -169,6 +169,14 @@ class HotRows:
   def boundary(self, step: int) -> bool:
     """Whether the hot set is re-chosen before ``step``."""
     return self.enabled and step == self._next
+
+  def before_step(self, step: int, hot_state, ps, pusher) -> Dict[str, Any]:
+    """The training loop's call before it takes ``step``: at a boundary, waits for the pushes of
+    the earlier steps and re-chooses (the lookups of ``step`` wait meanwhile); else nothing."""
+    if not self.boundary(step):
+      return hot_state
+    pusher.flush(step - 1)
+    return self.rechoose(step, hot_state, ps)
 
   def rechoose(self, step: int, hot_state, ps) -> Dict[str, Any]:
     """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.

@@ -43,7 +43,7 @@ class Job:
   traces: Dict[str, int]
   """How many times each step function has been traced."""
   hot: Optional[HotRows] = None
-  """The hot rows kept on the device (None: ``config.hot_rows_bytes`` buys none)."""
+  """The hot rows kept on the device (``hot.enabled`` False: ``config.hot_rows_bytes`` buys none)."""
   hot_state: Any = dataclasses.field(default_factory=dict)
   """The initial device tables of the hot rows (empty: none), replicated over the mesh."""
 
@@ -81,11 +81,10 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
   traces: Dict[str, int] = {}
   repl = mesh_lib.replicated(mesh)
   hot = HotRows(config, tables_by_name, features, mesh)
-  hot = hot if hot.enabled else None
-  host.hot = hot
+  host.hot = hot if hot.enabled else None
   with jax.transfer_guard("allow"):  # one-off setup; the step loop itself moves data explicitly
     state, state_shardings, on_device = init_state(config, model, reader.schema, features, tables_by_name, mesh)
-    hot_state = hot.init_state() if hot else {}
+    hot_state = hot.init_state()
   rows_out = mesh_lib.data_sharding(mesh) if multi else repl
   train_step = jax.jit(
     make_train_step(
@@ -97,7 +96,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
       config.micro_steps,
       on_device,
       rows_per_device=multi,
-      hot_opts=hot.device_opts() if hot else None,
+      hot_opts=hot.device_opts(),
     ),
     donate_argnums=(0, 1),
     out_shardings=(state_shardings, repl, rows_out, repl),

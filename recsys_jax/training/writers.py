@@ -125,7 +125,7 @@ class Progress:
     sps = (done - self.log_step) * self.config.batch_size / (now - self.log_t)
     loss = self.stats.take_mean_loss()
     staleness = {"staleness_mean": pre.stale_sum / max(1, pre.stale_n), "staleness_max": pre.stale_max}
-    hot_metrics = hot.metrics() if hot is not None else {}
+    hot_metrics = hot.metrics() if hot is not None and hot.enabled else {}
     self.writers.write(done, "train", {"loss": loss, "samples_per_sec": sps, **staleness, **hot_metrics})
     self.writers.write_ps(done, ps.stats())
     self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}", refresh=False)
@@ -177,7 +177,7 @@ class Progress:
       "mesh": dict(job.mesh.shape),
       "micro_steps": config.micro_steps,
       "evals": self.evals,
-      "hot": None if hot is None else {**hot.metrics(), "choices": hot.choices},
+      "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
