@@ -17,7 +17,9 @@ applied and the lookups of the boundary step held, leaving rows and their optimi
 written back into the PS, arriving rows are read from it into their slots, and only then are
 the held lookups let go. So no row is ever read where it is not current. Before a checkpoint
 or an evaluation every hot row is written back, so the PS snapshot is whole and a restore
-with another budget (or none) reads the same rows.
+with another budget (or none) reads the same rows. After a checkpoint the hot set starts over
+(empty, the counts restarted, the first choice a warm-up later), exactly as in a run resumed
+from that checkpoint, so a resumed run goes on as the uninterrupted one does.
 
 With several trainer processes the counts are summed over all processes before a choice, so
 every process chooses the same set; process 0 writes rows back, and barriers order the moves.
@@ -90,12 +92,16 @@ class HotRows:
     self.min_count = int(config.get("hot_min_count", 2))
     self.every = int(config.get("hot_every", 0))
     self.warmup = int(config.get("hot_warmup_steps", 0))
-    self.counter = FrequencyCounter(
+    self._new_counter = lambda: FrequencyCounter(
       [t for ts in self.groups.values() for t in ts], capacity=max(cap.values(), default=1), seed=int(config.seed)
     )
+    self.counter = self._new_counter()
+    self.checkpoint_every = int(config.get("checkpoint_every", 0))
+    self.num_steps = int(config.num_steps)
+    self._clean = False  # every hot row was written back since the last step
     self.replicated = mesh_lib.replicated(mesh)
     self._cond = threading.Condition()
-    self._next = self.warmup if self.enabled else _NEVER  # the first boundary not yet done
+    self._next = _NEVER if not self.enabled else self.warmup  # the first boundary not yet done (start_at sets it)
     self._closed = False
     self._moves = 0  # write-backs so far (each barrier needs its own name)
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
@@ -104,8 +110,20 @@ class HotRows:
 
   def start_at(self, step: int) -> None:
     """The run's first step is ``step`` (before any lookup): the first re-choice is a warm-up later."""
+    self._publish(step, step + self.warmup)
+
+  def _checkpoint_after(self, step: int) -> int:
+    """The first step > ``step`` that follows a checkpoint (the loop saves after steps that are
+    multiples of ``checkpoint_every``, but for the last), or _NEVER."""
+    ce = self.checkpoint_every
+    nxt = (step // ce + 1) * ce if ce > 0 else _NEVER
+    return nxt if nxt < self.num_steps else _NEVER
+
+  def _publish(self, step: int, regular: int) -> None:
+    """The hot set for ``step`` is in place; the next boundary is ``regular`` or the next checkpoint."""
     with self._cond:
-      self._next = step + self.warmup if self.enabled else _NEVER
+      self._next = min(regular, self._checkpoint_after(step)) if self.enabled else _NEVER
+      self._cond.notify_all()
 
   # -- the device tables --------------------------------------------------------------
   def init_state(self) -> Dict[str, Any]:
@@ -173,10 +191,26 @@ class HotRows:
   def before_step(self, step: int, hot_state, ps, pusher) -> Dict[str, Any]:
     """The training loop's call before it takes ``step``: at a boundary, waits for the pushes of
     the earlier steps and re-chooses (the lookups of ``step`` wait meanwhile); else nothing."""
+    clean, self._clean = self._clean, False
     if not self.boundary(step):
       return hot_state
     pusher.flush(step - 1)
+    if step == self._checkpoint_after(step - 1):
+      return self._restart(step, hot_state, ps, clean)
     return self.rechoose(step, hot_state, ps)
+
+  def _restart(self, step: int, hot_state, ps, clean: bool) -> Dict[str, Any]:
+    """After a checkpoint the hot set starts over: every hot row is in the PS (the checkpoint wrote
+    them back), the counts restart and the first choice comes a warm-up later. A run resumed from
+    that checkpoint starts the same way, so it goes on exactly as the uninterrupted run does."""
+    if not clean:
+      self.write_back(hot_state, ps)
+    held = self.set.size()
+    self.set = hot_lib.HotSet(self.groups, self.set.capacity)
+    self.counter = self._new_counter()
+    self.choices.append({"step": step, "rows": 0, "promoted": 0, "demoted": held, "restart": True})
+    self._publish(step, step + self.warmup)
+    return hot_state
 
   def rechoose(self, step: int, hot_state, ps) -> Dict[str, Any]:
     """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.
@@ -196,15 +230,14 @@ class HotRows:
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
-    with self._cond:
-      self._next = step + self.every if self.every > 0 else _NEVER
-      self._cond.notify_all()
+    self._publish(step, step + self.every if self.every > 0 else _NEVER)
     return hot_state
 
   def write_back(self, hot_state, ps) -> None:
     """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
     if self.enabled:
       self._write_rows(hot_state, ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
+      self._clean = True
 
   def _counts(self) -> Dict[str, tuple]:
     """table -> (candidate ids, counts), summed over every trainer process."""
