@@ -60,8 +60,9 @@ class HotRows:
     features: the features (they say which tables a step reads, and how many ids a record
       brings to each row width: the budget is split across widths by that).
     mesh: the training mesh (the hot tables are replicated over it).
-  The first re-choice comes ``hot_warmup_steps`` after the run's first step (``start_at``): the
-  counts start empty in every run, a resumed one included.
+
+  The first choice comes ``hot_warmup_steps`` after the run's first step (``start_at``) and after
+  every checkpoint: the counts start empty then, in a resumed run as in the one that went on.
   """
 
   def __init__(self, config, tables_by_name: Mapping[str, TableSpec], features: Sequence[FeatureSpec], mesh):
