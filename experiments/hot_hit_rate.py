@@ -279,6 +279,7 @@ def plot(records: Sequence[dict], summary: dict, path: str) -> None:
     ax.set_xlabel(f"hot-set budget (MiB; {summary['row_bytes']} B/row)")
     if key == "cold_rows_per_step":
       ax.set_yscale("symlog", linthresh=1.0)
+      ax.set_ylim(bottom=0)  # counts: no negative axis
     else:
       ax.set_ylim(0, 1.02)
     ax.set_title(title)

@@ -76,8 +76,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
-  hot, hot_state = job.hot, job.hot_state
-  hot.start_at(start)
+  hot = job.hot
+  hot_state = hot.resume(start, ckpts.latest_dir(), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start)
@@ -108,11 +108,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         progress.log_eval(done, functools.partial(evaluate, state, job.eval_step, host, config))
       if save:
         try:
-          ckpts.save(done, state, ps, pusher, functools.partial(hot.write_back, hot_state))
+          ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
     if n > start:
-      ckpts.save(n, state, ps, pusher, functools.partial(hot.write_back, hot_state))
+      ckpts.save(n, state, ps, pusher, (hot, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:

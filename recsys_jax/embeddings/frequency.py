@@ -256,6 +256,42 @@ class FrequencyCounter:
     """The estimate an id of ``table`` must reach when seen to become a candidate (1 until the first cut)."""
     return self._table(table).threshold
 
+  def state(self) -> Dict[str, np.ndarray]:
+    """Everything the counts depend on, as arrays (``load_state`` on a counter built with the same
+    arguments continues exactly as this one would)."""
+    out = {"tables": np.array(self.tables), "shape": np.array([self.capacity, self.width, self.depth])}
+    for i, t in enumerate(self._tables.values()):
+      with t.lock:
+        out[f"sketch_{i}"] = t.sketch.copy()
+        out[f"pool_{i}"] = t.pool.copy()
+        out[f"pending_{i}"] = np.concatenate(t.pending) if t.pending else np.zeros(0, np.uint64)
+        out[f"counts_{i}"] = np.array([t.pending_n, t.threshold], np.int64)
+    return out
+
+  def load_state(self, state) -> None:
+    """Restores ``state()`` of a counter built with the same tables, capacity, width and depth.
+
+    Raises:
+      ValueError: the state is of another counter (tables or sizes differ) or incomplete.
+    """
+    tables = [str(x) for x in np.asarray(state["tables"]).tolist()]
+    shape = np.asarray(state["shape"]).tolist()
+    if tables != list(self.tables) or shape != [self.capacity, self.width, self.depth]:
+      raise ValueError(
+        f"FrequencyCounter.load_state: the state counts tables {tables} with (capacity, width, depth) {shape}, "
+        f"this counter {list(self.tables)} with {[self.capacity, self.width, self.depth]}"
+      )
+    for i, t in enumerate(self._tables.values()):
+      sketch = np.asarray(state[f"sketch_{i}"], np.uint32)
+      if sketch.shape != t.sketch.shape:
+        raise ValueError(f"FrequencyCounter.load_state: sketch {i} has shape {sketch.shape}, expected {t.sketch.shape}")
+      pending = np.asarray(state[f"pending_{i}"], np.uint64)
+      n, threshold = (int(x) for x in np.asarray(state[f"counts_{i}"]).tolist())
+      with t.lock:
+        t.sketch = sketch.copy()
+        t.pool = np.asarray(state[f"pool_{i}"], np.uint64).copy()
+        t.pending, t.pending_n, t.threshold = ([pending] if pending.size else []), n, threshold
+
   def nbytes(self) -> int:
     """Bytes held by the sketches, pools and pending candidates of all tables."""
     total = self._seeds.nbytes

@@ -147,6 +147,32 @@ class HotSet:
     """(sorted hot ids, their slots) of a table."""
     return self._ids[table], self._slots[table]
 
+  def load(self, hot: Mapping[str, Tuple[np.ndarray, np.ndarray]]) -> None:
+    """Sets the hot set to ``hot`` (table -> (ids, slots), as ``hot`` gives them), e.g. from a checkpoint.
+
+    Raises:
+      ValueError: an unknown table, a slot out of range or used twice in a group, or ids and
+        slots of different lengths.
+    """
+    unknown = sorted(set(hot) - set(self.group_of))
+    if unknown:
+      raise ValueError(f"hot set: unknown table(s) {unknown}; the tables are {sorted(self.group_of)}")
+    used = {d: np.zeros(c, bool) for d, c in self.capacity.items()}
+    ids_of, slots_of = {}, {}
+    for t in self.group_of:
+      ids, slots = (np.asarray(a) for a in hot.get(t, (np.zeros(0, np.uint64), np.zeros(0, np.int32))))
+      d = self.group_of[t]
+      if ids.shape != slots.shape or ids.ndim != 1:
+        raise ValueError(f"hot set: table {t!r} has {ids.shape} ids and {slots.shape} slots")
+      if slots.size and (slots.min() < 0 or slots.max() >= self.capacity[d] or used[d][slots].any()):
+        raise ValueError(f"hot set: table {t!r} has slots out of [0, {self.capacity[d]}) or taken twice")
+      if np.unique(slots).size != slots.size:
+        raise ValueError(f"hot set: table {t!r} has slots taken twice")
+      used[d][slots] = True
+      order = np.argsort(ids.astype(np.uint64), kind="stable")
+      ids_of[t], slots_of[t] = ids.astype(np.uint64)[order], slots.astype(np.int32)[order]
+    self._ids, self._slots, self._used = ids_of, slots_of, used
+
   def slots_of(self, table: str, ids: np.ndarray) -> np.ndarray:
     """int32 slot of each id (-1: cold)."""
     hot = self._ids[table]

@@ -17,9 +17,8 @@ applied and the lookups of the boundary step held, leaving rows and their optimi
 written back into the PS, arriving rows are read from it into their slots, and only then are
 the held lookups let go. So no row is ever read where it is not current. Before a checkpoint
 or an evaluation every hot row is written back, so the PS snapshot is whole and a restore
-with another budget (or none) reads the same rows. After a checkpoint the hot set starts over
-(empty, the counts restarted, the first choice a warm-up later), exactly as in a run resumed
-from that checkpoint, so a resumed run goes on as the uninterrupted one does.
+with another budget (or none) reads the same rows; the hot set and the counts are saved next to
+the checkpoint, so a run resumed with the same budget goes on exactly as the one that saved it.
 
 With several trainer processes the counts are summed over all processes before a choice, so
 every process chooses the same set; process 0 writes rows back, and barriers order the moves.
@@ -27,8 +26,10 @@ every process chooses the same set; process 0 writes rows back, and barriers ord
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any, Dict, Mapping, Sequence
+import zipfile
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from recsys_jax.embeddings.frequency import FrequencyCounter
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.parallel import distributed
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training.writers import say
 
 _NEVER = 1 << 62
 
@@ -61,8 +63,8 @@ class HotRows:
       brings to each row width: the budget is split across widths by that).
     mesh: the training mesh (the hot tables are replicated over it).
 
-  The first choice comes ``hot_warmup_steps`` after the run's first step (``start_at``) and after
-  every checkpoint: the counts start empty then, in a resumed run as in the one that went on.
+  The first choice comes ``hot_warmup_steps`` after the run's first step, unless ``resume`` finds
+  the hot set saved with the checkpoint it starts from.
   """
 
   def __init__(self, config, tables_by_name: Mapping[str, TableSpec], features: Sequence[FeatureSpec], mesh):
@@ -97,34 +99,76 @@ class HotRows:
       [t for ts in self.groups.values() for t in ts], capacity=max(cap.values(), default=1), seed=int(config.seed)
     )
     self.counter = self._new_counter()
-    self.checkpoint_every = int(config.get("checkpoint_every", 0))
-    self.num_steps = int(config.num_steps)
-    self._clean = False  # every hot row was written back since the last step
     self.replicated = mesh_lib.replicated(mesh)
     self._cond = threading.Condition()
-    self._next = _NEVER if not self.enabled else self.warmup  # the first boundary not yet done (start_at sets it)
+    self._next = _NEVER  # the first boundary not yet done (``resume`` sets it)
     self._closed = False
     self._moves = 0  # write-backs so far (each barrier needs its own name)
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
     self.choices: list = []
     """One dict per re-choice: step, rows held, rows moved in and out."""
 
-  def start_at(self, step: int) -> None:
-    """The run's first step is ``step`` (before any lookup): the first re-choice is a warm-up later."""
-    self._publish(step, step + self.warmup)
-
-  def _checkpoint_after(self, step: int) -> int:
-    """The first step > ``step`` that follows a checkpoint (the loop saves after steps that are
-    multiples of ``checkpoint_every``, but for the last), or _NEVER."""
-    ce = self.checkpoint_every
-    nxt = (step // ce + 1) * ce if ce > 0 else _NEVER
-    return nxt if nxt < self.num_steps else _NEVER
-
-  def _publish(self, step: int, regular: int) -> None:
-    """The hot set for ``step`` is in place; the next boundary is ``regular`` or the next checkpoint."""
+  def _publish(self, next_boundary: int) -> None:
+    """The hot set of the steps before ``next_boundary`` is in place: their lookups may go."""
     with self._cond:
-      self._next = min(regular, self._checkpoint_after(step)) if self.enabled else _NEVER
+      self._next = next_boundary if self.enabled else _NEVER
       self._cond.notify_all()
+
+  # -- checkpoints --------------------------------------------------------------------
+  def _state_file(self, step_dir: str) -> str:
+    return os.path.join(step_dir, f"hot_rows_p{jax.process_index()}.npz")
+
+  def save_state(self, step_dir: str, step: int) -> None:
+    """Writes the hot set, the counts and the next boundary next to checkpoint ``step`` (this
+    process's own file: each process counts its own ids). The rows themselves are in the PS
+    snapshot (``write_back`` ran before it)."""
+    if not self.enabled:
+      return
+    arrays = {f"counter_{k}": v for k, v in self.counter.state().items()}
+    for i, t in enumerate(self.counter.tables):
+      arrays[f"hot_ids_{i}"], arrays[f"hot_slots_{i}"] = self.set.hot(t)
+    arrays["capacity"] = np.array([[d, c] for d, c in sorted(self.set.capacity.items())], np.int64)
+    arrays["steps"] = np.array([step, self._next, self.min_count], np.int64)
+    path = self._state_file(step_dir)
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, **arrays)
+    os.replace(path + ".tmp", path)
+
+  def resume(self, start: int, step_dir: Optional[str], ps, hot_state) -> Dict[str, Any]:
+    """Starts the run at ``start``: from the hot set saved with the checkpoint in ``step_dir`` (its
+    rows read from the PS into their slots), so a resumed run goes on exactly as the one that
+    saved it; or, without a checkpoint or with one of another budget, empty, its first choice a
+    warm-up later. A damaged file is named in a warning and the hot set starts empty (its rows
+    are in the PS snapshot: nothing is lost)."""
+    if not self.enabled:
+      return hot_state
+    path = None if step_dir is None else self._state_file(step_dir)
+    if path is None or not os.path.exists(path):
+      self._publish(start + self.warmup)
+      return hot_state
+    try:
+      with np.load(path) as z:
+        saved = {k: z[k] for k in z.files}
+      cap = {int(d): int(c) for d, c in saved["capacity"].tolist()}
+      if cap != self.set.capacity or saved["steps"].tolist()[0] != start:
+        say(f"hot rows: {path} is for another budget or step; the hot set starts empty")
+        self._publish(start + self.warmup)
+        return hot_state
+      self.counter.load_state({k[len("counter_") :]: v for k, v in saved.items() if k.startswith("counter_")})
+      self.set.load({t: (saved[f"hot_ids_{i}"], saved[f"hot_slots_{i}"]) for i, t in enumerate(self.counter.tables)})
+      nxt = int(saved["steps"][1])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+      say(f"warning: hot rows: {path} cannot be read ({type(e).__name__}: {e}); the hot set starts empty")
+      self.set = hot_lib.HotSet(self.groups, self.set.capacity)
+      self.counter = self._new_counter()
+      self._publish(start + self.warmup)
+      return hot_state
+    every = {t: self.set.hot(t) for ts in self.groups.values() for t in ts}
+    coming = {t: ids for t, (ids, _) in every.items() if ids.shape[0]}
+    if coming:
+      hot_state = self._scatter(hot_state, every, ps.export_rows_many(coming))
+    self._publish(nxt)
+    return hot_state
 
   # -- the device tables --------------------------------------------------------------
   def init_state(self) -> Dict[str, Any]:
@@ -192,26 +236,10 @@ class HotRows:
   def before_step(self, step: int, hot_state, ps, pusher) -> Dict[str, Any]:
     """The training loop's call before it takes ``step``: at a boundary, waits for the pushes of
     the earlier steps and re-chooses (the lookups of ``step`` wait meanwhile); else nothing."""
-    clean, self._clean = self._clean, False
     if not self.boundary(step):
       return hot_state
     pusher.flush(step - 1)
-    if step == self._checkpoint_after(step - 1):
-      return self._restart(step, hot_state, ps, clean)
     return self.rechoose(step, hot_state, ps)
-
-  def _restart(self, step: int, hot_state, ps, clean: bool) -> Dict[str, Any]:
-    """After a checkpoint the hot set starts over: every hot row is in the PS (the checkpoint wrote
-    them back), the counts restart and the first choice comes a warm-up later. A run resumed from
-    that checkpoint starts the same way, so it goes on exactly as the uninterrupted run does."""
-    if not clean:
-      self.write_back(hot_state, ps)
-    held = self.set.size()
-    self.set = hot_lib.HotSet(self.groups, self.set.capacity)
-    self.counter = self._new_counter()
-    self.choices.append({"step": step, "rows": 0, "promoted": 0, "demoted": held, "restart": True})
-    self._publish(step, step + self.warmup)
-    return hot_state
 
   def rechoose(self, step: int, hot_state, ps) -> Dict[str, Any]:
     """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.
@@ -231,14 +259,13 @@ class HotRows:
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
-    self._publish(step, step + self.every if self.every > 0 else _NEVER)
+    self._publish(step + self.every if self.every > 0 else _NEVER)
     return hot_state
 
   def write_back(self, hot_state, ps) -> None:
     """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
     if self.enabled:
       self._write_rows(hot_state, ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
-      self._clean = True
 
   def _counts(self) -> Dict[str, tuple]:
     """table -> (candidate ids, counts), summed over every trainer process."""
