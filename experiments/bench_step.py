@@ -70,6 +70,7 @@ def main(_):
   logging.set_verbosity(logging.WARNING)
   c = _CONFIG.value
   c.batch_size, c.host_workers = _BATCH.value, 0
+  c.hot_rows_bytes = 0  # the step's dense and pooling code is what is compared: every row from the PS
   if _BOTTOM.value:
     c.model.kwargs.bottom = (_BOTTOM.value,)
   if _TOP.value:
