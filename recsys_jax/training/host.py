@@ -86,14 +86,17 @@ class HostPipeline:
     groups = dedup_lib.dedup(sparse, self.features, self.tables, weights, min_bucket=min_bucket)
     return Prepared(step, batch, groups, position, n_valid)
 
-  def lookup(self, p: Prepared, create: bool) -> Prepared:
+  def lookup(self, p: Prepared, create: bool, gate: Optional[StalenessGate] = None) -> Prepared:
     """Reads the rows of every table in one PS call (one request per shard).
 
-    A training step with hot rows first waits for its hot set (a re-choice may be under way),
-    counts its ids and leaves the hot ones out: the device holds them.
+    A training step with hot rows first waits for its hot set (a re-choice may be under way)
+    and, before the run's first choice, for every earlier push (``gate``: the warm-up runs
+    synchronously); then it counts its ids and leaves the hot ones out: the device holds them.
     """
     if create and self.hot is not None:
       self.hot.before_lookup(p.step)
+      if gate is not None:
+        self.hot.wait_warmup(p.step, gate)
       p.groups, p.hot_idx = self.hot.split(p.groups, self._min_bucket(int(p.batch["label"].shape[0]), True))
     wanted, out = {}, {}
     p.rows = {}
@@ -194,7 +197,7 @@ class HostPipeline:
       start,
       config.num_steps,
       prepare=prepare,
-      lookup=lambda p: self.lookup(p, create=True),
+      lookup=lambda p: self.lookup(p, create=True, gate=gate),
       place=self.place,
       gate=gate,
       staleness=config.staleness,

@@ -103,6 +103,7 @@ class HotRows:
     self._cond = threading.Condition()
     self._next = _NEVER  # the first boundary not yet done (``resume`` sets it)
     self._closed = False
+    self._sync_before = 0  # steps before this one look up synchronously (the warm-up of a fresh set)
     self._moves = 0  # write-backs so far (each barrier needs its own name)
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
     self.choices: list = []
@@ -134,6 +135,12 @@ class HotRows:
       np.savez(f, **arrays)
     os.replace(path + ".tmp", path)
 
+  def _fresh(self, start: int, hot_state):
+    """An empty hot set at ``start``: the first choice a warm-up later, the warm-up synchronous."""
+    self._sync_before = start + self.warmup
+    self._publish(start + self.warmup)
+    return hot_state
+
   def resume(self, start: int, step_dir: Optional[str], ps, hot_state) -> Dict[str, Any]:
     """Starts the run at ``start``: from the hot set saved with the checkpoint in ``step_dir`` (its
     rows read from the PS into their slots), so a resumed run goes on exactly as the one that
@@ -144,16 +151,14 @@ class HotRows:
       return hot_state
     path = None if step_dir is None else self._state_file(step_dir)
     if path is None or not os.path.exists(path):
-      self._publish(start + self.warmup)
-      return hot_state
+      return self._fresh(start, hot_state)
     try:
       with np.load(path) as z:
         saved = {k: z[k] for k in z.files}
       cap = {int(d): int(c) for d, c in saved["capacity"].tolist()}
       if cap != self.set.capacity or saved["steps"].tolist()[0] != start:
         say(f"hot rows: {path} is for another budget or step; the hot set starts empty")
-        self._publish(start + self.warmup)
-        return hot_state
+        return self._fresh(start, hot_state)
       self.counter.load_state({k[len("counter_") :]: v for k, v in saved.items() if k.startswith("counter_")})
       self.set.load({t: (saved[f"hot_ids_{i}"], saved[f"hot_slots_{i}"]) for i, t in enumerate(self.counter.tables)})
       nxt = int(saved["steps"][1])
@@ -161,8 +166,7 @@ class HotRows:
       say(f"warning: hot rows: {path} cannot be read ({type(e).__name__}: {e}); the hot set starts empty")
       self.set = hot_lib.HotSet(self.groups, self.set.capacity)
       self.counter = self._new_counter()
-      self._publish(start + self.warmup)
-      return hot_state
+      return self._fresh(start, hot_state)
     every = {t: self.set.hot(t) for ts in self.groups.values() for t in ts}
     coming = {t: ids for t, (ids, _) in every.items() if ids.shape[0]}
     if coming:
@@ -259,8 +263,22 @@ class HotRows:
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
-    self._publish(step + self.every if self.every > 0 else _NEVER)
+    self._publish(self._after_choice(step))
     return hot_state
+
+  def _after_choice(self, step: int) -> int:
+    """The boundary after a choice at ``step``: ``hot_every`` later, or a tenth of that while slots
+    are free (ids first seen after a choice, e.g. new users, need not wait a whole period)."""
+    if self.every <= 0:
+      return _NEVER
+    full = all(self.set.size(d) >= c for d, c in self.set.capacity.items())
+    return step + (self.every if full else max(1, self.every // 10))
+
+  def wait_warmup(self, step: int, gate) -> None:
+    """Before the first choice of a run every row is cold, and the first steps' updates are the
+    largest: their lookups wait for every earlier push, as at k = 0 (a few synchronous steps)."""
+    if step < self._sync_before:
+      gate.wait_applied(step - 1)
 
   def write_back(self, hot_state, ps) -> None:
     """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
