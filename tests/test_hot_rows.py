@@ -26,7 +26,7 @@ def _config(tiny_config, hot_bytes, **kw):
   c.host_workers = 1
   c.hot_rows_bytes = hot_bytes
   c.hot_warmup_steps = 3
-  c.hot_every = 7  # re-chosen before steps 3, 10, 17, ...: rows move both ways many times
+  c.hot_every = 70  # slots stay free: re-chosen every 70 // 10 = 7 steps from step 3; rows move both ways
   c.hot_min_count = 1
   for k, v in kw.items():
     c[k] = v
