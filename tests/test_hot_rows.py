@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from recsys_jax.embeddings import dedup as dedup_lib
 from tests.run_outcome import checkpoint_contents, outcome
 
 STEPS = 50
@@ -97,3 +98,42 @@ def test_restore_into_another_budget_reads_the_same_rows(runs, budget):
   p, r = checkpoint_contents(other, hot_dir, 30)
   _assert_close(p, p_ref, "dense")
   _assert_close(r, r_ref, "rows")
+
+
+def test_buckets_never_shrink_between_choices(tiny_config):
+  """The step compiles once per shape: after a step of many rows, a step of few pads to the
+  earlier buckets (same rows, same slots, only the hot entries' base moves), until a re-choice."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+
+  def groups(step, batch_size):
+    return host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, batch_size))
+
+  for step in range(3):  # counted and created on the PS; nothing is hot yet
+    host.lookup(groups(step, 1024), create=True)
+  hot_state = hot.rechoose(3, job.hot_state, job.ps)
+  assert hot.set.size() > 100
+  big, small = groups(4, 1024).groups, groups(5, 64).groups
+  hot.split(big, dedup_lib.MIN_BUCKET)
+  bucket, bucket_h = hot._bucket_floor[8]
+  alone = hot.set.split(small[8])  # the small step's own buckets
+  assert alone.group.bucket < bucket and alone.hot_idx.shape[0] < bucket_h
+  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
+  got = cold[8]
+  assert (got.bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)
+  assert [(n, i.tolist(), o) for n, i, o in got.tables] == [(n, i.tolist(), o) for n, i, o in alone.group.tables]
+  n_hot = int(np.count_nonzero(alone.hot_idx < hot.set.capacity[8]))
+  np.testing.assert_array_equal(hot_idx["8"][:n_hot], alone.hot_idx[:n_hot])
+  assert (hot_idx["8"][n_hot:] == hot.set.capacity[8]).all()
+  a = alone.group.inverse
+  np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
+  hot.rechoose(6, hot_state, job.ps)  # a new set: the next step finds its own shapes again
+  alone = hot.set.split(small[8])
+  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
+  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (alone.group.bucket, alone.hot_idx.shape[0])
+  assert alone.group.bucket < bucket and alone.hot_idx.shape[0] < bucket_h
+  job.ps.close()

@@ -202,15 +202,23 @@ class HotSet:
         self._ids[t], self._slots[t] = all_ids[order], all_slots[order].astype(np.int32)
         self._used[self.group_of[t]][slots] = True
 
-  def split(self, g: dedup_lib.Group, min_bucket: Union[int, Mapping[int, int]] = dedup_lib.MIN_BUCKET) -> Split:
+  def split(
+    self,
+    g: dedup_lib.Group,
+    min_bucket: Union[int, Mapping[int, int]] = dedup_lib.MIN_BUCKET,
+    min_hot_bucket: Optional[int] = None,
+  ) -> Split:
     """Splits a deduplicated group into its cold rows and the hot slots the step reads.
 
     The cold tables keep dedup's layout (ids ascending, end to end), so the PS lookup and push
     see an ordinary group; the inverse is remapped so cold entries index the cold rows and hot
     entries index ``bucket + j``, where ``hot_idx[j]`` is the slot. Padding of the inverse (weight
-    0) may point at any row: it contributes nothing, as before.
+    0) may point at any row: it contributes nothing, as before. ``min_bucket`` is the smallest
+    cold bucket (one int, or one per row width), ``min_hot_bucket`` the smallest length of
+    ``hot_idx`` (default: the same as the cold one).
     """
     mb = min_bucket.get(g.dim, dedup_lib.MIN_BUCKET) if isinstance(min_bucket, Mapping) else int(min_bucket)
+    mh = mb if min_hot_bucket is None else int(min_hot_bucket)
     remap = np.empty(max(1, g.num_rows), np.int32)
     remap[:] = 0
     cold_tables, hot_pos, hot_slots = [], [], []
@@ -228,7 +236,7 @@ class HotSet:
     bucket = dedup_lib.bucket_size(n_cold, mb)
     pos = np.concatenate(hot_pos) if hot_pos else np.zeros(0, np.int64)
     slots = np.concatenate(hot_slots) if hot_slots else np.zeros(0, np.int32)
-    bucket_h = dedup_lib.bucket_size(pos.shape[0], mb)
+    bucket_h = dedup_lib.bucket_size(pos.shape[0], mh)
     hot_idx = np.full(bucket_h, self.capacity[g.dim], np.int32)
     hot_idx[: slots.shape[0]] = slots
     remap[pos] = bucket + np.arange(pos.shape[0], dtype=np.int32)

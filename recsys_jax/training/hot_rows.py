@@ -98,6 +98,11 @@ class HotRows:
     self._next = self.warmup if self.enabled else _NEVER  # the first boundary not yet done
     self._closed = False
     self._moves = 0  # write-backs so far (each barrier needs its own name)
+    # Per row width, the (cold, hot) bucket lengths of the steps since the last choice: a step
+    # pads to at least these. The step compiles once per shape it sees, and the counts of a
+    # width hover around a bucket edge (e.g. 4,082-4,430 cold rows around 4,096 at
+    # configs/dlrm.py's shape): without a floor, each crossing down and back can cost a compile.
+    self._bucket_floor: Dict[int, tuple] = {}
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
     self.choices: list = []
     """One dict per re-choice: step, rows held, rows moved in and out."""
@@ -135,7 +140,11 @@ class HotRows:
         self._cond.wait(0.1)
 
   def split(self, groups: Dict[int, dedup_lib.Group], min_bucket) -> tuple:
-    """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width)."""
+    """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width).
+
+    A group's buckets never shrink between two choices (``_bucket_floor``): a step with fewer
+    cold or hot rows than an earlier one is padded to the earlier one's shapes, which are compiled.
+    """
     for g in groups.values():
       for name, ids, _ in g.tables:
         if name in self.set.group_of:
@@ -146,7 +155,10 @@ class HotRows:
       if dim not in self.groups:
         cold[dim] = g
         continue
-      s = self.set.split(g, min_bucket)
+      mb = min_bucket.get(dim, dedup_lib.MIN_BUCKET) if isinstance(min_bucket, Mapping) else int(min_bucket)
+      floor_cold, floor_hot = self._bucket_floor.get(dim, (mb, mb))
+      s = self.set.split(g, max(mb, floor_cold), min_hot_bucket=max(mb, floor_hot))
+      self._bucket_floor[dim] = (s.group.bucket, s.hot_idx.shape[0])
       cold[dim], hot_idx[str(dim)] = s.group, s.hot_idx
       hits, lookups = hits + s.hits, lookups + s.lookups
       n_hot += int(np.count_nonzero(s.hot_idx < self.set.capacity[dim]))
@@ -193,6 +205,7 @@ class HotRows:
       rows = ps.export_rows_many(coming)
       hot_state = self._scatter(hot_state, swap.promote, rows)
     self.set.apply(swap)
+    self._bucket_floor = {}  # a new set: the steps after it find their own shapes
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
