@@ -108,9 +108,10 @@ class Probe:
 
   - ``lookup``: ``HostPipeline.lookup`` of a training step [prefetcher]; it holds
     ``before_lookup`` (``HotRows.before_lookup``: a wait while a re-choice is under way) and
-    ``hot_split`` (``HotRows.split``), which holds ``count`` (``FrequencyCounter.add``, once per
-    table) and ``set_split`` (``HotSet.split``, once per row width); what is left
-    (``ps_lookup``) is the PS lookup into the step's buffer;
+    ``hot_split`` (``HotRows.split``), which holds ``set_split`` (``HotSet.split``, once per row
+    width) and hands the ids to the counting thread; what is left (``ps_lookup``) is the PS
+    lookup into the step's buffer;
+  - ``count``: ``FrequencyCounter.add``, once per table and step [the hot rows' counting thread];
   - ``place``: ``HostPipeline.place`` of a training step [prefetcher];
   - ``push_step``: ``HostPipeline.push_step`` [pusher]: waits for the device step, pulls the row
     gradients, then ``push`` (``HostPipeline.push``: the PS applies them);
@@ -377,7 +378,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   ``compute_fraction`` says how close the step itself is to the arithmetic floor. At k = 0
   the lookup and push of a step cannot overlap the device step (they wait on it), so the
   synchronous estimate is device + lookup + place + push (the lookup holds the hot rows'
-  count and split). With hot rows the set is chosen at its first boundary, as the job does
+  split; their count runs on its own thread). With hot rows the set is chosen at its first boundary, as the job does
   (every push before it is applied: the pushes here are synchronous), and the n timed steps
   come after it, so the step reads and updates hot rows.
   """
@@ -410,8 +411,8 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
       for k, v in zip(t, (t1 - t0, t3 - t2, t5 - t4)):
         t[k] += v / n
   stages = probe.figures(n, B, first=skip)
-  t["lookup"] = stages["lookup_ms"] / 1e3  # the count and the split included
-  t["count"] = stages.get("count_ms", 0.0) / 1e3
+  t["lookup"] = stages["lookup_ms"] / 1e3  # the split included
+  t["count"] = stages.get("count_ms", 0.0) / 1e3  # on the counting thread, beside the others
   t["split"] = stages.get("set_split_ms", 0.0) / 1e3
   _, rows, batch = placed
   compiled = train_step.lower(job.state, hot_state, rows, batch).compile()
