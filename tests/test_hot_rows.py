@@ -8,9 +8,13 @@ hot set ends: dense weights and every PS row, within float32 rounding.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from recsys_jax.embeddings import dedup as dedup_lib
+from recsys_jax.embeddings import hot as hot_lib
 from tests.run_outcome import checkpoint_contents, outcome
 
 STEPS = 50
@@ -141,3 +145,97 @@ def test_a_damaged_hot_set_file_is_named_and_the_run_goes_on(runs, tmp_path, cap
   assert "hot_rows_p0.npz cannot be read" in capsys.readouterr().err
   _assert_close(p, p_cold, "dense")
   _assert_close(r, r_cold, "rows")
+
+
+def test_buckets_never_shrink_between_choices(tiny_config):
+  """The step compiles once per shape: after a step of many rows, a step of few pads to the
+  earlier buckets (same rows, same slots, only the hot entries' base moves), until a re-choice."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+
+  def groups(step, batch_size):
+    return host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, batch_size))
+
+  for step in range(3):  # counted and created on the PS; nothing is hot yet
+    host.lookup(groups(step, 1024), create=True)
+  hot_state = hot.rechoose(3, job.hot_state, job.ps)
+  assert hot.set.size() > 100
+  big, small = groups(4, 1024).groups, groups(5, 64).groups
+  hot.split(big, dedup_lib.MIN_BUCKET)
+  bucket, bucket_h = hot._bucket_floor[8]
+  alone = hot.set.split(small[8])  # the small step's own buckets
+  assert alone.group.bucket < bucket and alone.hot_idx.shape[0] < bucket_h
+  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
+  got = cold[8]
+  assert (got.bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)
+  assert [(n, i.tolist(), o) for n, i, o in got.tables] == [(n, i.tolist(), o) for n, i, o in alone.group.tables]
+  n_hot = int(np.count_nonzero(alone.hot_idx < hot.set.capacity[8]))
+  np.testing.assert_array_equal(hot_idx["8"][:n_hot], alone.hot_idx[:n_hot])
+  assert (hot_idx["8"][n_hot:] == hot.set.capacity[8]).all()
+  a = alone.group.inverse
+  np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
+  hot.rechoose(6, hot_state, job.ps)  # a new set: the next step finds its own shapes again
+  alone = hot.set.split(small[8])
+  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
+  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (alone.group.bucket, alone.hot_idx.shape[0])
+  assert alone.group.bucket < bucket and alone.hot_idx.shape[0] < bucket_h
+  job.ps.close()
+
+
+def _slow(add, delay):
+  def add_later(name, ids):
+    time.sleep(delay)
+    add(name, ids)
+
+  return add_later
+
+
+def test_a_choice_counts_every_earlier_step_though_counting_lags(tiny_config):
+  """Counting runs on its own thread; a re-choice waits for it: with every add slowed down, the
+  counts it reads equal a counter fed the same steps' ids in order on this thread."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+  from recsys_jax.embeddings.frequency import FrequencyCounter
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+  ref = FrequencyCounter(hot.counter.tables, hot.counter.capacity, seed=c.seed)
+  hot.counter.add = _slow(hot.counter.add, 0.01)
+  for step in range(6):
+    p = host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 256))
+    for name, ids, _ in p.groups[8].tables:
+      ref.add(name, ids)
+    host.lookup(p, create=True)
+  hot.rechoose(6, job.hot_state, job.ps)
+  cap = hot.set.capacity
+  want = hot_lib.choose({t: ref.top(t, cap[8]) for t in ref.tables}, hot.groups, cap, hot.overrides, hot.min_count)
+  for t in ref.tables:
+    np.testing.assert_array_equal(hot.set.hot(t)[0], want[t], err_msg=t)
+  assert 100 < hot.set.size() < cap[8]  # not vacuous: ids seen once stay cold, so a lagging count changes the set
+  hot.close()
+  job.ps.close()
+
+
+def test_a_counting_failure_stops_the_next_choice_and_never_a_lookup(tiny_config):
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+
+  def broken(name, ids):
+    raise ValueError(f"cannot count {name}")
+
+  hot.counter.add = broken
+  for step in range(12):  # more steps than the queue holds: a failed count must not block a split
+    host.lookup(host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 64)), create=True)
+  with pytest.raises(RuntimeError, match="hot rows: counting ids failed: ValueError.'cannot count cat_"):
+    hot.rechoose(12, job.hot_state, job.ps)
+  hot.close()
+  job.ps.close()

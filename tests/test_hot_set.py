@@ -70,10 +70,12 @@ def test_plan_and_apply_keep_staying_rows_in_their_slots_and_reuse_freed_ones():
     hs.plan({"z": np.arange(1, dtype=np.uint64)})
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_split_points_every_lookup_at_the_same_row_as_before(weighted):
+@pytest.mark.parametrize("weighted,mins", [(False, (64, None)), (True, (64, None)), (True, (256, 512))])
+def test_split_points_every_lookup_at_the_same_row_as_before(weighted, mins):
   """Decoding each remapped inverse entry (cold: the cold tables' layout; hot: hot_idx -> slot ->
-  id) gives the (table, id) the original entry named, for random batches and hot sets."""
+  id) gives the (table, id) the original entry named, for random batches and hot sets; also when
+  the cold rows and the hot slots are padded to larger buckets than they need."""
+  min_bucket, min_hot_bucket = mins
   rng = np.random.default_rng(1)
   tables = {"a": TableSpec(name="a", dim=4), "b": TableSpec(name="b", dim=4)}
   features = [FeatureSpec(name="fa", table="a", max_len=3), FeatureSpec(name="fb", table="b", max_len=1)]
@@ -92,9 +94,9 @@ def test_split_points_every_lookup_at_the_same_row_as_before(weighted):
       "b": np.unique(rng.integers(0, 20, 6)).astype(np.uint64),
     }
     hs.apply(hs.plan(chosen))
-    s = hs.split(g)
+    s = hs.split(g, min_bucket, min_hot_bucket=min_hot_bucket)
     cold = s.group
-    assert cold.bucket == dedup_lib.bucket_size(cold.num_rows)
+    assert cold.bucket == dedup_lib.bucket_size(cold.num_rows, min_bucket)
     by_slot = {int(sl): (t, int(i)) for t in ("a", "b") for i, sl in zip(*hs.hot(t))}
 
     def decode(layout, index, bucket=None, by_slot=by_slot, hot_idx=s.hot_idx):
@@ -114,5 +116,6 @@ def test_split_points_every_lookup_at_the_same_row_as_before(weighted):
     assert np.unique(real).shape[0] == real.shape[0] and (s.hot_idx[real.shape[0] :] == 50).all()
     n_hot = sum(np.isin(ids, hs.hot(n)[0]).sum() for n, ids, _ in g.tables)
     assert real.shape[0] == n_hot and cold.num_rows + n_hot == g.num_rows
+    assert s.hot_idx.shape[0] == dedup_lib.bucket_size(n_hot, min_hot_bucket or min_bucket)
     assert s.lookups == int(counted.sum())
     assert s.hits == int(sum((cold.inverse[p] >= cold.bucket) for p in zip(*np.nonzero(counted))))
