@@ -218,8 +218,9 @@ class HotRows:
   def split(self, groups: Dict[int, dedup_lib.Group], min_bucket) -> tuple:
     """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width).
 
-    A group's buckets never shrink between two choices (``_bucket_floor``): a step with fewer
-    cold or hot rows than an earlier one is padded to the earlier one's shapes, which are compiled.
+    A group's buckets never shrink between two choices, and its hot bucket never in a run
+    (``_bucket_floor``): a step with fewer cold or hot rows than an earlier one is padded to the
+    earlier one's shapes, which are compiled.
     """
     self._count_later([(name, ids) for g in groups.values() for name, ids, _ in g.tables if name in self.set.group_of])
     cold, hot_idx = {}, {}
@@ -306,7 +307,9 @@ class HotRows:
       rows = ps.export_rows_many(coming)
       hot_state = self._scatter(hot_state, swap.promote, rows)
     self.set.apply(swap)
-    self._bucket_floor = {}  # a new set: the steps after it find their own shapes
+    # A new set: the cold rows find their own (smaller) bucket, so the bytes sent fall with the hit
+    # rate; the hot slots' bucket (4 bytes an entry) keeps growing only, so re-choices recompile little.
+    self._bucket_floor = {d: (0, h) for d, (_, h) in self._bucket_floor.items()}
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
@@ -406,8 +409,8 @@ class HotRows:
 
 
 def _padded(slots: np.ndarray, capacity: int) -> np.ndarray:
-  """Slots padded with ``capacity`` (no slot) to a bucket size, so few shapes are compiled."""
-  out = np.full(dedup_lib.bucket_size(slots.shape[0]), capacity, np.int32)
+  """Slots padded with ``capacity`` (no slot) to a power of two, so few shapes are compiled."""
+  out = np.full(max(64, 1 << max(0, int(slots.shape[0]) - 1).bit_length()), capacity, np.int32)
   out[: slots.shape[0]] = slots
   return out
 
