@@ -28,6 +28,7 @@ every process chooses the same set; process 0 writes rows back, and barriers ord
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -218,9 +219,10 @@ class HotRows:
   def split(self, groups: Dict[int, dedup_lib.Group], min_bucket) -> tuple:
     """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width).
 
-    A group's buckets never shrink between two choices, and its hot bucket never in a run
-    (``_bucket_floor``): a step with fewer cold or hot rows than an earlier one is padded to the
-    earlier one's shapes, which are compiled.
+    Shapes change rarely, since each one compiles the step (``_bucket_floor``): a group's hot
+    bucket (4 bytes an entry) never shrinks in a run, and its cold bucket shrinks only to half or
+    less of the last one (after a choice made most of its rows hot, say); a step with fewer rows
+    is padded to the last shapes.
     """
     self._count_later([(name, ids) for g in groups.values() for name, ids, _ in g.tables if name in self.set.group_of])
     cold, hot_idx = {}, {}
@@ -231,7 +233,13 @@ class HotRows:
         continue
       mb = min_bucket.get(dim, dedup_lib.MIN_BUCKET) if isinstance(min_bucket, Mapping) else int(min_bucket)
       floor_cold, floor_hot = self._bucket_floor.get(dim, (mb, mb))
-      s = self.set.split(g, max(mb, floor_cold), min_hot_bucket=max(mb, floor_hot))
+      s = self.set.split(g, mb, min_hot_bucket=max(mb, floor_hot))
+      own = s.group.bucket
+      if own < floor_cold < 2 * own:  # pad up to the compiled shape, unless that would double it
+        inv = s.group.inverse
+        s.group = dataclasses.replace(
+          s.group, inverse=np.where(inv >= own, inv + np.int32(floor_cold - own), inv), bucket=floor_cold
+        )
       self._bucket_floor[dim] = (s.group.bucket, s.hot_idx.shape[0])
       cold[dim], hot_idx[str(dim)] = s.group, s.hot_idx
       hits, lookups = hits + s.hits, lookups + s.lookups
@@ -307,9 +315,6 @@ class HotRows:
       rows = ps.export_rows_many(coming)
       hot_state = self._scatter(hot_state, swap.promote, rows)
     self.set.apply(swap)
-    # A new set: the cold rows find their own (smaller) bucket, so the bytes sent fall with the hit
-    # rate; the hot slots' bucket (4 bytes an entry) keeps growing only, so re-choices recompile little.
-    self._bucket_floor = {d: (0, h) for d, (_, h) in self._bucket_floor.items()}
     self.choices.append(
       {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
     )
