@@ -282,11 +282,6 @@ class HotRows:
     if self._count_error is not None:
       raise RuntimeError(f"hot rows: counting ids failed: {self._count_error!r}") from self._count_error
 
-  def empty_idx(self) -> Dict[str, np.ndarray]:
-    """Hot slots of a step that touches none (every entry is padding)."""
-    return {str(d): np.full(dedup_lib.MIN_BUCKET, self.set.capacity[d], np.int32) for d in self.groups}
-
-  # -- the training loop --------------------------------------------------------------
   def boundary(self, step: int) -> bool:
     """Whether the hot set is re-chosen before ``step``."""
     return self.enabled and step == self._next
