@@ -202,8 +202,20 @@ class HotRows:
     return state
 
   def _put(self, tree):
-    """Host arrays -> replicated device arrays (on every process, from its identical copy)."""
-    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.replicated, lambda i: x[i]), tree)
+    """Host arrays -> replicated device arrays (on every process, from its identical copy): an
+    explicit copy, allowed under ``jax.transfer_guard("disallow")`` as the step's inputs are."""
+    if jax.process_count() == 1:
+      return jax.device_put(tree, self.replicated)
+    with jax.transfer_guard_host_to_device("allow"):  # each process puts its own shards, explicitly
+      return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.replicated, lambda i: x[i]), tree)
+
+  @staticmethod
+  def _fetch(tree):
+    """Replicated device arrays -> host arrays, from this process's own copy (an explicit copy)."""
+    if jax.process_count() == 1:
+      return jax.device_get(tree)
+    with jax.transfer_guard_device_to_host("allow"):
+      return distributed.local_copy(tree)
 
   def device_opts(self) -> Dict[str, Any]:
     """Row width (as the step's keys) -> the device row optimizer of that width's hot table."""
@@ -364,7 +376,7 @@ class HotRows:
     for t, (_, slots) in which.items():
       dim = self.set.group_of[t]
       idx = _padded(slots, self.set.capacity[dim])
-      got = distributed.local_copy(_take(hot_state[str(dim)], self._put(idx)))
+      got = self._fetch(_take(hot_state[str(dim)], self._put(idx)))
       n = slots.shape[0]
       out[t] = (np.asarray(got["w"])[:n], {k: np.asarray(v)[:n] for k, v in got["slots"].items()})
     return out
