@@ -127,8 +127,9 @@ class TableRows:
     Weights are rounded to the storage dtype; slots stay float32. Rows that exist (in RAM or
     in the tier) take the values in place; those in RAM keep their last-seen step and count,
     those in the tier come to RAM, as do ids without a row (created whatever the admission:
-    the row was trained elsewhere), counted as seen at the table's step. A bounded table may
-    then hold more rows than its capacity until its next training lookup evicts as usual.
+    the row was trained elsewhere), counted as seen at the table's step. A bounded table with a
+    tier evicts at once (the new copies first), so RAM keeps its bound; without a tier it may
+    hold more rows than its capacity until its next training lookup evicts as usual.
     The rows are dirty: the next incremental snapshot carries them.
 
     Args:
@@ -156,6 +157,11 @@ class TableRows:
         if self.tier is not None:  # its copy there is stale now (and a snapshot would carry both)
           self.tier.remove(ids[new])
         self._insert(ids[new], weights[new], {k: v[new] for k, v in slots.items()})
+        if self.tier is not None and self.capacity:
+          # Rows trained elsewhere (hot rows written back from the device) are a copy here: they may
+          # go to the tier first, so RAM keeps its bound (without a tier they wait for the next lookup).
+          self._last_seen[self._ids.find(ids[new])] = self.step - self.protect_steps
+          self._evict()
 
   # -- snapshots ----------------------------------------------------------------------
   def snapshot_parts(self, incremental: bool = False, max_rows: int = 1 << 14) -> Iterator[Dict[str, np.ndarray]]:
