@@ -70,6 +70,7 @@ def main(_):
   logging.set_verbosity(logging.WARNING)
   c = _CONFIG.value
   c.batch_size, c.host_workers = _BATCH.value, 0
+  c.hot_rows_bytes = 0  # the step's dense and pooling code is what is compared: every row from the PS
   if _BOTTOM.value:
     c.model.kwargs.bottom = (_BOTTOM.value,)
   if _TOP.value:
@@ -92,7 +93,9 @@ def main(_):
   for name, (interaction, embed) in variants.items():
     dlrm.dot_interaction, pooling.embed_features = interaction, embed  # read while tracing
     fresh = job_lib.build_job(c, tempfile.mkdtemp(prefix="bench_step_"))  # its own jit, traced now
-    states[name], g, m = fresh.train_step(fresh.state, rows, placed)  # the same seed: the same initial state
+    states[name], _, g, m = fresh.train_step(
+      fresh.state, fresh.hot_state, rows, placed
+    )  # the same seed: the same initial state
     outs[name] = jax.tree.map(np.asarray, (states[name].params, g, m))
     fresh.ps.close()
     steps[name] = fresh.train_step
@@ -110,7 +113,7 @@ def main(_):
   for r in range(_REPEATS.value + 2):
     for name, step in steps.items():
       t0 = time.perf_counter()
-      states[name], g, _ = step(states[name], rows, placed)
+      states[name], _, g, _ = step(states[name], {}, rows, placed)
       jax.block_until_ready((states[name], g))
       if r >= 2:
         times[name].append(time.perf_counter() - t0)

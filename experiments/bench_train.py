@@ -1,7 +1,8 @@
-"""Training throughput: the parameter-server path against an on-device-embedding baseline.
+"""Training throughput: the parameter-server path against an on-device-embedding baseline,
+and the PS path with hot rows on the device against the same path without them.
 
     .venv/bin/python experiments/bench_train.py --config=configs/dlrm.py [--steps=200] [--warmup=5]
-        [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
+        [--repeats=3] [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
 
 Run from the repository root. Measures, in one process, the training samples/s of the main
 job's configuration (read from ``--config`` at run time; ``--config.FIELD=VALUE`` overrides
@@ -11,7 +12,21 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    num_steps = warmup + steps, no intermediate checkpoints or evals, and a final eval of one
    eval batch. The figure is the job's own ``samples_per_sec``: every step after the first
    (compile-heavy) one, i.e. warmup + steps - 1 steps, including host reading, dedup, PS
-   lookups and pushes (the job overlaps them with the device step).
+   lookups and pushes (the job overlaps them with the device step), and with hot rows the
+   counting, the split, the re-choices (every ``hot_every`` steps, the first after
+   ``hot_warmup_steps``) and the step's recompiles when the hot set changes its shapes.
+   It runs ``--repeats`` times with the config's hot-row budget (``hot_rows_bytes``, 4 MiB by
+   default: "hot") and as many times with ``hot_rows_bytes = 0`` ("no hot"), alternated
+   hot, no hot, no hot, hot, hot, no hot, ... so that drift of a shared machine falls on both;
+   every figure of a variant is the median over its runs, and only in-run ratios mean much.
+   Per run it also records, by wrapping the job's own methods (``Probe``), per-stage wall times
+   and, for every step from the first choice on (step ``hot_warmup_steps``), the distinct rows
+   the PS looks up (``cold``), the host -> device bytes of rows (each group's
+   ``bucket * dim * 4``, plus 4 bytes a hot slot: ``HotRows.metrics``'s formula, applied to
+   both variants), the rest of the placed batch, and the hot hit rate (share of id lookups
+   served by a hot row) and hot share of the distinct rows. ``steady_samples_per_sec`` is the
+   batch over the median time between two steps' pushes: the job's rate without its outliers
+   (compiles, re-choices).
 2. On-device baseline: ``EmbeddedDLRM`` with one ``nn.Embed`` of ``config.data.vocab_sizes[i]``
    rows and ``config.embeddings.dim`` columns per feature, and the same bottom/top MLP. Ids are
    mapped to table rows on the host with the hashing trick, row = id % vocab, as on-device
@@ -23,10 +38,20 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    overlaps the step. The figure is ``steps`` steps timed after ``warmup`` steps, blocking on
    the final state.
 
-Prints a short table, then, last on stdout, one JSON line: samples_per_sec_ps,
-samples_per_sec_device, ratio (= ps / device; above 1 means the PS path is faster), batch_size,
-steps, warmup, device (device kind), embedding_rows (rows of the on-device tables = sum of
-vocab sizes), ps_rows (rows the PS created in the run), and the parameter bytes of both.
+Then the floor, each part alone, for the config (hot) and without hot rows: the jitted step on
+one placed batch and the host stages of a step (read + dedup, count, split, PS lookup, place,
+push), after the first choice.
+
+Prints a short table, then, last on stdout, one JSON line: samples_per_sec_ps (the config's
+runs, with hot rows), samples_per_sec_device, ratio (= ps / device; above 1 means the PS path
+is faster), batch_size, steps, warmup, device (device kind), embedding_rows (rows of the
+on-device tables = sum of vocab sizes), ps_rows (rows the PS created in the run), the
+parameter bytes of both, the floor's figures, and the hot / no-hot comparison:
+samples_per_sec_ps_hot and _nohot, hot_sps_ratio (hot / no hot), ps_rows_per_step_hot and
+_nohot, ps_rows_ratio (hot / no hot; to set against one_minus_hit_rate and
+one_minus_row_hit_rate), h2d_row_bytes_per_step_hot and _nohot, h2d_row_bytes_ratio,
+h2d_bytes_per_step_hot and _nohot (rows and batch), hot_hit_rate, and ``hot_vs_nohot`` with
+every run's figures and per-stage times (ms per step).
 The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 """
 
@@ -34,14 +59,17 @@ The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -65,14 +93,158 @@ _STEPS = flags.DEFINE_integer("steps", 200, "Timed training steps of each path."
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps before the timed ones (the first one compiles).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch directory for the PS run (default: a temp dir, removed).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result to this file.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "PS-path runs with hot rows and as many without, alternated.")
 
 
 def _tree_bytes(tree) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
+class Probe:
+  """Per-stage wall times and per-step row counts of one PS job, from wrapping its own methods.
+
+  ``attach(job)`` replaces methods of the job's objects by timed wrappers (instance attributes,
+  so nothing else is touched). Stages, seconds summed over the run [the thread that runs them]:
+
+  - ``lookup``: ``HostPipeline.lookup`` of a training step [prefetcher]; it holds
+    ``before_lookup`` (``HotRows.before_lookup``: a wait while a re-choice is under way) and
+    ``hot_split`` (``HotRows.split``), which holds ``set_split`` (``HotSet.split``, once per row
+    width) and hands the ids to the counting thread; what is left (``ps_lookup``) is the PS
+    lookup into the step's buffer;
+  - ``count``: ``FrequencyCounter.add``, once per table and step [the hot rows' counting thread];
+  - ``place``: ``HostPipeline.place`` of a training step [prefetcher];
+  - ``push_step``: ``HostPipeline.push_step`` [pusher]: waits for the device step, pulls the row
+    gradients, then ``push`` (``HostPipeline.push``: the PS applies them);
+  - ``wait_batch``: ``Prefetcher.get`` [loop]: the loop waiting for its next placed step;
+  - ``dispatch`` / ``compile``: the jitted step's calls [loop]; ``compile``: those that traced;
+  - ``before_step``: ``HotRows.before_step`` [loop]: at a boundary, the wait for the earlier
+    steps' pushes, then ``rechoose`` (``HotRows.rechoose``: the choice and the rows moved).
+
+  Per training step (``per_step``): ``cold`` distinct rows the PS looks up; ``row_bytes`` host ->
+  device bytes of rows and hot slots (each group's ``bucket * dim * 4``, plus 4 a hot slot:
+  ``HotRows.metrics``'s formula, for either variant); ``batch_bytes`` the rest of the placed
+  batch; ``hits``, ``lookups``, ``hot`` (hot distinct rows) as ``HotRows.split`` counted them.
+  ``applied``: step -> when its push was done.
+  """
+
+  def __init__(self):
+    self.t: Dict[str, float] = collections.defaultdict(float)
+    self.per_step: Dict[int, Dict[str, float]] = collections.defaultdict(dict)
+    self.applied: Dict[int, float] = {}
+    self.rechoose_at: List[int] = []
+    self._lock = threading.Lock()
+
+  def reset(self) -> None:
+    """Forgets the stage times so far (the floor times only the steps after its warm-up)."""
+    with self._lock:
+      self.t.clear()
+
+  def _add(self, stage: str, dt: float) -> None:
+    with self._lock:
+      self.t[stage] += dt
+
+  def _wrap(self, stage: str, fn, counts=lambda *a, **k: True):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+      t0 = time.perf_counter()
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        if counts(*args, **kwargs):
+          self._add(stage, time.perf_counter() - t0)
+
+    return timed
+
+  def attach(self, job) -> None:
+    host, hot = job.host, job.hot
+    lookup, place, push_step, train_step = host.lookup, host.place, host.push_step, job.train_step
+    training = lambda p, *a, **k: p.n_valid is None  # noqa: E731 - eval batches carry n_valid
+
+    def counted_lookup(p, create):
+      before = dict(hot.totals)
+      t0 = time.perf_counter()
+      out = lookup(p, create)
+      if create:
+        self._add("lookup", time.perf_counter() - t0)
+        s = self.per_step[p.step]
+        s["cold"] = float(sum(g.num_rows for g in p.groups.values()))
+        s["row_bytes"] = float(
+          sum(g.bucket * g.dim * 4 for g in p.groups.values()) + sum(4 * i.shape[0] for i in (p.hot_idx or {}).values())
+        )
+        s.update({k: float(hot.totals[k] - before[k]) for k in ("hits", "lookups", "hot_rows")})
+      return out
+
+    def sized_place(p):
+      if p.n_valid is None:
+        arrays = [p.batch["dense"], p.batch["label"]] + [g.inverse for g in p.groups.values()]
+        arrays += [g.weights for g in p.groups.values() if g.weights is not None]
+        self.per_step[p.step]["batch_bytes"] = float(sum(a.nbytes for a in arrays))
+      return place(p)
+
+    def timed_push_step(step, payload):
+      loss = push_step(step, payload)
+      self.applied[step] = time.perf_counter()
+      return loss
+
+    def timed_train_step(*args):
+      n0, t0 = job.traces.get("train", 0), time.perf_counter()
+      out = train_step(*args)
+      self._add("compile" if job.traces.get("train", 0) > n0 else "dispatch", time.perf_counter() - t0)
+      return out
+
+    def noted_rechoose(step, *a, **k):
+      self.rechoose_at.append(step)
+      return rechoose(step, *a, **k)
+
+    host.lookup = counted_lookup
+    host.place = self._wrap("place", sized_place, training)
+    host.push_step = self._wrap("push_step", timed_push_step)
+    host.push = self._wrap("push", host.push)
+    job.train_step = timed_train_step
+    hot.split = self._wrap("hot_split", hot.split)
+    hot.counter.add = self._wrap("count", hot.counter.add)
+    hot.set.split = self._wrap("set_split", hot.set.split)
+    hot.before_step = self._wrap("before_step", hot.before_step)
+    hot.before_lookup = self._wrap("before_lookup", hot.before_lookup)
+    rechoose = self._wrap("rechoose", hot.rechoose)
+    hot.rechoose = noted_rechoose
+    train_prefetcher = host.train_prefetcher
+
+    def timed_prefetcher(*a, **k):
+      pre = train_prefetcher(*a, **k)
+      pre.get = self._wrap("wait_batch", pre.get)
+      return pre
+
+    host.train_prefetcher = timed_prefetcher
+
+  def figures(self, steps: int, B: int, first: int) -> Dict[str, float]:
+    """ms per step of each stage over ``steps`` steps; per-step means over steps >= ``first``."""
+    out = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(self.t.items())}
+    if "lookup" in self.t:
+      ps = self.t["lookup"] - self.t.get("hot_split", 0.0) - self.t.get("before_lookup", 0.0)
+      out["ps_lookup_ms"] = 1e3 * ps / steps
+    later = [s for t, s in self.per_step.items() if t >= first and "cold" in s]
+    mean = lambda k: float(np.mean([s.get(k, 0.0) for s in later]))  # noqa: E731
+    lookups, hot_rows, cold = mean("lookups"), mean("hot_rows"), mean("cold")
+    out.update(
+      ps_rows_per_step=cold,
+      h2d_row_bytes_per_step=mean("row_bytes"),
+      h2d_bytes_per_step=mean("row_bytes") + mean("batch_bytes"),
+      hot_hit_rate=mean("hits") / lookups if lookups else 0.0,
+      hot_rows_per_step=hot_rows,
+      row_hit_rate=hot_rows / (hot_rows + cold) if hot_rows + cold else 0.0,
+      per_step_from=first,
+    )
+    applied = [self.applied[t] for t in sorted(self.applied)]
+    gaps = np.diff(applied[1:])  # from the second step on: the first compiles
+    if gaps.size:
+      out["steady_samples_per_sec"] = B / float(np.median(gaps))
+    out["rechoose_at"] = list(self.rechoose_at)
+    return out
+
+
 def run_ps(config, warmup: int, steps: int, workdir: str) -> Dict[str, Any]:
-  """The main job through the parameter server; returns its summary dict."""
+  """The main job through the parameter server; returns its summary dict, with ``probe``'s figures."""
   c = copy.deepcopy(config)
   c.num_steps = warmup + steps
   c.checkpoint_every = 0
@@ -80,7 +252,43 @@ def run_ps(config, warmup: int, steps: int, workdir: str) -> Dict[str, Any]:
   c.eval_samples = c.eval_batch_size
   c.progress_bar = False
   ps_dir = tempfile.mkdtemp(prefix="ps_", dir=workdir)  # fresh: never resumes
-  return train.train_and_evaluate(c, ps_dir)
+  job = train.build_job(c, ps_dir)
+  probe = Probe()
+  probe.attach(job)
+  build_job, train.build_job = train.build_job, lambda config, workdir: job
+  load0 = os.getloadavg()[0]
+  try:
+    s = train.train_and_evaluate(c, ps_dir)
+  finally:
+    train.build_job = build_job
+  s["probe"] = probe.figures(c.num_steps, c.batch_size, first=int(c.hot_warmup_steps))
+  s["load_avg"] = [load0, os.getloadavg()[0]]
+  return s
+
+
+def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: int) -> Dict[str, List[Dict]]:
+  """``repeats`` runs with the config's hot rows and as many with none, alternated A B B A A B ..."""
+  nohot = copy.deepcopy(config)
+  nohot.hot_rows_bytes = 0
+  runs: Dict[str, List[Dict]] = {"hot": [], "nohot": []}
+  order = [("hot", "nohot") if i % 2 == 0 else ("nohot", "hot") for i in range(repeats)]
+  for i, pair in enumerate(order):
+    for name in pair:
+      print(f"PS path, {name}, run {i + 1} of {repeats}: {warmup} + {steps} steps ...", file=sys.stderr)
+      s = run_ps(config if name == "hot" else nohot, warmup, steps, workdir)
+      print(
+        f"  {s['samples_per_sec']:,.0f} samples/s, steady {s['probe'].get('steady_samples_per_sec', 0):,.0f}, "
+        f"{s['train_step_traces']} traces, load {s['load_avg'][0]:.1f}-{s['load_avg'][1]:.1f}",
+        file=sys.stderr,
+      )
+      runs[name].append(s)
+  return runs
+
+
+def _median(runs: List[Dict], key: str) -> float:
+  """Median over runs of a summary field, or of a probe figure (``probe.KEY``)."""
+  vals = [r["probe"].get(key[6:], float("nan")) if key.startswith("probe.") else r[key] for r in runs]
+  return float(np.median(np.asarray(vals, float)))
 
 
 def run_device(config, warmup: int, steps: int) -> Dict[str, Any]:
@@ -169,13 +377,24 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   analysis of the compiled step, and the machine's peak from a large f32 matmul, so
   ``compute_fraction`` says how close the step itself is to the arithmetic floor. At k = 0
   the lookup and push of a step cannot overlap the device step (they wait on it), so the
-  synchronous estimate is device + lookup + place + push.
+  synchronous estimate is device + lookup + place + push (the lookup holds the hot rows'
+  split; their count runs on its own thread). With hot rows the set is chosen at its first boundary, as the job does
+  (every push before it is applied: the pushes here are synchronous), and the n timed steps
+  come after it, so the step reads and updates hot rows.
   """
   job = train.build_job(config)
+  train_step = job.train_step  # the jitted step itself (lower, cost analysis), not the probe's wrapper
+  probe = Probe()
+  probe.attach(job)
   B = config.batch_size
-  t = {"read_dedup": 0.0, "lookup": 0.0, "place": 0.0, "push": 0.0}
-  placed = None
-  for i in range(n + 2):
+  skip = max(2, int(config.hot_warmup_steps) + 2) if job.hot.enabled else 2
+  t = {"read_dedup": 0.0, "place": 0.0, "push": 0.0}
+  placed, hot_state = None, job.hot_state
+  for i in range(n + skip):
+    if i == skip:
+      probe.reset()
+    if job.hot.boundary(i):
+      hot_state = job.hot.rechoose(i, hot_state, job.ps)
     t0 = time.perf_counter()
     p = job.host.prepare(i, job.reader.data.batch(synthetic.TRAIN, i, B))
     t1 = time.perf_counter()
@@ -188,22 +407,26 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     t4 = time.perf_counter()
     job.host.push(p.groups, zeros)
     t5 = time.perf_counter()
-    if i >= 2:
-      for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+    if i >= skip:
+      for k, v in zip(t, (t1 - t0, t3 - t2, t5 - t4)):
         t[k] += v / n
+  stages = probe.figures(n, B, first=skip)
+  t["lookup"] = stages["lookup_ms"] / 1e3  # the split included
+  t["count"] = stages.get("count_ms", 0.0) / 1e3  # on the counting thread, beside the others
+  t["split"] = stages.get("set_split_ms", 0.0) / 1e3
   _, rows, batch = placed
-  compiled = job.train_step.lower(job.state, rows, batch).compile()
+  compiled = train_step.lower(job.state, hot_state, rows, batch).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", float("nan")))
-  state = job.state
+  state, hot = job.state, hot_state
   for _ in range(3):
-    state, g, _m = job.train_step(state, rows, batch)
+    state, hot, g, _m = train_step(state, hot, rows, batch)
   jax.block_until_ready(g)
   times = []
   for _ in range(n):
     t0 = time.perf_counter()
-    state, g, _m = job.train_step(state, rows, batch)
+    state, hot, g, _m = train_step(state, hot, rows, batch)
     jax.block_until_ready(g)
     times.append(time.perf_counter() - t0)
   device_s = float(np.median(times))
@@ -228,7 +451,10 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     "host_lookup_ms": 1e3 * t["lookup"],
     "host_place_ms": 1e3 * t["place"],
     "host_push_ms": 1e3 * t["push"],
-    "unique_rows_per_step": float(sum(g.num_rows for g in p.groups.values())),
+    "host_count_ms": 1e3 * t["count"],
+    "host_split_ms": 1e3 * t["split"],
+    "unique_rows_per_step": stages["ps_rows_per_step"] + stages["hot_rows_per_step"],
+    "ps_rows_per_step": stages["ps_rows_per_step"],
     "floor_samples_per_sec": B / device_s,
     "k0_serial_samples_per_sec": B / serial,
   }
@@ -236,6 +462,57 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
 
 def _mib(n: float) -> str:
   return f"{n / 2**20:,.1f} MiB"
+
+
+def print_hot_table(cmp: Dict[str, Any], hv: Dict[str, Dict], runs: Dict[str, List], f, f0) -> None:
+  """The PS path with hot rows against without: medians of the alternated runs, and the floor's parts."""
+  print(
+    f"PS path with hot rows ({_mib(cmp['hot_rows_bytes'])}, {cmp['hot_rows_held']:,.0f} rows held) and without, "
+    f"medians of {cmp['repeats']} alternated runs each; per-step figures from step {hv['hot']['per_step_from']:.0f} on"
+  )
+  print(f"{'':30}{'hot':>14}{'no hot':>14}{'hot / no hot':>14}")
+  lines = [
+    ("samples/s (job)", "samples_per_sec_ps_hot", "samples_per_sec_ps_nohot", "{:,.0f}"),
+    ("samples/s (median step)", "steady_samples_per_sec_hot", "steady_samples_per_sec_nohot", "{:,.0f}"),
+    ("PS rows per step", "ps_rows_per_step_hot", "ps_rows_per_step_nohot", "{:,.0f}"),
+    ("h2d row bytes per step", "h2d_row_bytes_per_step_hot", "h2d_row_bytes_per_step_nohot", "{:,.0f}"),
+    ("h2d bytes per step (+ batch)", "h2d_bytes_per_step_hot", "h2d_bytes_per_step_nohot", "{:,.0f}"),
+  ]
+  for name, a, b, fmt in lines:
+    print(f"{name:30}{fmt.format(cmp[a]):>14}{fmt.format(cmp[b]):>14}{cmp[a] / cmp[b]:>14.3f}")
+  print(
+    f"hot hit rate {cmp['hot_hit_rate']:.4f} of id lookups (1 - hit = {cmp['one_minus_hit_rate']:.4f}), "
+    f"{cmp['row_hit_rate']:.4f} of distinct rows (1 - that = {cmp['one_minus_row_hit_rate']:.4f}); "
+    f"PS rows hot / no hot {cmp['ps_rows_ratio']:.4f}"
+  )
+  print(
+    "per run, samples/s (traces): "
+    + "; ".join(
+      f"{v} " + ", ".join(f"{r['samples_per_sec']:,.0f} ({r['train_step_traces']})" for r in runs[v]) for v in runs
+    )
+  )
+  stages = (
+    "count",
+    "set_split",
+    "ps_lookup",
+    "lookup",
+    "place",
+    "push_step",
+    "push",
+    "wait_batch",
+    "dispatch",
+    "compile",
+    "before_step",
+    "rechoose",
+  )
+  print("ms per step in the job (median of runs)   " + "".join(f"{s:>12}" for s in stages))
+  for v in ("hot", "nohot"):
+    print(f"  {v:40}" + "".join(f"{hv[v].get(s + '_ms', 0.0):>12.2f}" for s in stages))
+  keys = ("device_step_ms", "host_count_ms", "host_split_ms", "host_lookup_ms", "host_place_ms", "host_push_ms")
+  print("alone (floor), ms                         " + "".join(f"{k[:-3]:>16}" for k in keys))
+  for v, fl in (("hot", f), ("nohot", f0)):
+    print(f"  {v:40}" + "".join(f"{fl[k]:>16.2f}" for k in keys))
+  print()
 
 
 def main(argv):
@@ -258,25 +535,64 @@ def main(argv):
   B = config.batch_size
   print(f"config {flags.FLAGS['config'].config_filename}: batch {B}, {jax.device_count()} x {device}", file=sys.stderr)
 
+  repeats = _REPEATS.value
+  if repeats < 1:
+    raise app.UsageError("--repeats must be >= 1")
+  if int(config.hot_rows_bytes) <= 0:
+    raise app.UsageError(
+      f"config.hot_rows_bytes = {config.hot_rows_bytes}: the PS path is run with hot rows and without; "
+      "give it a budget > 0 (the default is 4 MiB)"
+    )
   try:
-    print(f"PS path: {warmup} + {steps} steps ...", file=sys.stderr)
-    s = run_ps(config, warmup, steps, workdir)
+    runs = run_ps_hot_and_not(config, warmup, steps, workdir, repeats)
   finally:
     if own_workdir:
       shutil.rmtree(workdir, ignore_errors=True)
+  if any(r["hot"] is None for r in runs["hot"]):
+    raise app.UsageError(f"config.hot_rows_bytes = {config.hot_rows_bytes} buys no hot row: raise it")
+  s = runs["hot"][0]  # sizes (rows, bytes) are the same in every run
   print(f"on-device baseline: {warmup} + {steps} steps ...", file=sys.stderr)
   d = run_device(config, warmup, steps)
 
-  print("floor: device step and host stages alone ...", file=sys.stderr)
+  print("floor: device step and host stages alone, with hot rows and without ...", file=sys.stderr)
   f = measure_floor(config)
+  nohot_config = copy.deepcopy(config)
+  nohot_config.hot_rows_bytes = 0
+  f0 = measure_floor(nohot_config)
 
   dim = int(config.embeddings.dim)
   ps_table_bytes = s["ps_rows"] * dim * 4  # rows only; ps_bytes adds Adagrad slots and ids
   ps_param_bytes = ps_table_bytes + d["dense_bytes"]  # same dense model on the device
   dev_param_bytes = d["table_bytes"] + d["dense_bytes"]
-  ratio = s["samples_per_sec"] / d["samples_per_sec"]
+  sps = {v: _median(runs[v], "samples_per_sec") for v in runs}
+  ratio = sps["hot"] / d["samples_per_sec"]
+  hv = {v: {k: _median(runs[v], "probe." + k) for k in runs[v][0]["probe"] if k != "rechoose_at"} for v in runs}
+  cmp = {
+    "samples_per_sec_ps_hot": sps["hot"],
+    "samples_per_sec_ps_nohot": sps["nohot"],
+    "hot_sps_ratio": sps["hot"] / sps["nohot"],
+    "steady_samples_per_sec_hot": hv["hot"]["steady_samples_per_sec"],
+    "steady_samples_per_sec_nohot": hv["nohot"]["steady_samples_per_sec"],
+    "hot_steady_sps_ratio": hv["hot"]["steady_samples_per_sec"] / hv["nohot"]["steady_samples_per_sec"],
+    "hot_hit_rate": hv["hot"]["hot_hit_rate"],
+    "row_hit_rate": hv["hot"]["row_hit_rate"],
+    "ps_rows_per_step_hot": hv["hot"]["ps_rows_per_step"],
+    "ps_rows_per_step_nohot": hv["nohot"]["ps_rows_per_step"],
+    "ps_rows_ratio": hv["hot"]["ps_rows_per_step"] / hv["nohot"]["ps_rows_per_step"],
+    "one_minus_hit_rate": 1.0 - hv["hot"]["hot_hit_rate"],
+    "one_minus_row_hit_rate": 1.0 - hv["hot"]["row_hit_rate"],
+    "h2d_row_bytes_per_step_hot": hv["hot"]["h2d_row_bytes_per_step"],
+    "h2d_row_bytes_per_step_nohot": hv["nohot"]["h2d_row_bytes_per_step"],
+    "h2d_row_bytes_ratio": hv["hot"]["h2d_row_bytes_per_step"] / hv["nohot"]["h2d_row_bytes_per_step"],
+    "h2d_bytes_per_step_hot": hv["hot"]["h2d_bytes_per_step"],
+    "h2d_bytes_per_step_nohot": hv["nohot"]["h2d_bytes_per_step"],
+    "h2d_bytes_ratio": hv["hot"]["h2d_bytes_per_step"] / hv["nohot"]["h2d_bytes_per_step"],
+    "hot_rows_bytes": int(config.hot_rows_bytes),
+    "hot_rows_held": float(np.median([r["hot"]["hot_rows_held"] for r in runs["hot"]])),
+    "repeats": repeats,
+  }
   result = {
-    "samples_per_sec_ps": s["samples_per_sec"],
+    "samples_per_sec_ps": sps["hot"],
     "samples_per_sec_device": d["samples_per_sec"],
     "ratio": ratio,
     "batch_size": B,
@@ -292,15 +608,34 @@ def main(argv):
     "ps_host_bytes": s["ps_bytes"],
     "device_opt_state_bytes": d["opt_state_bytes"],
     "staleness": config.staleness,
-    "ps_eval_auc": s["auc"],
+    "ps_eval_auc": float(np.median([r["auc"] for r in runs["hot"]])),
     "device_train_loss": d["train_loss"],
     "config": flags.FLAGS["config"].config_filename,
     **f,
-    "ps_fraction_of_floor": s["samples_per_sec"] / f["floor_samples_per_sec"],
+    "ps_fraction_of_floor": sps["hot"] / f["floor_samples_per_sec"],
+    **cmp,
+    "floor_nohot": f0,
+    "hot_vs_nohot": {
+      v: {
+        "median": hv[v],
+        "runs": [
+          {
+            "samples_per_sec": r["samples_per_sec"],
+            "train_step_traces": r["train_step_traces"],
+            "auc": r["auc"],
+            "load_avg": r["load_avg"],
+            "hot": r["hot"],
+            **r["probe"],
+          }
+          for r in runs[v]
+        ],
+      }
+      for v in runs
+    },
   }
 
   rows = [
-    ("samples/s", f"{s['samples_per_sec']:,.0f}", f"{d['samples_per_sec']:,.0f}"),
+    ("samples/s", f"{sps['hot']:,.0f}", f"{d['samples_per_sec']:,.0f}"),
     ("timed steps", f"{warmup + steps - 1}", f"{steps}"),
     ("embedding rows", f"{s['ps_rows']:,} created", f"{d['rows']:,}"),
     ("embedding bytes", _mib(ps_table_bytes) + " host", _mib(d["table_bytes"]) + " device"),
@@ -309,7 +644,7 @@ def main(argv):
     ("opt. state bytes", _mib(s["ps_bytes"] - ps_table_bytes) + " host+ids", _mib(d["opt_state_bytes"])),
   ]
   print(f"\ndevice {device} x {jax.device_count()}, batch {B}, staleness k={config.staleness}")
-  print(f"{'':22}{'PS path':>22}{'on-device (id % vocab)':>26}")
+  print(f"{'':22}{'PS path (hot rows)':>22}{'on-device (id % vocab)':>26}")
   for name, a, b in rows:
     print(f"{name:22}{a:>22}{b:>26}")
   print(f"ratio PS / on-device: {ratio:.3f}\n")
@@ -327,6 +662,7 @@ def main(argv):
     f"PS path = {result['ps_fraction_of_floor']:.0%} of the device-step floor; the k=0 serial estimate "
     f"(step + lookup + place + push) is {f['k0_serial_samples_per_sec']:,.0f} samples/s\n"
   )
+  print_hot_table(cmp, hv, runs, f, f0)
 
   line = json.dumps(result)
   if _JSON_OUT.value:

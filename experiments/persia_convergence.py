@@ -1,7 +1,8 @@
 """Persia's convergence claim: hybrid training (async embeddings, sync dense) matches sync.
 
-    python experiments/persia_convergence.py            # small default, about 5 minutes on 2 cores
+    python experiments/persia_convergence.py            # small default, about 20 minutes on 2 shared cores
     python experiments/persia_convergence.py --full     # the main job's 2000 steps on synthetic data
+    python experiments/persia_convergence.py --hot_bytes=1048576   # another hot-row budget (0: no hot runs)
 
 Persia (Lian et al., KDD 2022) reports that hybrid training, with embedding lookups and
 updates running k steps ahead of the synchronous dense step, stays within 0.1% AUC of fully
@@ -11,6 +12,13 @@ synchronous training and trains faster, while making the dense part asynchronous
 dense gradients applied 4 steps late, ``config.dense_staleness``), and records eval AUC against
 samples seen and against training wall time (evaluations excluded): synthetic Criteo-like data
 (``configs/dlrm.py``, whose oracle AUC is the ceiling) and MovieLens (``configs/movielens.py``).
+
+Issue 15 adds "hybrid + hot rows" at every k: the most frequent ids live on the device and
+train synchronously, the rest go through the PS k steps stale (``recsys_jax/training/hot_rows.py``),
+with the config's ``hot_rows_bytes`` (``--hot_bytes`` overrides it). The config turns hot rows on
+by default, so sync, plain hybrid and fully async set ``hot_rows_bytes = 0``: they stay the plain
+synchronous reference and Persia's two baselines. Hot runs also record the hit rate, the rows
+held on the device, the cold rows and the host -> device row bytes per step.
 
 Writes ``experiments/results/persia_convergence.json`` and ``persia_convergence.png``; prints
 a table and, last, one JSON line.
@@ -37,6 +45,9 @@ from recsys_jax import train  # noqa: E402
 _FULL = flags.DEFINE_bool("full", False, "Synthetic data at the main job's 2000 steps (about 10 minutes a run).")
 _STALENESS = flags.DEFINE_list("staleness", ["0", "1", "4", "16"], "k values; 0 is synchronous.")
 _ASYNC = flags.DEFINE_integer("async_k", 4, "Staleness of the fully asynchronous run (0: skip it).")
+_HOT = flags.DEFINE_integer(
+  "hot_bytes", -1, "Hot-row budget of the hybrid + hot runs, bytes (-1: the config's hot_rows_bytes; 0: no hot runs)."
+)
 _OUT = flags.DEFINE_string("out", "experiments/results/persia_convergence", "Output path without extension.")
 
 
@@ -51,9 +62,10 @@ def _datasets():
   return {"synthetic": syn, "movielens": ml}
 
 
-def run(config, k: int, dense_k: int = 0) -> dict:
+def run(config, k: int, dense_k: int = 0, hot_bytes: int = 0) -> dict:
   c = config.copy_and_resolve_references()
   c.staleness, c.dense_staleness = k, dense_k
+  c.hot_rows_bytes = hot_bytes  # explicit: the config's default turns hot rows on
   c.progress_bar = False
   with tempfile.TemporaryDirectory() as workdir:
     s = train.train_and_evaluate(c, workdir)
@@ -66,32 +78,88 @@ def run(config, k: int, dense_k: int = 0) -> dict:
     "logloss": s["logloss"],
     "oracle_auc": s.get("oracle_auc"),
     "samples_per_sec": s["samples_per_sec"],
+    "hot_bytes": hot_bytes,
+    "hot": s["hot"],  # None without hot rows; else hit rate, rows held, per-step traffic, choices
     "curve": curve,
   }
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:g} MiB"
 
 
 def _mode(r: dict) -> str:
   if r["dense_k"]:
     return f"fully async k={r['k']}"
+  if r["hot_bytes"]:
+    return f"hybrid k={r['k']} + hot {_mib(r['hot_bytes'])}"
   return "sync (k=0)" if r["k"] == 0 else f"hybrid k={r['k']}"
 
 
-def plot(results: dict, path: str) -> None:
-  fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
+def _key(r: dict) -> str:
+  """Key prefix of a run in the JSON line, e.g. ``k4``, ``k4_hot``, ``async4``."""
+  return f"{'async' if r['dense_k'] else 'k'}{r['k']}{'_hot' if r['hot_bytes'] else ''}"
+
+
+_COLOURS = ["C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9"]  # C3 is the fully async run's
+
+
+def _style(r: dict, ks: list) -> dict:
+  """Line style: one colour per k (sync black), dashed with hot rows, dotted for fully async."""
+  if r["dense_k"]:
+    return {"color": "C3", "ls": ":"}
+  if r["k"] == 0:
+    return {"color": "black", "ls": "--" if r["hot_bytes"] else "-"}
+  hybrid = [k for k in ks if k]
+  return {"color": _COLOURS[hybrid.index(r["k"]) % len(_COLOURS)], "ls": "--" if r["hot_bytes"] else "-"}
+
+
+def plot(results: dict, ks: list, path: str) -> None:
+  fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.5 * len(results)), squeeze=False)
   for row, (name, runs) in enumerate(results.items()):
     for r in runs:
-      label = _mode(r)
-      xs = [p["samples"] / 1e6 for p in r["curve"]]
-      axes[row][0].plot(xs, [p["auc"] for p in r["curve"]], marker="o", label=label)
-      axes[row][1].plot([p["train_s"] for p in r["curve"]], [p["auc"] for p in r["curve"]], marker="o", label=label)
+      style = {**_style(r, ks), "marker": "o", "ms": 3, "label": _mode(r)}
+      aucs = [p["auc"] for p in r["curve"]]
+      axes[row][0].plot([p["samples"] / 1e6 for p in r["curve"]], aucs, **style)
+      axes[row][1].plot([p["train_s"] for p in r["curve"]], aucs, **style)
     if runs[0]["oracle_auc"]:
       for ax in axes[row]:
-        ax.axhline(runs[0]["oracle_auc"], color="gray", ls="--", label="oracle")
+        ax.axhline(runs[0]["oracle_auc"], color="gray", ls="-.", lw=0.8, label="oracle")
     axes[row][0].set(title=f"{name}: eval AUC vs samples", xlabel="samples seen (M)", ylabel="eval AUC")
     axes[row][1].set(title=f"{name}: eval AUC vs training time", xlabel="training wall time (s)", ylabel="eval AUC")
-    axes[row][0].legend()
+    axes[row][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+
+
+def _row(name: str, r: dict, sync: dict) -> tuple:
+  """One run's table row and its JSON-line entries (AUC, delta to sync, samples/s, hot figures)."""
+  d = r["auc"] - sync["auc"]
+  r["vs_sync"], r["vs_sync_pct"] = d, 100 * d / sync["auc"]
+  h = r["hot"]
+  hot_cols = (
+    f"{h['hot_hit_rate']:.3f} | {h['hot_rows_held']:,.0f} | {h['cold_rows_per_step']:,.0f} | "
+    f"{h['h2d_row_bytes_per_step'] / 2**10:,.1f}"
+    if h
+    else "| | |"
+  )
+  text = (
+    f"| {name} | {_mode(r)} | {r['auc']:.4f} | {d:+.4f} ({r['vs_sync_pct']:+.2f}%) | "
+    f"{r['samples_per_sec']:,.0f} | {hot_cols} |"
+  )
+  key = f"{name}_{_key(r)}"
+  line = {
+    f"{key}_auc": round(r["auc"], 4),
+    f"{key}_vs_sync": round(d, 4),
+    f"{key}_vs_sync_pct": round(r["vs_sync_pct"], 3),
+    f"{key}_samples_per_sec": round(r["samples_per_sec"]),
+  }
+  if h:
+    line[f"{key}_hot_hit_rate"] = round(h["hot_hit_rate"], 4)
+    line[f"{key}_hot_rows_held"] = round(h["hot_rows_held"])
+    line[f"{key}_cold_rows_per_step"] = round(h["cold_rows_per_step"], 1)
+    line[f"{key}_h2d_row_bytes_per_step"] = round(h["h2d_row_bytes_per_step"])
+  return text, line
 
 
 def main(argv):
@@ -100,33 +168,38 @@ def main(argv):
   ks = [int(k) for k in _STALENESS.value]
   if 0 not in ks:
     raise app.UsageError("--staleness must include 0: the synchronous run is the reference")
+  if _HOT.value < -1:
+    raise app.UsageError(
+      f"--hot_bytes must be -1 (the config's budget), 0 (no hot runs) or a byte count, not {_HOT.value}"
+    )
   results = {}
   for name, config in _datasets().items():
+    hot_bytes = int(config.hot_rows_bytes) if _HOT.value == -1 else _HOT.value
     results[name] = []
     for k in ks:
-      print(f"{name}, k={k} ...", flush=True)
+      print(f"{name}, {'sync' if k == 0 else 'hybrid'} k={k} ...", flush=True)
       results[name].append(run(config, k))
+    for k in [k for k in ks if k] if hot_bytes else []:
+      print(f"{name}, hybrid k={k} + hot {_mib(hot_bytes)} ...", flush=True)
+      results[name].append(run(config, k, hot_bytes=hot_bytes))
     if _ASYNC.value:
       print(f"{name}, fully async k={_ASYNC.value} ...", flush=True)
       results[name].append(run(config, _ASYNC.value, _ASYNC.value))
-  print("\n| data | mode | eval AUC | vs sync | samples/s |")
-  print("| --- | --- | --- | --- | --- |")
+  print(
+    "\n| data | mode | eval AUC | vs sync | samples/s | hot hit rate | hot rows held | cold rows/step | h2d rows KiB/step |"
+  )
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   line = {}
   for name, runs in results.items():
-    sync = next(r for r in runs if r["k"] == 0 and not r["dense_k"])
+    sync = next(r for r in runs if r["k"] == 0 and not r["dense_k"] and not r["hot_bytes"])
     for r in runs:
-      d = r["auc"] - sync["auc"]
-      mode = _mode(r)
-      print(
-        f"| {name} | {mode} | {r['auc']:.4f} | {d:+.4f} ({100 * d / sync['auc']:+.2f}%) | {r['samples_per_sec']:,.0f} |"
-      )
-      key = f"{name}_{'async' if r['dense_k'] else 'k'}{r['k']}"
-      line[f"{key}_auc"] = round(r["auc"], 4)
-      line[f"{key}_samples_per_sec"] = round(r["samples_per_sec"])
+      text, entries = _row(name, r, sync)
+      print(text)
+      line.update(entries)
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value + ".json", "w") as f:
     json.dump({"full": _FULL.value, "results": results}, f, indent=1)
-  plot(results, _OUT.value + ".png")
+  plot(results, ks, _OUT.value + ".png")
   print(f"\nplot: {_OUT.value}.png")
   print(json.dumps(line))
 

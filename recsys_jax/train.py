@@ -76,19 +76,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
+  hot = job.hot
+  hot_state = hot.resume(start, ckpts.latest_dir(), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
   try:
     for t in range(start, n):
+      hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
       try:
         _, (p, rows, batch) = pre.get()
         ckpts.positions[t] = p.position
       except Aborted:
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
-      state, g_rows, m = job.train_step(state, rows, batch)
+      state, hot_state, g_rows, m = job.train_step(state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       if save:
@@ -97,18 +100,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
-        progress.log_train(done, pre, ps)
+        progress.log_train(done, pre, ps, hot)
       if _due(config.eval_every, done, n):
         pusher.flush(t)
+        hot.write_back(hot_state, ps)  # evaluation reads the PS: the hot rows' current values go there
         distributed.barrier(f"eval at {done}")  # every trainer's pushes are in: the PS is one cut
         progress.log_eval(done, functools.partial(evaluate, state, job.eval_step, host, config))
       if save:
         try:
-          ckpts.save(done, state, ps, pusher)
+          ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
     if n > start:
-      ckpts.save(n, state, ps, pusher)
+      ckpts.save(n, state, ps, pusher, (hot, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -119,6 +123,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     raise
   finally:
     progress.bar.close()
+    hot.close()
     pre.close()
     pusher.close()
     ckpts.close()
@@ -128,4 +133,4 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end)
+  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot)

@@ -37,14 +37,14 @@ assert jax.device_count() == 8 and jax.local_device_count() == 8 // nproc
 if nproc > 1:  # each fsdp group (mesh row) lives on one process
   for row in job.mesh.devices:
     assert len({d.process_index for d in row}) == 1
-state = job.state
+state, hot = job.state, job.hot_state
 batches = job.reader.train()  # this process's half of every global batch
 init = distributed.to_host(state.params)
 for t in range(int(sys.argv[5])):
   batch, position = next(batches)
   p = job.host.lookup(job.host.prepare(t, batch, position), create=True)
   _, rows, batch = job.host.place(p)
-  state, _, _ = job.train_step(state, rows, batch)
+  state, hot, _, _ = job.train_step(state, hot, rows, batch)
 params = distributed.to_host(state.params)
 flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 flat.update({"init" + jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(init)[0]})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import threading
 import time
@@ -13,6 +11,7 @@ import pytest
 
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from tests.run_outcome import outcome
 
 # -- lookups into the caller's buffer ---------------------------------------------------------------
 
@@ -123,33 +122,6 @@ def _config(tiny_config, data_dir, workers, steps=28):
   return c
 
 
-def _outcome(c, workdir):
-  """What a run leaves: its summary, logged losses, final dense parameters and every PS row."""
-  import jax
-
-  from recsys_jax import checkpoint as checkpoint_lib
-  from recsys_jax import train
-
-  log = os.path.join(workdir, "metrics.jsonl")
-  before = os.path.getsize(log) if os.path.exists(log) else 0
-  s = train.train_and_evaluate(c, workdir)
-  with open(log) as f:
-    f.seek(before)  # what this run logged
-    losses = [(r["step"], r["loss"]) for r in map(json.loads, f) if r["kind"] == "train"]
-  job = train.build_job(c, os.path.join(workdir, "probe"))
-  ckpt = checkpoint_lib.Checkpointer(workdir)
-  state, _ = ckpt.restore(c.num_steps, job.state, job.ps)
-  ckpt.close()
-  params = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
-  rows = {}
-  for t, part in job.ps.snapshot().items():
-    order = np.argsort(part["ids"])
-    rows[t] = {k: v[order] for k, v in part.items()}
-  job.ps.close()
-  keep = ("auc", "logloss", "eval_samples", "bad_records_skipped", "bad_record_examples", "ps_rows")
-  return {k: s[k] for k in keep}, losses, params, rows
-
-
 def _assert_same(a, b, resumed=False):
   (sa, la, pa, ra), (sb, lb, pb, rb) = a, b
   if resumed:
@@ -175,14 +147,14 @@ def one_worker(tmp_path_factory):
 
   tmp = tmp_path_factory.mktemp("feed")
   data = _files(tmp, bad_at=((), (57,), (3,)))
-  return data, _outcome(_config(tiny.get_config(), data, 1), str(tmp / "one"))
+  return data, outcome(_config(tiny.get_config(), data, 1), str(tmp / "one"))
 
 
 @pytest.mark.parametrize("workers", [0, 2, 4])
 def test_a_run_is_bit_identical_for_any_worker_count(one_worker, tiny_config, tmp_path, workers):
   data, want = one_worker
   assert want[0]["bad_records_skipped"] >= 2 and len(want[1]) == 7  # both bad records met and skipped
-  _assert_same(_outcome(_config(tiny_config, data, workers), str(tmp_path)), want)
+  _assert_same(outcome(_config(tiny_config, data, workers), str(tmp_path)), want)
 
 
 def test_resume_with_another_worker_count_continues_at_the_same_record(one_worker, tiny_config, tmp_path):
@@ -199,7 +171,7 @@ def test_resume_with_another_worker_count_continues_at_the_same_record(one_worke
     workdir = str(tmp_path / f"resumed_{workers}")
     shutil.copytree(str(tmp_path / "stopped"), workdir)
     c = _config(stopped.copy_and_resolve_references(), data, workers, steps=28)
-    _assert_same(_outcome(c, workdir), want, resumed=True)
+    _assert_same(outcome(c, workdir), want, resumed=True)
 
 
 def test_a_bad_record_read_by_a_worker_stops_the_run_naming_file_and_line(tiny_config, tmp_path):

@@ -65,6 +65,20 @@ def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueE
       raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
 
 
+def distinct_ids(ids: Any, table: str, what: str = "ids") -> np.ndarray:
+  """``ids`` as 1-D uint64 that do not repeat (``as_ids``, then ``check_distinct``).
+
+  Raises:
+    ValueError: naming the table and ``what``, for ids that are not 1-D unsigned or non-negative
+      integers, or repeat.
+  """
+  a = as_ids(ids, table)
+  if a.ndim != 1:
+    raise ValueError(f"table {table!r}: {what} must be 1-D, got shape {a.shape}")
+  check_distinct(a, table, what=what)
+  return a
+
+
 def check_out(specs: Mapping[str, Any], ids: Mapping[str, np.ndarray], out: Optional[Mapping[str, np.ndarray]]) -> None:
   """Raises ValueError unless ``out`` (if given) holds a float32 [len(ids), dim] array for every table of ``ids``."""
   if out is None:

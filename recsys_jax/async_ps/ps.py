@@ -3,10 +3,10 @@
 An id goes to shard ``hash(table, id) mod N``; each shard holds its part of every table
 (``Table``), with its own lock, so the tables of a call, and their shards, are worked in
 parallel by a thread pool (``workers.Workers``; the row kernels drop the GIL), dealt by rows;
-no result depends on the thread count. The interface (``lookup_many``,
-``apply_many``, ``lookup``, ``apply``, ``snapshot``, ``restore``, ``stats``) is what the
-trainer talks to; a remote client offers the same methods, so the trainer cannot tell which
-one it has. Row values never depend on the shard count: initial rows come from
+no result depends on the thread count. The interface (``lookup_many``, ``apply_many``,
+``lookup``, ``apply``, ``export_rows_many``, ``import_rows_many``, ``snapshot``, ``restore``,
+``stats``) is what the trainer talks to; a remote client offers the same methods, so the
+trainer cannot tell which one it has. Row values never depend on the shard count: initial rows come from
 (table, id, seed), and snapshots restore into any number of shards.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from recsys_jax.async_ps import chunking, optimizers
 from recsys_jax.async_ps.bounds import merge_states
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
-from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out
+from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out, distinct_ids
 from recsys_jax.async_ps.table import Table
 from recsys_jax.async_ps.workers import MIN_ROWS, Workers
 from recsys_jax.embeddings.specs import TableSpec
@@ -184,6 +184,82 @@ class ParameterServer:
   def apply(self, table: str, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None) -> None:
     """Applies summed row gradients for distinct ids of one table."""
     self.apply_many({table: (ids, grads)}, step)
+
+  # -- rows with their optimizer slots ----------------------------------------------------
+  def export_rows_many(
+    self, ids: Mapping[str, np.ndarray], *, step: Optional[int] = None
+  ) -> Dict[str, Tuple[np.ndarray, Dict[str, np.ndarray]]]:
+    """Rows of distinct ids with their optimizer slots (``Table.export_rows``); changes nothing.
+
+    Args:
+      ids: {table: distinct ids}.
+      step: taken for the interface's sake (a ``RemotePS``'s servers first wait for the pushes of
+        the steps before it); here every push made is applied, so there is nothing to wait for.
+
+    Returns:
+      {table: (float32 weights [n, dim], {slot: float32 [n, width]})}, in the order of the ids.
+
+    Raises:
+      KeyError: an unknown table.
+      ValueError: ids that are not 1-D non-negative integers, or repeat (nothing is read then).
+    """
+    del step
+    for t in ids:
+      self._check(t)
+    arrays = {t: distinct_ids(v, t, "export ids") for t, v in ids.items()}
+    out = {}
+    for t, v in arrays.items():
+      n, dim = v.shape[0], self.specs[t].dim
+      fresh = self.shards[0][t].opt.init(0, dim)
+      out[t] = (np.empty((n, dim), np.float32), {k: np.empty((n,) + s.shape[1:], np.float32) for k, s in fresh.items()})
+
+    def export(table, t, sel):
+      at = slice(None) if sel is None else sel
+      w, slots = table.export_rows(arrays[t][at], checked=True)
+      out[t][0][at] = w
+      for k, s in slots.items():
+        out[t][1][k][at] = s
+
+    self._fan_out(arrays, export)
+    return out
+
+  def check_import(self, rows: Mapping[str, Tuple[Any, Any, Mapping[str, Any]]]) -> Dict[str, Tuple[Any, ...]]:
+    """Checks an ``import_rows_many`` request without changing anything; returns it as arrays
+    (uint64 ids, float32 weights and slots) for ``import_rows_many(..., checked=True)``.
+
+    Raises:
+      KeyError: an unknown table.
+      ValueError: naming the table and what is wrong (ids, shapes, repeats, slot names).
+    """
+    for t in rows:
+      self._check(t)
+    return {t: self.shards[0][t].check_rows(i, w, s, "import") for t, (i, w, s) in rows.items()}
+
+  def import_rows_many(
+    self, rows: Mapping[str, Tuple[np.ndarray, np.ndarray, Mapping[str, np.ndarray]]], *, checked: bool = False
+  ) -> None:
+    """Sets rows and their optimizer slots, creating rows that do not exist (``Table.import_rows``).
+
+    Args:
+      rows: {table: (distinct ids, float32 weights [n, dim], {slot: float32 [n, width]})}, every
+        slot of the table's optimizer.
+      checked: ``rows`` come from ``check_import``.
+
+    Raises:
+      KeyError: an unknown table.
+      ValueError: naming the table and what is wrong (ids, shapes, repeats, slot names); every
+        table is checked before any is changed, so nothing is written then.
+    """
+    if not checked:
+      rows = self.check_import(rows)
+
+    def put(table, t, sel):
+      i, w, s = rows[t]
+      if sel is not None:
+        i, w, s = i[sel], w[sel], {k: v[sel] for k, v in s.items()}
+      table.import_rows(i, w, s, checked=True)
+
+    self._fan_out({t: i for t, (i, _, _) in rows.items()}, put)
 
   # -- snapshots ----------------------------------------------------------------------
   def snapshot(self, incremental: bool = False) -> Dict[str, Dict[str, np.ndarray]]:

@@ -1,7 +1,8 @@
 """``RemotePS``: the parameter-server interface the trainer uses, backed by PS shard servers.
 
 It offers what ``ParameterServer`` offers the trainer (``lookup_many``, ``apply_many``,
-``lookup``, ``apply``, ``stats``, ``close``, ``specs``, ``num_shards``) plus
+``lookup``, ``apply``, ``export_rows_many`` and ``import_rows_many`` (``remote_rows``),
+``stats``, ``close``, ``specs``, ``num_shards``) plus
 ``save_snapshot`` / ``load_snapshot``, so the trainer cannot tell which one it holds. Each id
 of a table goes to server ``wire.server_of(table, id, seed, len(addresses))``; a call sends
 one request per server, all servers in parallel, and puts the answers back in the caller's
@@ -39,6 +40,7 @@ import numpy as np
 
 from recsys_jax.async_ps import chunking, snapshot_chain, wire
 from recsys_jax.async_ps.ids import as_ids, check_out
+from recsys_jax.async_ps.remote_rows import RemoteRows
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
 from recsys_jax.async_ps.snapshot_chain import load_into as load_into
@@ -50,7 +52,7 @@ from recsys_jax.embeddings.specs import TableSpec
 _DEFAULT_LIMIT = 256 << 20  # the server's default --max_message_mb
 
 
-class RemotePS:
+class RemotePS(RemoteRows):
   """A client of PS shard servers (``python -m recsys_jax.async_ps.server``).
 
   Connects to every server and sends it ``Configure`` at construction, so a wrong address, a

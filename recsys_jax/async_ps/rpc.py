@@ -7,6 +7,7 @@ call ``service.ShardService``, which holds the tables and the steps in flight:
   servers; later calls must agree with the first. Every other RPC but ``Health`` is refused
   (FAILED_PRECONDITION) until then.
 - ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
+- ``ExportRows``, ``ImportRows``: rows with their optimizer slots, out and back (``rpc_rows``).
 - ``Stats``, ``Health``.
 
 Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids that are not
@@ -40,6 +41,7 @@ from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.budget import ByteBudget, WaitSlots
 from recsys_jax.async_ps.ids import check_distinct
 from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.rpc_rows import RowsRPC
 from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW, Grads, ServiceError, ShardService
 from recsys_jax.async_ps.staging import MAX_CHUNKS
 
@@ -47,7 +49,8 @@ _RESERVED_META = ("format", "parts", "incremental")  # keys of snapshot.save's o
 _C = grpc.StatusCode
 _MAX_STEP = 2**62  # steps go into int64 arrays (a row's last step), with room for arithmetic
 _FREE_THREADS = 2  # RPC threads no wait for pushes may take: one for pushes, one for Health
-_FINITE_BLOCK = 1 << 20  # gradients checked for finiteness this many values at a time (no full-size masks)
+# RPCs whose large requests are read only once their bytes have room in the budget: what each sends.
+_READ_WHEN_ROOM = {"Push": "push", "ImportRows": "import of rows"}
 
 
 def _json_number(v: Any) -> Any:
@@ -58,7 +61,7 @@ def _json_number(v: Any) -> Any:
   return float(v)
 
 
-class ShardServer:
+class ShardServer(RowsRPC):
   """The RPC handlers of one PS server, over a ``ShardService``.
 
   Args:
@@ -109,11 +112,12 @@ class ShardServer:
     """
     methods = {}
     for m in wire.METHODS:
-      # A push is read only once its bytes have room in the budget: a stream handler receives the
-      # message when it asks for it (HTTP/2 flow control holds the sender meanwhile), and a
-      # client's unary call is the same on the wire. Lookups are read at once and take their
-      # room after their wait for pushes, so that they never hold room the pushes need.
-      make = grpc.stream_unary_rpc_method_handler if m == "Push" else grpc.unary_unary_rpc_method_handler
+      # A push (or an import of rows) is read only once its bytes have room in the budget: a stream
+      # handler receives the message when it asks for it (HTTP/2 flow control holds the sender
+      # meanwhile), and a client's unary call is the same on the wire. Lookups (and exports) are
+      # read at once and take their room after their wait for pushes, so that they never hold
+      # room the pushes need.
+      make = grpc.stream_unary_rpc_method_handler if m in _READ_WHEN_ROOM else grpc.unary_unary_rpc_method_handler
       methods[m] = make(self._wrap(m, getattr(self, f"_rpc_{m.lower()}")))
     return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
 
@@ -123,8 +127,8 @@ class ShardServer:
         self._authenticate(context)
         if method not in ("Configure", "Health") and self.service.ps is None:
           raise ServiceError("FAILED_PRECONDITION", "the server is not configured yet: call Configure first")
-        if method == "Push":
-          request = self._receive(request, context)
+        if method in _READ_WHEN_ROOM:
+          request = self._receive(request, context, _READ_WHEN_ROOM[method])
         return fn(wire.decode(request), context)
       except ServiceError as e:
         code, text = _C[e.code], e.message
@@ -141,9 +145,10 @@ class ShardServer:
 
     return behavior
 
-  def _receive(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-    """Reads a push once the bytes its client declared (``wire.SIZE_KEY``) have room in the budget;
-    an undeclared push takes its room once read, one that declared too little the rest at once."""
+  def _receive(self, requests: Iterator[bytes], context: grpc.ServicerContext, what: str = "push") -> bytes:
+    """Reads a push (or an import: ``what``) once the bytes its client declared (``wire.SIZE_KEY``)
+    have room in the budget; an undeclared one takes its room once read, one that declared too
+    little the rest at once."""
     declared = None
     for key, value in context.invocation_metadata() or ():
       if key == wire.SIZE_KEY:
@@ -156,22 +161,22 @@ class ShardServer:
     if declared is not None and self._limit is not None and declared > self._limit:
       raise ServiceError(
         "RESOURCE_EXHAUSTED",
-        f"a push of {declared} bytes is over the server's --max_message_mb={self._limit / 2**20:g}: send it in "
+        f"a {what} of {declared} bytes is over the server's --max_message_mb={self._limit / 2**20:g}: send it in "
         "chunks (RemotePS does, under the limit Configure reports)",
       )
     if declared is not None:
-      self._admit(context, declared, f"a push of {declared} bytes")
+      self._admit(context, declared, f"a {what} of {declared} bytes")
     try:
       request = next(requests, None)
     except Exception:  # noqa: BLE001 - gRPC ends the stream with its own error when the caller goes away
       request = None
     if request is None and not context.is_active():  # gRPC has answered already (e.g. over the limit)
-      raise ServiceError("CANCELLED", "the call ended before its push was read (over the limit, or the caller left)")
+      raise ServiceError("CANCELLED", f"the call ended before its {what} was read (over the limit, or the caller left)")
     if request is None:
       raise wire.WireError("the call carried no message")
     more = len(request) - (declared or 0)
     if more > 0:
-      self._admit(context, more, f"a push of {len(request)} bytes", wait=declared is None)
+      self._admit(context, more, f"a {what} of {len(request)} bytes", wait=declared is None)
     return request
 
   def _authenticate(self, context: grpc.ServicerContext) -> None:
@@ -227,11 +232,7 @@ class ShardServer:
         f"table {table!r}: grads of shape {list(grads.shape)} do not match [n={ids.shape[0]} ids, dim={dim}]"
       )
     g = wire.from_wire(grads)
-    rows = max(1, _FINITE_BLOCK // max(dim, 1))
-    for a in range(0, g.shape[0], rows):
-      if not np.isfinite(g[a : a + rows]).all():
-        bad = np.argwhere(~np.isfinite(g[a : a + rows]))[0]
-        raise wire.WireError(f"table {table!r}: grads are not finite (e.g. row {a + bad[0]}, column {bad[1]})")
+    wire.check_finite(table, "grads", g)
     return g
 
   # -- RPCs ----------------------------------------------------------------------------
@@ -265,21 +266,24 @@ class ShardServer:
     ids = {}
     for t, arrs in self._arrays_by_table(msg, ("ids",)).items():
       ids[t] = self._check_ids(t, arrs["ids"])
-    # Refused before any row is made: an answer over the limit would only fail in gRPC.
     size = wire.DTYPES[wire_dtype].itemsize
     answer = sum(v.shape[0] * self.service.ps.specs[t].dim * size for t, v in ids.items())
     answer += wire.header_bound({}, [f"rows/{t}" for t in ids])
     n = sum(v.shape[0] for v in ids.values())
+    admit = self._room_for_answer(context, msg, answer, f"a lookup of {n} ids", "look up fewer ids per call")
+    rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active, admit)
+    return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
+
+  def _room_for_answer(self, context, msg: wire.Message, answer: int, what: str, advice: str) -> Callable[[], None]:
+    """Refuses, before any work, a call whose answer of ``answer`` bytes would pass the message limit
+    (it would only fail in gRPC); returns what takes the call's bytes from the budget (``_admit``)."""
     if self._limit is not None and answer > self._limit:
       raise ServiceError(
         "RESOURCE_EXHAUSTED",
-        f"the answer to a lookup of {n} ids would take {answer / 2**20:.1f} MiB, over the server's "
-        f"--max_message_mb={self._limit / 2**20:g}: look up fewer ids per call (RemotePS splits its calls by it)",
+        f"the answer to {what} would take {answer / 2**20:.1f} MiB, over the server's "
+        f"--max_message_mb={self._limit / 2**20:g}: {advice} (RemotePS splits its calls by it)",
       )
-    cost = _payload(msg) + answer
-    admit = functools.partial(self._admit, context, cost, f"a lookup of {n} ids")
-    rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active, admit)
-    return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
+    return functools.partial(self._admit, context, wire.payload_bytes(msg) + answer, what)
 
   def _admit(self, context, cost: int, what: str, wait: bool = True) -> None:
     """Takes ``cost`` bytes of the budget (``wait``: once they have room), until the call ends."""
@@ -349,10 +353,6 @@ class ShardServer:
       refused = dict(self._counts)
     inflight = None if self.budget is None else self.budget.used
     return {**self.service.state(), "refused": refused, "inflight_bytes": inflight}
-
-
-def _payload(msg: wire.Message) -> int:
-  return sum(a.nbytes for a in msg.arrays.values())
 
 
 def serve(

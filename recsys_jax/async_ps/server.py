@@ -22,6 +22,8 @@ This module is the command line; the server's parts live in:
   status codes; ``serve`` starts a server in this process).
 - ``budget``: the bytes of calls in flight (``--max_inflight_mb``) and the waiting calls.
 - ``staging``: the chunks of pushes sent in several messages, until all are in.
+- ``service_rows``, ``rpc_rows``: ``ExportRows`` / ``ImportRows``, rows with their optimizer
+  slots out and back (the trainer's hot rows on the accelerator).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ the steps in flight (``rpc`` decodes and checks the requests and calls it):
   in chunks is staged (``staging``) until its last chunk is in, then counts as that one push.
 - ``snapshot`` / ``restore``: ``snapshot.save`` of the local PS after the pushes of the steps
   before ``step``; restore from the parts of any number of servers, keeping this server's ids.
+- ``export_rows`` / ``import_rows`` (``service_rows``): rows with their optimizer slots, out
+  (after the pushes of the steps before ``step``) and back.
 
 One client must not be able to jam the server: a wait ends when the caller cancels, before
 its deadline, and after ``max_wait_s`` whatever the deadline; at most ``max_waiters`` calls
@@ -40,6 +42,7 @@ from recsys_jax.async_ps.errors import ServiceError as ServiceError
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.async_ps.pushes import Grads as Grads
 from recsys_jax.async_ps.pushes import repeated_id, sum_pushes
+from recsys_jax.async_ps.service_rows import RowsService
 from recsys_jax.async_ps.staging import Staging
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -61,7 +64,7 @@ def _always() -> bool:
   return True
 
 
-class ShardService:
+class ShardService(RowsService):
   """One PS server's tables and step bookkeeping, over an in-process ``ParameterServer``.
 
   Thread-safe: the RPC layer calls it from many threads at once.
@@ -382,11 +385,7 @@ class ShardService:
       Rows written per table.
     """
     with self._cond:
-      if step is not None:
-        self._check_step(step, f"the snapshot at step {step}")
-        self._wait_applied(step - 1, time_left, active, f"the snapshot at step {step}")
-      elif self._broken is not None:
-        raise ServiceError("FAILED_PRECONDITION", self._broken)
+      self._wait_before(step, f"the snapshot at step {step}", time_left, active)
       self._apply_lock.acquire()
       applied = self._applied
     try:

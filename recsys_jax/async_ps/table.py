@@ -11,14 +11,15 @@ Rows are stored in float32, bfloat16 or float16 (``TableSpec.storage_dtype``); t
 always computes in float32 and its slots stay float32. Every row also carries the step it was
 last looked up (for LRU and expiry), a lookup count (LFU) and a dirty flag (changed since the
 last snapshot, for incremental snapshots). Snapshots carry the first two as well, so a
-restored bounded table goes on exactly as the original would have.
+restored bounded table goes on exactly as the original would have. Snapshots and restores,
+and the export and import of chosen rows with their optimizer slots, are ``table_rows``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Iterator, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +29,7 @@ from recsys_jax.async_ps.bounds import Bounds
 from recsys_jax.async_ps.hashing import name_seed
 from recsys_jax.async_ps.idmap import IdMap
 from recsys_jax.async_ps.ids import check_distinct
+from recsys_jax.async_ps.table_rows import TableRows
 from recsys_jax.embeddings.specs import TableSpec
 
 _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
@@ -36,12 +38,13 @@ STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float1
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
 
 
-class Table(Bounds):
+class Table(Bounds, TableRows):
   """A growable, optionally bounded table; ``lookup`` creates rows, ``apply`` runs the optimizer.
 
   Thread-safe: one lock per table, so a prefetcher and a pusher can work on different
   tables (or shards) at once; numpy drops the GIL for large copies. Admission, eviction and
-  expiry, and the table's state they keep, are ``bounds.Bounds``.
+  expiry, and the table's state they keep, are ``bounds.Bounds``; snapshots, restores and
+  ``export_rows`` / ``import_rows`` are ``table_rows.TableRows``.
 
   Args:
     spec: the table's spec.
@@ -283,147 +286,6 @@ class Table(Bounds):
       self.counters["applied_rows"] += rows.shape[0]
     self.timers["apply_s"] += time.perf_counter() - t0
     self.timers["apply_calls"] += 1
-
-  # -- snapshots ----------------------------------------------------------------------
-  def snapshot_parts(self, incremental: bool = False, max_rows: int = 1 << 14) -> Iterator[Dict[str, np.ndarray]]:
-    """Yields the table in parts of at most ``max_rows`` rows: ``ids`` [n], ``weights`` [n, dim]
-    (float32), one array per slot; the first part also carries ``deleted`` when incremental.
-
-    A bounded table's parts also carry what its bounds read of each row: with a capacity or
-    expiry, ``last_seen`` (int64; -1 for rows in the tier, which keep none) and ``freq``
-    (uint32); with a tier, ``spilled`` (bool: the row is in the tier, not in RAM). The table's
-    own state (step, expiry cadence, sketch) is ``bounds_state``.
-
-    Includes the rows spilled to the tier, read back ``max_rows`` at a time, so a snapshot
-    never holds more than one part in RAM. With ``incremental``, only rows changed (created,
-    updated, looked up, read back or spilled) since the previous snapshot, plus ``deleted``:
-    ids dropped since then (evicted without a tier, or expired). The table is locked until the
-    last part is taken; the change tracking is reset only when every part was taken.
-    """
-    with self.lock:
-      n = self.num_rows
-      sel = np.flatnonzero(self._dirty[:n]) if incremental else np.arange(n)
-      extra = np.zeros(0, np.uint64)
-      if self.tier is not None:
-        live = self.tier.live_ids()
-        if incremental:
-          spilled = np.unique(np.concatenate(self._spilled_ids)) if self._spilled_ids else extra
-          extra = spilled[np.isin(spilled, live)]
-          extra = extra[self._ids.find(extra) < 0]
-        else:
-          extra = live
-      deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.zeros(0, np.uint64)
-      if incremental:
-        # An id deleted and later re-created is among the rows; it is not deleted any more.
-        kept = np.concatenate([self._ids.keys()[sel], extra])
-        deleted = deleted[~np.isin(deleted, kept)]
-      first = True
-      for a in range(0, max(sel.shape[0], 1), max_rows):
-        rows = sel[a : a + max_rows]
-        part = {"ids": self._ids.keys()[rows], "weights": self._weights[rows].astype(np.float32)}
-        part.update({f"slot_{k}": v[rows] for k, v in self._slots.items()})
-        self._add_row_state(part, self._last_seen[rows], self._freq[rows], spilled=False)
-        if incremental and first:
-          part["deleted"] = deleted
-        first = False
-        yield part
-      for a in range(0, extra.shape[0], max_rows):
-        ids = extra[a : a + max_rows]
-        found, w, slots = self.tier.read(ids)
-        part = {"ids": ids[found], "weights": w[found]}
-        part.update({f"slot_{k}": v[found] for k, v in slots.items()})
-        m = int(found.sum())
-        self._add_row_state(part, np.full(m, -1, np.int64), np.zeros(m, np.uint32), spilled=True)
-        yield part
-      self._dirty[:n] = False
-      self._deleted, self._spilled_ids = [], []
-
-  def _add_row_state(self, part: Dict[str, np.ndarray], last_seen, freq, spilled: bool) -> None:
-    if self.tracks_use:
-      part["last_seen"], part["freq"] = last_seen, freq
-    if self.tier is not None:
-      part["spilled"] = np.full(last_seen.shape[0], spilled)
-
-  def snapshot(self, incremental: bool = False) -> Dict[str, np.ndarray]:
-    """The whole table in one dict (``snapshot_parts`` concatenated); see there."""
-    parts = list(self.snapshot_parts(incremental))
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "deleted"}
-    if incremental:
-      out["deleted"] = parts[0]["deleted"]
-    return out
-
-  def validate_snapshot(self, snap: Mapping[str, np.ndarray]):
-    """Checks a snapshot of this table; returns (ids, float32 weights, float32 slots).
-
-    Raises:
-      ValueError: naming the table and what is wrong (shapes, repeated ids, missing slots).
-    """
-    ids = np.asarray(snap["ids"], np.uint64)
-    weights = np.asarray(snap["weights"], np.float32)
-    n = ids.shape[0]
-    if weights.shape != (n, self.spec.dim):
-      raise ValueError(
-        f"table {self.spec.name!r}: snapshot weights {weights.shape} do not match ids ({n},) and dim {self.spec.dim}"
-      )
-    check_distinct(ids, self.spec.name, what="snapshot ids")
-    for k in ("last_seen", "freq", "spilled"):
-      if k in snap and np.shape(snap[k]) != (n,):
-        raise ValueError(f"table {self.spec.name!r}: snapshot {k} {np.shape(snap[k])} does not match ids ({n},)")
-    slots = self.opt.init(n, self.spec.dim)
-    for k in slots:
-      arr = snap.get(f"slot_{k}")
-      if arr is None or np.shape(arr) != slots[k].shape:
-        raise ValueError(f"table {self.spec.name!r}: snapshot lacks optimizer slot {k!r} of shape {slots[k].shape}")
-      slots[k] = np.asarray(arr, np.float32)
-    return ids, weights, slots
-
-  def restore(self, snap: Mapping[str, np.ndarray], merge: bool = False) -> None:
-    """Loads a ``snapshot()``: replaces the contents, or with ``merge`` upserts its rows and
-    removes its ``deleted`` ids (applying an incremental snapshot on top of a full one).
-
-    Rows go where they were (RAM or tier, by ``spilled``), with their last-seen step and
-    count; restored rows are not dirty. A full restore also resets the table's step, expiry
-    cadence and sketch (``restore_bounds_state`` brings them back). A snapshot without these
-    arrays (older ones) puts rows in RAM up to the capacity and the rest in the tier, and its
-    rows count as seen at the next training lookup.
-    """
-    ids, weights, slots = self.validate_snapshot(snap)
-    n = ids.shape[0]
-    last_seen = np.asarray(snap["last_seen"], np.int64) if "last_seen" in snap else np.full(n, -1, np.int64)
-    freq = np.asarray(snap["freq"], np.uint32) if "freq" in snap else np.zeros(n, np.uint32)
-    with self.lock:
-      if not merge:
-        self._clear(0)
-        self._init_bounds()
-        if self.tier is not None:
-          self.tier.remove(self.tier.live_ids())
-      else:
-        gone = np.concatenate([np.asarray(snap.get("deleted", np.zeros(0, np.uint64)), np.uint64), ids])
-        present = self._ids.find(gone)
-        if (present >= 0).any():
-          keep = np.ones(self.num_rows, bool)
-          keep[present[present >= 0]] = False
-          self._keep_only(keep)
-        if self.tier is not None:
-          self.tier.remove(gone)
-      # Without a tier every row goes to RAM, even past the capacity (a snapshot restored into
-      # more shards can give one shard more than its share); later lookups evict as usual.
-      if self.tier is None or not self.capacity:
-        to_ram = np.ones(n, bool)
-      elif "spilled" in snap:
-        to_ram = ~np.asarray(snap["spilled"], bool)
-      else:
-        to_ram = np.arange(n) < self.capacity - self.num_rows
-      ram = slice(None) if to_ram.all() else np.flatnonzero(to_ram)
-      if ids[ram].shape[0]:
-        rows = self._insert(ids[ram], weights[ram], {k: v[ram] for k, v in slots.items()})
-        self._last_seen[rows], self._freq[rows] = last_seen[ram], freq[ram]
-        self._unstamped |= self.tracks_use and bool((last_seen[ram] < 0).any())
-      if not to_ram.all():
-        disk = np.flatnonzero(~to_ram)
-        self.tier.write(ids[disk], weights[disk].astype(self._wdtype), {k: v[disk] for k, v in slots.items()})
-      self._dirty[: self.num_rows] = False
-      self._deleted, self._spilled_ids = [], []
 
   def stats(self) -> Dict[str, float]:
     """Rows (RAM and tier), bytes in RAM, counters and mean latencies, under the table's lock (a

@@ -16,7 +16,8 @@ rows and gradients). Nothing is unpickled or evaluated: ``decode`` checks the ma
 JSON, every dtype, that each shape matches its byte length, and that buffers neither overrun
 the payload nor overlap; any violation is a ``WireError`` (the server answers
 INVALID_ARGUMENT). Array names are ``<kind>/<table>`` (``ids/user``, ``grads/user``,
-``rows/user``); a table name may itself contain ``/``.
+``rows/user``; ``weights/user`` and ``slot_<name>/user``, rows with their optimizer slots,
+always float32); a table name may itself contain ``/``.
 
 Routing lives here too because client and servers must agree on it: an id of a table goes to
 server ``server_of(table, id, seed, K)`` of K, a salted splitmix64 hash independent of the
@@ -34,12 +35,13 @@ import ml_dtypes
 import numpy as np
 
 from recsys_jax.async_ps.hashing import name_seed, splitmix64
+from recsys_jax.async_ps.table_rows import slot_widths
 from recsys_jax.embeddings.specs import TableSpec
 
 MAGIC = b"RPS1"
 VERSION = 1
 SERVICE = "recsys_jax.async_ps.PSShard"
-METHODS = ("Configure", "Lookup", "Push", "Snapshot", "Restore", "Stats", "Health")
+METHODS = ("Configure", "Lookup", "Push", "Snapshot", "Restore", "Stats", "Health", "ExportRows", "ImportRows")
 MAX_HEADER_BYTES = 16 << 20
 SIZE_KEY = "rps-request-bytes"
 """gRPC metadata: the request's length in bytes, so a server can make room before reading it."""
@@ -230,6 +232,31 @@ def decode(data: bytes) -> Message:
     if begin < end:
       raise WireError(f"arrays {a!r} and {b!r} overlap in the payload")
   return Message(fields, arrays)
+
+
+def row_arrays(spec: TableSpec) -> Dict[str, int]:
+  """The arrays rows of a table travel as with their optimizer slots (float32), by kind:
+  ``weights`` and ``slot_<name>`` of each slot -> width."""
+  return {"weights": spec.dim, **{f"slot_{k}": w for k, w in slot_widths(spec).items()}}
+
+
+def payload_bytes(msg: Message) -> int:
+  """The bytes of a message's arrays."""
+  return sum(a.nbytes for a in msg.arrays.values())
+
+
+def check_finite(table: str, what: str, x: np.ndarray, block: int = 1 << 20) -> None:
+  """Refuses non-finite values (checked ``block`` values at a time: no mask of the full size).
+
+  Raises:
+    WireError: naming the table, ``what`` and the first bad row and column.
+  """
+  x = x.reshape(x.shape[0], -1)
+  rows = max(1, block // max(x.shape[1], 1))
+  for a in range(0, x.shape[0], rows):
+    if not np.isfinite(x[a : a + rows]).all():
+      bad = np.argwhere(~np.isfinite(x[a : a + rows]))[0]
+      raise WireError(f"table {table!r}: {what} are not finite (e.g. row {a + bad[0]}, column {bad[1]})")
 
 
 def split_name(name: str) -> Tuple[str, str]:

@@ -37,6 +37,8 @@ class Prepared:
   n_valid: Optional[int] = None
   """Records that count (eval batches are padded to a static size)."""
   rows: Optional[Dict[int, np.ndarray]] = None
+  hot_idx: Optional[Dict[str, np.ndarray]] = None
+  """Row width -> the hot slots the step reads on the device (``hot_rows``), once looked up."""
 
 
 class HostPipeline:
@@ -63,6 +65,15 @@ class HostPipeline:
       d = tables_by_name[f.table].dim
       self._ids_per_record[d] = self._ids_per_record.get(d, 0) + f.max_len
     self.local_devices = jax.local_device_count()
+    self.hot = None
+    """The run's :class:`recsys_jax.training.hot_rows.HotRows`, if it keeps hot rows on the device."""
+
+  def _min_bucket(self, n_records: int, training: bool):
+    """The smallest bucket of a group: with several processes, a training batch's worst case, so
+    every process's arrays have the same shapes."""
+    if self.multi_process and training:
+      return {d: n_records * ids for d, ids in self._ids_per_record.items()}
+    return dedup_lib.MIN_BUCKET
 
   def prepare(self, step: int, batch: Dict[str, Any], position: Any = None, n_valid: Optional[int] = None) -> Prepared:
     """Dedups a reader's batch (``step``: its step, or its index in an evaluation)."""
@@ -71,15 +82,22 @@ class HostPipeline:
       sparse[name] = sparse[source]
       if source in weights:
         weights[name] = weights[source]
-    min_bucket = dedup_lib.MIN_BUCKET
-    if self.multi_process and n_valid is None:  # a training batch: same shapes on every process
-      n = int(batch["label"].shape[0])
-      min_bucket = {d: n * ids for d, ids in self._ids_per_record.items()}
+    min_bucket = self._min_bucket(int(batch["label"].shape[0]), n_valid is None)
     groups = dedup_lib.dedup(sparse, self.features, self.tables, weights, min_bucket=min_bucket)
     return Prepared(step, batch, groups, position, n_valid)
 
-  def lookup(self, p: Prepared, create: bool) -> Prepared:
-    """Reads the rows of every table in one PS call (one request per shard)."""
+  def lookup(self, p: Prepared, create: bool, gate: Optional[StalenessGate] = None) -> Prepared:
+    """Reads the rows of every table in one PS call (one request per shard).
+
+    A training step with hot rows first waits for its hot set (a re-choice may be under way)
+    and, before the run's first choice, for every earlier push (``gate``: the warm-up runs
+    synchronously); then it counts its ids and leaves the hot ones out: the device holds them.
+    """
+    if create and self.hot is not None:
+      self.hot.before_lookup(p.step)
+      if gate is not None:
+        self.hot.wait_warmup(p.step, gate)
+      p.groups, p.hot_idx = self.hot.split(p.groups, self._min_bucket(int(p.batch["label"].shape[0]), True))
     wanted, out = {}, {}
     p.rows = {}
     for dim, g in p.groups.items():
@@ -107,6 +125,9 @@ class HostPipeline:
   def place(self, p: Prepared):
     """-> (host-side groups for the pusher, device rows, device batch).
 
+    A training step's device rows are ``{"cold": row width -> rows, "hot_idx": row width -> hot
+    slots}`` (``make_train_step``); an evaluation's are row width -> rows.
+
     A training batch goes onto the whole mesh; with several processes each contributes its
     part of the batch and its own rows, one copy per local device (``rows_per_device``). An
     evaluation batch (``n_valid`` set) goes onto the eval mesh, with a validity mask and the
@@ -124,14 +145,17 @@ class HostPipeline:
       if "prob" in p.batch:
         batch["prob"] = p.batch["prob"]
       return p, jax.device_put(rows, self.eval_replicated), jax.device_put(batch, self.eval_data_sharding)
+    rows = {"cold": rows, "hot_idx": dict(p.hot_idx or {})}
     if not self.multi_process:
       return p, jax.device_put(rows, self.replicated), jax.device_put(batch, self.data_sharding)
 
     def local(x):
       return jax.make_array_from_process_local_data(self.data_sharding, x)
 
-    rows = {k: local(np.tile(r, (self.local_devices, 1))) for k, r in rows.items()}
-    return p, rows, jax.tree.map(local, batch)
+    def tiled(x):  # one copy of this process's rows (or slots) per local device
+      return local(np.tile(x, (self.local_devices,) + (1,) * (x.ndim - 1)))
+
+    return p, jax.tree.map(tiled, rows), jax.tree.map(local, batch)
 
   def push_step(self, step: int, payload) -> float:
     """The pusher's work for one step: waits for its device step, pushes its row gradients.
@@ -173,12 +197,12 @@ class HostPipeline:
       start,
       config.num_steps,
       prepare=prepare,
-      lookup=lambda p: self.lookup(p, create=True),
+      lookup=lambda p: self.lookup(p, create=True, gate=gate),
       place=self.place,
       gate=gate,
       staleness=config.staleness,
       depth=config.prefetch_depth,
-      on_close=feed.close,
+      on_close=lambda: (feed.close(), self.hot and self.hot.close()),
     )
 
   def eval_prefetcher(self, depth: int) -> Prefetcher:

@@ -18,6 +18,7 @@ from recsys_jax.models import MODELS
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline
+from recsys_jax.training.hot_rows import HotRows
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import init_state, make_eval_step, make_train_step, state_specs
 
@@ -34,13 +35,17 @@ class Job:
   ps: ParameterServer
   host: HostPipeline
   train_step: Callable
-  """jitted (state, rows, batch) -> (state, row grads, metrics); donates the state."""
+  """jitted (state, hot, rows, batch) -> (state, hot, row grads, metrics); donates the state and hot."""
   eval_step: Callable
   """jitted (params, rows, batch) -> logits."""
   state: train_state.TrainState
   """The initial dense train state, replicated over the mesh."""
   traces: Dict[str, int]
   """How many times each step function has been traced."""
+  hot: Optional[HotRows] = None
+  """The hot rows kept on the device (``hot.enabled`` False: ``config.hot_rows_bytes`` buys none)."""
+  hot_state: Any = dataclasses.field(default_factory=dict)
+  """The initial device tables of the hot rows (empty: none), replicated over the mesh."""
 
 
 def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None):
@@ -75,8 +80,11 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
   group_features = {k: tuple(v) for k, v in group_features.items()}
   traces: Dict[str, int] = {}
   repl = mesh_lib.replicated(mesh)
+  hot = HotRows(config, tables_by_name, features, mesh)
+  host.hot = hot if hot.enabled else None
   with jax.transfer_guard("allow"):  # one-off setup; the step loop itself moves data explicitly
     state, state_shardings, on_device = init_state(config, model, reader.schema, features, tables_by_name, mesh)
+    hot_state = hot.init_state()
   rows_out = mesh_lib.data_sharding(mesh) if multi else repl
   train_step = jax.jit(
     make_train_step(
@@ -88,9 +96,10 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
       config.micro_steps,
       on_device,
       rows_per_device=multi,
+      hot_opts=hot.device_opts(),
     ),
-    donate_argnums=(0,),
-    out_shardings=(state_shardings, rows_out, repl),
+    donate_argnums=(0, 1),
+    out_shardings=(state_shardings, repl, rows_out, repl),
   )
   eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
-  return Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces)
+  return Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)

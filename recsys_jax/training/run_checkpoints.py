@@ -82,9 +82,15 @@ class RunCheckpoints:
     self.positions = {start - 1: position}
     return state, start, position
 
-  def save(self, step: int, state, ps, pusher) -> None:
-    """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made)."""
+  def save(self, step: int, state, ps, pusher, hot_rows=None) -> None:
+    """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made).
+
+    ``hot_rows``: ``(HotRows, device tables)``: once the pushes are in, the hot rows go back into
+    the PS before its snapshot (so it has every row), and the hot set is saved with the checkpoint.
+    """
     pusher.flush(step - 1)
+    if hot_rows is not None:
+      hot_rows[0].write_back(hot_rows[1], ps)
     meta = {"data_position": step, "batch_size": self.config.batch_size, "data": self.config.data.name}
     meta["reader_position"] = self.positions[step - 1]
     if jax.process_count() > 1:  # every process's own position, in process order
@@ -92,7 +98,13 @@ class RunCheckpoints:
     for k in [k for k in self.positions if k < step - 1]:
       del self.positions[k]
     self.ckpt.save(step, state, ps, meta)
+    if hot_rows is not None:
+      hot_rows[0].save_state(os.path.join(self.directory, str(step)), step)
     self.last_saved = step
+
+  def latest_dir(self) -> Optional[str]:
+    """The directory of the checkpoint this run resumed from (None: a fresh run)."""
+    return None if self.latest is None else os.path.join(self.directory, str(self.latest))
 
   def last_good(self) -> str:
     """The directory of the last checkpoint saved or resumed from ('none' if there is none)."""

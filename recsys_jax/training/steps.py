@@ -97,8 +97,9 @@ def make_train_step(
   micro_steps: int = 1,
   opt_state_on_device=None,
   rows_per_device: bool = False,
+  hot_opts=None,
 ):
-  """Returns train_step(state, rows, batch) -> (state, row grads, metrics), to be jitted.
+  """Returns train_step(state, hot, rows, batch) -> (state, hot, row grads, metrics), to be jitted.
 
   The dense sync is MiCS's (:mod:`recsys_jax.parallel.mics`): parameters and optimizer state
   sharded over ``fsdp`` as ``state_specs`` say and replicated over ``replica``; each device
@@ -113,7 +114,20 @@ def make_train_step(
   ``rows_per_device``: with several trainer processes each process looks up its own rows, so
   the rows are not one replicated array: every device gets its process's rows (split over the
   mesh like the batch) and returns its own row gradients, which the process sums on the host.
+
+  Hot rows (:mod:`recsys_jax.training.hot_rows`): ``hot`` holds a device table per row width
+  (``{"w": [H, D], "slots": {...}}``, replicated) and ``rows`` is ``{"cold": row width -> the
+  PS's rows, "hot_idx": row width -> int32 hot slots of this step, padded with H}``. The step
+  reads ``concat(cold rows, w[hot_idx])``, which the remapped inverse indexes, and updates the
+  hot rows it touched with ``hot_opts[width]`` (a :mod:`recsys_jax.embeddings.device_optimizers`
+  optimizer: the PS's math) on their gradient summed over the global batch: synchronously, like
+  the dense part. Only the cold rows' gradients go back to the host. With one trainer process
+  the update is sparse (the touched slots only); with several, each process touches its own
+  slots, so the gradients are scattered into [H, D], summed over every device and applied to
+  the slots any process touched.
   """
+  hot_opts = dict(hot_opts or {})
+  all_axes = tuple(mesh.axis_names)
   dims = mics.group_dims(state_specs.params)
   rows_spec = mics.DATA_SPEC if rows_per_device else P()
   n_micro = micro_steps * mesh.size
@@ -122,33 +136,53 @@ def make_train_step(
     logits = model.apply({"params": params}, batch["dense"], *_embeddings(rows, batch, group_features))
     return optax.sigmoid_binary_cross_entropy(logits, batch["label"]).mean()
 
-  def device_step(state, rows, batch):
+  def hot_update(opt, table, idx, g):
+    """The touched hot rows' update, from this device's gradient of rows ``w[idx]``."""
+    if not rows_per_device:  # g is already the global sum, the same on every device
+      w, slots = opt.apply_sparse(table["w"], table["slots"], idx, g)
+      return {"w": w, "slots": slots}
+    dense = jax.lax.psum(jnp.zeros_like(table["w"]).at[idx].add(g, mode="drop"), all_axes)
+    seen = jnp.zeros(table["w"].shape[0], jnp.int32).at[idx].set(1, mode="drop")
+    touched = jax.lax.psum(seen, all_axes) > 0
+    w, slots = opt.apply_masked(table["w"], table["slots"], touched, dense)
+    return {"w": w, "slots": slots}
+
+  def device_step(state, hot, rows, batch):
+    cold, hot_idx = rows["cold"], rows["hot_idx"]
+    extras = dict(cold)
+    for k, idx in hot_idx.items():  # hot rows follow the cold ones, as the inverse expects
+      extras[k] = jnp.concatenate([cold[k], jnp.take(hot[k]["w"], idx, axis=0, mode="fill", fill_value=0)])
     g_params, g_rows, loss_sum = mics.accumulate_gradients(
       loss_fn,
       state.params,
       dims,
       mics.split_micro_batches(batch, micro_steps),
-      rows,
+      extras,
       extras_replicated=not rows_per_device,
     )
     g_params, g_rows = jax.tree.map(lambda g: g / n_micro, (g_params, g_rows))
+    new_hot = {}
+    for k, idx in hot_idx.items():
+      b = cold[k].shape[0]
+      new_hot[k] = hot_update(hot_opts[k], hot[k], idx, g_rows[k][b:])
+      g_rows[k] = g_rows[k][:b]
     if isinstance(state, AsyncDenseState):  # apply the oldest queued gradient, queue this one
       q = state.grad_queue
       state = state.replace(grad_queue=jax.tree.map(lambda x, g: jnp.concatenate([x[1:], g[None]]), q, g_params))
       g_params = jax.tree.map(lambda x: x[0], q)
-    return state.apply_gradients(grads=g_params), g_rows, {"loss": loss_sum / n_micro}
+    return state.apply_gradients(grads=g_params), new_hot, g_rows, {"loss": loss_sum / n_micro}
 
   mapped = jax.shard_map(
     device_step,
     mesh=mesh,
-    in_specs=(state_specs, rows_spec, mics.DATA_SPEC),
-    out_specs=(state_specs, rows_spec, P()),
+    in_specs=(state_specs, P(), rows_spec, mics.DATA_SPEC),
+    out_specs=(state_specs, P(), rows_spec, P()),
   )
 
-  def train_step(state, rows, batch):
+  def train_step(state, hot, rows, batch):
     traces["train"] = traces.get("train", 0) + 1  # runs only while tracing
     state = state.replace(opt_state=offload.to_device(state.opt_state, opt_state_on_device))
-    return mapped(state, rows, batch)
+    return mapped(state, hot, rows, batch)
 
   return train_step
 

@@ -22,7 +22,8 @@ _INTS = (
   "seed num_steps batch_size staleness dense_staleness prefetch_depth log_every checkpoint_every max_checkpoints "
   "checkpoint_full_every eval_every eval_samples eval_batch_size micro_steps data.seed data.chunk_records "
   "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
-  "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp"
+  "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp "
+  "hot_rows_bytes hot_warmup_steps hot_every hot_min_count"
 ).split()
 # Sizes of arrays, or indices into them, that the jitted step holds as int32.
 _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.dim data.num_dense".split()
@@ -107,6 +108,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     "host_workers",
     "must be an integer >= -1 (-1: one per core; 0: read and dedup on the prefetcher thread)",
   )
+  if _has(config, "hot_rows_bytes"):
+    need(config.hot_rows_bytes >= 0, "hot_rows_bytes", "must be >= 0 (0: no hot rows on the device)")
+    need(config.hot_warmup_steps >= 0, "hot_warmup_steps", "must be >= 0")
+    need(config.hot_every >= 0, "hot_every", "must be >= 0 (0: choose the hot set once, after the warm-up)")
+    need(config.hot_min_count >= 1, "hot_min_count", "must be >= 1")
+    per_table = config.hot_rows_per_table
+    need(
+      isinstance(per_table, (dict, ml_collections.ConfigDict))
+      and all(_is_int(v) and v >= 0 for v in dict(per_table).values()),
+      "hot_rows_per_table",
+      "must map table names to row counts >= 0 (0: never hot)",
+    )
   need(config.log_every > 0, "log_every", "must be positive")
   need(config.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
   need(config.eval_every >= 0, "eval_every", "must be >= 0 (0 = only at the end)")

@@ -119,13 +119,14 @@ class Progress:
   def log_due(self, done: int) -> bool:
     return done % self.config.log_every == 0 or done == self.config.num_steps
 
-  def log_train(self, done: int, pre, ps) -> None:
+  def log_train(self, done: int, pre, ps, hot=None) -> None:
     """Writes the mean loss and samples/s since the last log, the staleness seen and the PS's metrics."""
     now = time.perf_counter()
     sps = (done - self.log_step) * self.config.batch_size / (now - self.log_t)
     loss = self.stats.take_mean_loss()
     staleness = {"staleness_mean": pre.stale_sum / max(1, pre.stale_n), "staleness_max": pre.stale_max}
-    self.writers.write(done, "train", {"loss": loss, "samples_per_sec": sps, **staleness})
+    hot_metrics = hot.metrics() if hot is not None and hot.enabled else {}
+    self.writers.write(done, "train", {"loss": loss, "samples_per_sec": sps, **staleness, **hot_metrics})
     self.writers.write_ps(done, ps.stats())
     self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}", refresh=False)
     self.log_t, self.log_step = now, done
@@ -140,7 +141,9 @@ class Progress:
     self.evals.append({"step": done, "samples": done * self.config.batch_size, "train_s": train_s, **ev})
     self.eval_s += time.perf_counter() - t_eval
 
-  def finish(self, ev: Dict[str, float], job, start: int, resumed: bool, ps_stats, train_end: float) -> Dict[str, Any]:
+  def finish(
+    self, ev: Dict[str, float], job, start: int, resumed: bool, ps_stats, train_end: float, hot=None
+  ) -> Dict[str, Any]:
     """Writes the final evaluation and summary.json; returns the summary (on every process)."""
     config, B = self.config, self.config.batch_size
     self.writers.write(config.num_steps, "eval", ev)
@@ -174,6 +177,7 @@ class Progress:
       "mesh": dict(job.mesh.shape),
       "micro_steps": config.micro_steps,
       "evals": self.evals,
+      "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
@@ -190,6 +194,14 @@ def format_summary(s: Dict[str, Any]) -> str:
     f"calibration   {s['calibration']:.3f}",
     f"steps         {s['steps']} ({s['steps_this_run']} this run, batch {s['batch_size']}, staleness k={s['staleness']})",
     f"throughput    {s['samples_per_sec']:,.0f} samples/s (after the first step)",
+    *(
+      [
+        f"hot rows      {s['hot']['hot_rows_held']:,.0f} on the device, hit rate {s['hot']['hot_hit_rate']:.3f}, "
+        f"{s['hot']['h2d_row_bytes_per_step'] / 2**10:,.1f} KiB of rows host -> device a step"
+      ]
+      if s.get("hot")
+      else []
+    ),
     f"wall time     {s['wall_s']:.1f} s",
     f"PS            {s['ps_rows']:,} rows, {s['ps_bytes'] / 2**20:.1f} MiB",
     f"model, data   {s.get('model')}, {s.get('data')} ({s['eval_samples']:,} eval records)",

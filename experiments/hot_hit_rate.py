@@ -1,0 +1,323 @@
+"""How much of the id traffic a device-resident hot set serves, against its memory budget (issue 15).
+
+    python experiments/hot_hit_rate.py [--warmup_steps=400] [--eval_steps=200] [--vocab_scale=1]
+
+Draws Criteo-shaped batches from the project's synthetic generator (``recsys_jax/data/synthetic.py``
+with ``configs/default.py``'s data: 26 fields of ``DEFAULT_VOCAB`` ids, Zipf exponent 1.2;
+``--vocab_scale`` multiplies every field's vocabulary). During ``--warmup_steps`` steps each
+field's distinct ids of the step go to a :class:`~recsys_jax.embeddings.frequency.FrequencyCounter`
+(one table per field, ``capacity`` = the rows of the largest budget), as the trainer's host feed
+will. Then, for every budget in bytes, the hot set is chosen as the trainer will: ONE ranking of
+all tables' candidates by count (ties: table, then id), the first ``budget // row_bytes`` rows,
+so the budget splits across tables by their measured access share. Row bytes are the weights
+and the row optimizer's slots (``--dim``, ``--optimizer``; dim 16 with adagrad: 128 B).
+
+Measured on the ``--eval_steps`` steps AFTER the warm-up (never on the ones counted):
+- hit rate: the share of all id lookups (occurrences, not distinct ids) whose row is hot;
+- distinct hot share: the share of each step's distinct rows that are hot; the rest (cold rows
+  per step, also reported) are what the host sends to the device every step.
+The same for two rankings from exact counts of the same warm-up: ``oracle`` (steps an id
+appeared in, what the sketch estimates) and ``oracle_occ`` (occurrences, which the host could
+count instead).
+
+Prints one JSON line per budget and a final summary line (stdout), writes them to
+``<out_dir>/hot_hit_rate.json`` and the curves to ``<out_dir>/hot_hit_rate.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+from absl import app, flags
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from configs import default as default_config  # noqa: E402
+from recsys_jax.async_ps import optimizers  # noqa: E402
+from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData  # noqa: E402
+from recsys_jax.embeddings.frequency import FrequencyCounter  # noqa: E402
+
+_DEFAULT_BUDGETS = [f"{1 << k}MiB" for k in range(11)]  # 1 MiB .. 1 GiB
+
+_WARMUP = flags.DEFINE_integer("warmup_steps", 400, "Steps counted before the hot set is chosen.")
+_EVAL = flags.DEFINE_integer("eval_steps", 200, "Steps after the warm-up on which hits are measured.")
+_BATCH = flags.DEFINE_integer("batch_size", 4096, "Examples per step.")
+_BUDGETS = flags.DEFINE_list("budgets", _DEFAULT_BUDGETS, "Hot-set budgets: bytes, or with a KiB/MiB/GiB suffix.")
+_DIM = flags.DEFINE_integer("dim", 16, "Embedding width.")
+_OPT = flags.DEFINE_enum("optimizer", "adagrad", list(optimizers.NAMES), "Row optimizer (its slots are row bytes).")
+_SCALE = flags.DEFINE_integer("vocab_scale", 1, "Multiplies every field's vocabulary (DEFAULT_VOCAB: 76,788 ids).")
+_WIDTH = flags.DEFINE_integer("sketch_width", 1 << 16, "Count-min columns per table.")
+_DEPTH = flags.DEFINE_integer("sketch_depth", 4, "Count-min rows per table.")
+_SEED = flags.DEFINE_integer("seed", 0, "Data seed (config.data.seed).")
+_OUT = flags.DEFINE_string("out_dir", os.path.join(_ROOT, "experiments", "results"), "Where the JSON and PNG go.")
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+
+
+def parse_bytes(text: str) -> int:
+  """'4MiB' -> 4194304; a plain number is bytes."""
+  t = text.strip().lower()
+  for suffix, mult in _UNITS.items():
+    if t.endswith(suffix) and t[: -len(suffix)].strip():
+      return int(float(t[: -len(suffix)]) * mult)
+  return int(t)
+
+
+def row_bytes(dim: int, optimizer: str) -> int:
+  """Bytes of one device row: f32 weights plus the row optimizer's slots (from its own ``init``)."""
+  slots = optimizers.make(optimizer, learning_rate=0.01).init(1, dim)
+  return 4 * dim + sum(int(v.nbytes) for v in slots.values())
+
+
+class ExactCounts:
+  """Exact per-id counts of one table: steps an id appeared in, and occurrences (merged every ``every`` steps)."""
+
+  def __init__(self, every: int = 64):
+    self.ids = np.zeros(0, np.uint64)
+    self.steps = np.zeros(0, np.int64)
+    self.occ = np.zeros(0, np.int64)
+    self._buf: List[tuple] = []
+    self._every = every
+
+  def add(self, uniq: np.ndarray, occ: np.ndarray) -> None:
+    self._buf.append((uniq, occ))
+    if len(self._buf) >= self._every:
+      self.flush()
+
+  def flush(self) -> None:
+    if not self._buf:
+      return
+    ids = np.concatenate([self.ids] + [u for u, _ in self._buf])
+    steps = np.concatenate([self.steps] + [np.ones(len(u), np.int64) for u, _ in self._buf])
+    occ = np.concatenate([self.occ] + [o.astype(np.int64) for _, o in self._buf])
+    self.ids, inv = np.unique(ids, return_inverse=True)
+    self.steps = np.bincount(inv, weights=steps, minlength=len(self.ids)).astype(np.int64)
+    self.occ = np.bincount(inv, weights=occ, minlength=len(self.ids)).astype(np.int64)
+    self._buf = []
+
+
+def global_ranking(per_table: Sequence[tuple]) -> List[tuple]:
+  """One ranking over all tables by count (desc), ties by table then id; per table (sorted ids, ranks)."""
+  if not per_table:
+    return []
+  ids = np.concatenate([i for i, _ in per_table])
+  counts = np.concatenate([c for _, c in per_table])
+  table = np.concatenate([np.full(len(i), t, np.int64) for t, (i, _) in enumerate(per_table)])
+  order = np.lexsort((ids, table, -counts))
+  rank = np.empty(len(ids), np.int64)
+  rank[order] = np.arange(len(ids))
+  out, start = [], 0
+  for i, _ in per_table:
+    r = rank[start : start + len(i)]
+    start += len(i)
+    o = np.argsort(i, kind="stable")
+    out.append((i[o], r[o]))
+  return out
+
+
+def step_ids(batch: Dict[str, object], names: Sequence[str]) -> List[tuple]:
+  """Per field: (distinct ids, occurrences) of one batch (bag padding, weight 0, left out)."""
+  weights = batch.get("sparse_weights", {})
+  out = []
+  for n in names:
+    ids = np.asarray(batch["sparse"][n]).reshape(-1)
+    if n in weights:
+      ids = ids[np.asarray(weights[n]).reshape(-1) > 0]
+    out.append(np.unique(ids, return_counts=True))
+  return out
+
+
+def _progress(total: int):
+  try:
+    from tqdm import tqdm
+  except ImportError:  # the bar is a convenience
+    return None
+  return tqdm(total=total, desc="steps", file=sys.stderr, mininterval=1.0)
+
+
+def run(
+  warmup_steps: int,
+  eval_steps: int,
+  batch_size: int,
+  budgets: Sequence[int],
+  dim: int = 16,
+  optimizer: str = "adagrad",
+  vocab_scale: int = 1,
+  sketch_width: int = 1 << 16,
+  sketch_depth: int = 4,
+  seed: int = 0,
+) -> tuple:
+  """Runs the measurement; returns (one record per budget, the summary record)."""
+  if warmup_steps < 1 or eval_steps < 1 or batch_size < 1 or vocab_scale < 1:
+    raise ValueError("warmup_steps, eval_steps, batch_size and vocab_scale must be >= 1")
+  budgets = sorted(int(b) for b in budgets)
+  rb = row_bytes(dim, optimizer)
+  if budgets[0] < rb:
+    raise ValueError(f"budget {budgets[0]} B holds no row of {rb} B")
+  rows = np.array([b // rb for b in budgets], np.int64)
+  data_cfg = default_config.get_config().data
+  vocab = tuple(int(v) * vocab_scale for v in data_cfg.vocab_sizes)
+  data = SyntheticData(SyntheticConfig(vocab_sizes=vocab, zipf_alpha=float(data_cfg.zipf_alpha), seed=seed))
+  names = data.feature_names
+  counter = FrequencyCounter(names, capacity=int(rows[-1]), width=sketch_width, depth=sketch_depth, seed=seed)
+  exact = [ExactCounts() for _ in names]
+  bar = _progress(warmup_steps + eval_steps)
+  t_start = time.perf_counter()
+  t_add = []  # per step: the counter's share of the host's work
+  for step in range(warmup_steps):
+    per_field = step_ids(data.batch(TRAIN, step, batch_size), names)
+    t0 = time.perf_counter()
+    for n, (u, _) in zip(names, per_field):
+      counter.add(n, u)
+    t_add.append(time.perf_counter() - t0)
+    for e, (u, o) in zip(exact, per_field):
+      e.add(u, o)
+    if bar is not None:
+      bar.update(1)
+  for e in exact:
+    e.flush()
+
+  sources = {
+    "sketch": global_ranking([counter.top(n, int(rows[-1])) for n in names]),
+    "oracle": global_ranking([(e.ids, e.steps) for e in exact]),
+    "oracle_occ": global_ranking([(e.ids, e.occ) for e in exact]),
+  }
+  ranked = {s: sum(len(i) for i, _ in r) for s, r in sources.items()}
+  nb = len(budgets)
+  # Per source, per budget slot: occurrences / distinct ids of eval steps first hot at that budget.
+  hits = {s: np.zeros(nb + 1, np.int64) for s in sources}
+  dhits = {s: np.zeros(nb + 1, np.int64) for s in sources}
+  # Per source and budget: which tables get hot rows at all.
+  table_hot = {s: np.zeros((len(names), nb), bool) for s in sources}
+  for s, per_table in sources.items():
+    for t, (_, r) in enumerate(per_table):
+      if len(r):
+        table_hot[s][t] = r.min() < rows
+  total_occ = total_distinct = 0
+  for step in range(warmup_steps, warmup_steps + eval_steps):
+    per_field = step_ids(data.batch(TRAIN, step, batch_size), names)
+    for t, (u, o) in enumerate(per_field):
+      total_occ += int(o.sum())
+      total_distinct += len(u)
+      for s, per_table in sources.items():
+        ids, r = per_table[t]
+        pos = np.minimum(np.searchsorted(ids, u), max(len(ids) - 1, 0))
+        found = (ids[pos] == u) if len(ids) else np.zeros(len(u), bool)
+        rank = np.where(found, r[pos] if len(ids) else 0, np.iinfo(np.int64).max)
+        first = np.searchsorted(rows, rank, side="right")  # hot at budgets[first:]
+        hits[s] += np.bincount(first, weights=o, minlength=nb + 1).astype(np.int64)
+        dhits[s] += np.bincount(first, minlength=nb + 1)
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  elapsed = time.perf_counter() - t_start
+
+  records = []
+  for k, b in enumerate(budgets):
+    rec = {"budget_bytes": b, "budget_mib": b / (1 << 20), "row_bytes": rb}
+    for s in sources:
+      pre = "" if s == "sketch" else s + "_"
+      h, d = int(hits[s][: k + 1].sum()), int(dhits[s][: k + 1].sum())
+      rec[pre + "hot_rows"] = int(min(rows[k], ranked[s]))
+      rec[pre + "hit_rate"] = h / total_occ
+      rec[pre + "distinct_hot_share"] = d / total_distinct
+      rec[pre + "cold_rows_per_step"] = (total_distinct - d) / eval_steps
+      rec[pre + "tables_with_hot_rows"] = int(table_hot[s][:, k].sum())
+    records.append(rec)
+  summary = {
+    "summary": True,
+    "warmup_steps": warmup_steps,
+    "eval_steps": eval_steps,
+    "batch_size": batch_size,
+    "fields": len(names),
+    "vocab_total": int(sum(vocab)),
+    "zipf_alpha": float(data_cfg.zipf_alpha),
+    "dim": dim,
+    "optimizer": optimizer,
+    "row_bytes": rb,
+    "sketch_width": sketch_width,
+    "sketch_depth": sketch_depth,
+    "rows_seen_in_warmup": ranked["oracle"],
+    "sketch_candidates": ranked["sketch"],
+    "counter_mib": counter.nbytes() / (1 << 20),
+    # median: the first step compiles the kernels
+    "counter_add_ms_per_step": 1e3 * float(np.median(t_add)),
+    "eval_distinct_rows_per_step": total_distinct / eval_steps,
+    "eval_lookups_per_step": total_occ / eval_steps,
+    "elapsed_s": elapsed,
+  }
+  return records, summary
+
+
+def plot(records: Sequence[dict], summary: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  mib = [r["budget_mib"] for r in records]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  seen_mib = summary["rows_seen_in_warmup"] * summary["row_bytes"] / (1 << 20)
+  for ax, key, title in (
+    (axes[0], "hit_rate", "id lookups served by the hot set"),
+    (axes[1], "distinct_hot_share", "distinct rows per step that are hot"),
+    (axes[2], "cold_rows_per_step", "cold rows per step (host -> device)"),
+  ):
+    ax.plot(mib, [r[key] for r in records], "o-", label="count-min sketch (steps seen)")
+    ax.plot(mib, [r["oracle_" + key] for r in records], "s--", label="exact counts (steps seen)")
+    ax.plot(mib, [r["oracle_occ_" + key] for r in records], ":", label="exact counts (occurrences)")
+    ax.axvline(seen_mib, color="gray", lw=0.8, label="every row seen in the warm-up")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"hot-set budget (MiB; {summary['row_bytes']} B/row)")
+    if key == "cold_rows_per_step":
+      ax.set_yscale("symlog", linthresh=1.0)
+      ax.set_ylim(bottom=0)  # counts: no negative axis
+    else:
+      ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+  axes[0].legend(loc="lower right", fontsize=8)
+  fig.suptitle(
+    f"Hot rows chosen after {summary['warmup_steps']} steps, measured on the next {summary['eval_steps']} "
+    f"(batch {summary['batch_size']}, {summary['fields']} fields, {summary['vocab_total']:,} ids, "
+    f"Zipf {summary['zipf_alpha']})",
+    fontsize=10,
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  records, summary = run(
+    _WARMUP.value,
+    _EVAL.value,
+    _BATCH.value,
+    [parse_bytes(b) for b in _BUDGETS.value],
+    dim=_DIM.value,
+    optimizer=_OPT.value,
+    vocab_scale=_SCALE.value,
+    sketch_width=_WIDTH.value,
+    sketch_depth=_DEPTH.value,
+    seed=_SEED.value,
+  )
+  os.makedirs(_OUT.value, exist_ok=True)
+  lines = [json.dumps(r) for r in records] + [json.dumps(summary)]
+  with open(os.path.join(_OUT.value, "hot_hit_rate.json"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  plot(records, summary, os.path.join(_OUT.value, "hot_hit_rate.png"))
+  for line in lines:
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

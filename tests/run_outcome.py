@@ -1,0 +1,44 @@
+"""What a training run leaves behind, read back for comparisons: summary, losses, dense weights, PS rows."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def checkpoint_contents(c, workdir, step):
+  """(dense parameters, every PS row sorted by id) of the checkpoint after ``step``, restored into a
+  fresh job built from ``c`` (its own PS; ``c`` may differ from the run's, e.g. in its hot budget)."""
+  import jax
+
+  from recsys_jax import checkpoint as checkpoint_lib
+  from recsys_jax import train
+
+  job = train.build_job(c, os.path.join(workdir, f"probe_{step}"))
+  ckpt = checkpoint_lib.Checkpointer(workdir)
+  state, _ = ckpt.restore(step, job.state, job.ps)
+  ckpt.close()
+  params = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+  rows = {}
+  for t, part in job.ps.snapshot().items():
+    order = np.argsort(part["ids"])
+    rows[t] = {k: v[order] for k, v in part.items()}
+  job.ps.close()
+  return params, rows
+
+
+def outcome(c, workdir):
+  """What a run leaves: its summary, logged losses, final dense parameters and every PS row."""
+  from recsys_jax import train
+
+  log = os.path.join(workdir, "metrics.jsonl")
+  before = os.path.getsize(log) if os.path.exists(log) else 0
+  s = train.train_and_evaluate(c, workdir)
+  with open(log) as f:
+    f.seek(before)  # what this run logged
+    losses = [(r["step"], r["loss"]) for r in map(json.loads, f) if r["kind"] == "train"]
+  params, rows = checkpoint_contents(c, workdir, c.num_steps)
+  keep = ("auc", "logloss", "eval_samples", "bad_records_skipped", "bad_record_examples", "ps_rows")
+  return {k: s[k] for k in keep}, losses, params, rows
