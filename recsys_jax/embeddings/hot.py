@@ -201,14 +201,6 @@ class HotSet:
       ids_of[t], slots_of[t] = ids.astype(np.uint64)[order], slots.astype(np.int32)[order]
     self._ids, self._slots, self._used = ids_of, slots_of, used
 
-  def slots_of(self, table: str, ids: np.ndarray) -> np.ndarray:
-    """int32 slot of each id (-1: cold)."""
-    hot = self._ids[table]
-    if hot.shape[0] == 0:
-      return np.full(ids.shape[0], -1, np.int32)
-    pos = np.minimum(np.searchsorted(hot, ids), hot.shape[0] - 1)
-    return np.where(hot[pos] == ids, self._slots[table][pos], np.int32(-1)).astype(np.int32)
-
   def plan(self, chosen: Mapping[str, np.ndarray]) -> Swap:
     """The moves that make ``chosen`` (table -> ids, as :func:`choose` gives) the hot set.
 
