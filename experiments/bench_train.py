@@ -160,10 +160,10 @@ class Probe:
     lookup, place, push_step, train_step = host.lookup, host.place, host.push_step, job.train_step
     training = lambda p, *a, **k: p.n_valid is None  # noqa: E731 - eval batches carry n_valid
 
-    def counted_lookup(p, create):
+    def counted_lookup(p, create, gate=None):
       before = dict(hot.totals)
       t0 = time.perf_counter()
-      out = lookup(p, create)
+      out = lookup(p, create, gate=gate)
       if create:
         self._add("lookup", time.perf_counter() - t0)
         s = self.per_step[p.step]

@@ -23,8 +23,8 @@ PACKAGE = ROOT / "recsys_jax"
 
 # Top to bottom. A unit may import units of its own layer or of layers below it.
 LAYERS = (
-  ("main", "launch", "restarts", "supervisor", "plan", "capacity"),  # entry points and what only they use
-  ("train",),  # the loop
+  ("main", "serve", "launch", "restarts", "supervisor", "plan", "capacity"),  # entry points and what only they use
+  ("train", "serving"),  # the loop; serving a trained model
   ("training",),  # the parts the loop is assembled from
   ("checkpoint", "data"),
   ("async_ps",),
