@@ -141,10 +141,22 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dims", default="512,1024,1024,512,8", help="MLP layer widths")
   parser.add_argument("--global_batch", type=int, default=256)
+  parser.add_argument(
+    "--meshes", default=",".join(f"{r}x{p}" for r, p in MESHES), help="(replicas)x(group size) layouts, e.g. 2x4,4x2"
+  )
+  parser.add_argument("--micro_steps", default=",".join(map(str, MICRO_STEPS)), help="micro-step counts, e.g. 1,4")
   parser.add_argument("--png", default=os.path.join(ROOT, "experiments", "results", "comm_volume.png"))
   parser.add_argument("--json_out", default=os.path.join(ROOT, "experiments", "results", "comm_volume.json"))
   args = parser.parse_args(argv)
   assert jax.device_count() == 8, jax.devices()
+  try:
+    meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]
+    micro_steps = [int(n) for n in args.micro_steps.split(",")]
+  except ValueError:
+    parser.error(f"--meshes {args.meshes!r} / --micro_steps {args.micro_steps!r}: want e.g. 2x4,4x2 and 1,4")
+  bad = ["x".join(map(str, m)) for m in meshes if len(m) != 2 or m[0] * m[1] != 8]
+  if bad or not micro_steps or min(micro_steps) < 1:
+    parser.error(f"--meshes must multiply to the 8 devices (got {bad}) and --micro_steps be >= 1")
 
   dims = [int(d) for d in args.dims.split(",")]
   params = mlp_params(dims)
@@ -155,7 +167,7 @@ def main(argv=None):
   tx = optax.adam(1e-3)
   t0 = time.time()
   rows = []
-  for r, p in MESHES:
+  for r, p in meshes:
     mesh = make_mesh(r, p)
     layout = mics.MiCSLayout.from_params(params, p)
     sharding = mics.shard_sharding(mesh)
@@ -164,7 +176,7 @@ def main(argv=None):
     )
     opt_state = jax.eval_shape(tx.init, layout.shard_shapes())
     m, m_pad = layout.param_bytes, layout.padded_bytes
-    for s in MICRO_STEPS:
+    for s in micro_steps:
       zero3, paper_in, paper_across = paper_formulas(r, p, s, m)
       row = dict(r=r, p=p, s=s, M=m, M_padded=m_pad, zero3_flat=zero3, paper_inside=paper_in, paper_across=paper_across)
       for variant in VARIANTS:
