@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import ml_collections
 
@@ -28,7 +28,7 @@ from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step
 from recsys_jax.training.validation import dense_optimizer, validate_config
-from recsys_jax.training.writers import Progress, format_summary
+from recsys_jax.training.writers import MetricsCallback, Progress, format_summary, read_metrics
 
 __all__ = [
   "AsyncDenseState",
@@ -45,6 +45,7 @@ __all__ = [
   "make_eval_step",
   "make_train_step",
   "parse_kvstore",
+  "read_metrics",
   "train_and_evaluate",
   "validate_config",
 ]
@@ -55,12 +56,18 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
+) -> Dict[str, Any]:
   """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary.
 
   Args:
     config: a config like ``configs/default.py``.
     workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
+    on_metrics: ``on_metrics(step, kind, values)`` is called with every record written to
+      metrics.jsonl (kind "train": loss, samples/s, staleness, hot rows; "eval": AUC, logloss;
+      "ps": rows, memory, hit rate), e.g. to draw live plots in a notebook. An exception it raises
+      stops the run like any other (the last checkpoint is kept).
 
   Returns:
     The summary dict (also written to ``<workdir>/summary.json``).
@@ -80,7 +87,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   hot_state = hot.resume(start, ckpts.latest_dir(), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
-  progress = Progress(workdir, config, start, t_start)
+  progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
   try:
     for t in range(start, n):

@@ -39,9 +39,33 @@ def uninterrupted(tmp_path_factory):
   from configs import tiny
 
   workdir = str(tmp_path_factory.mktemp("full"))
+  seen = []
   with jax.transfer_guard("disallow"):  # every host<->device copy must be explicit
-    summary = train.train_and_evaluate(tiny.get_config(), workdir)
+    summary = train.train_and_evaluate(tiny.get_config(), workdir, on_metrics=lambda *a: seen.append(a))
+  summary["_on_metrics"] = seen
   return summary, workdir
+
+
+def test_on_metrics_sees_every_record_of_metrics_jsonl(uninterrupted):
+  summary, workdir = uninterrupted
+  written = train.read_metrics(workdir)
+  assert [(r["step"], r["kind"], {k: v for k, v in r.items() if k not in ("step", "kind")}) for r in written] == [
+    (step, kind, json.loads(json.dumps(values))) for step, kind, values in summary["_on_metrics"]
+  ]
+  kinds = {r["kind"] for r in written}
+  assert kinds == {"train", "eval", "ps"}, kinds
+  assert [r["step"] for r in train.read_metrics(workdir, "eval")][-1] == summary["steps"]
+  assert train.read_metrics(workdir, "eval")[-1]["auc"] == pytest.approx(summary["auc"], abs=0)
+
+
+def test_read_metrics_of_a_run_being_written_and_of_a_damaged_file(tmp_path):
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.write('{"step": 20, "kind": "train", "loss": 0.5}\n{"step": 40, "kind": "tr')
+  assert train.read_metrics(str(tmp_path)) == [{"step": 20, "kind": "train", "loss": 0.5}]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.write('{"step": 20, "kind": "train", "loss": 0.5}\nnot json\n{"step": 40, "kind": "train"}\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+    train.read_metrics(str(tmp_path))
 
 
 def _losses(workdir):

@@ -48,11 +48,38 @@ class TrainStats:
       return mean
 
 
-class Writers:
-  """metrics.jsonl and TensorBoard event files in the workdir (written by process 0 only)."""
+MetricsCallback = Callable[[int, str, Dict[str, Any]], None]
+"""``on_metrics(step, kind, values)``: called with every record written to metrics.jsonl."""
 
-  def __init__(self, workdir: str):
+
+def read_metrics(workdir: str, kind: Optional[str] = None) -> List[Dict[str, Any]]:
+  """The records of ``<workdir>/metrics.jsonl`` (``kind``: only "train", "eval" or "ps" ones), in order.
+
+  A run writes one record per log interval and evaluation, so this reads a run that is going on
+  as well as a finished one (a line still being written at the end is left out).
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError:
+        if line.endswith("\n"):
+          raise ValueError(f"{path}:{i}: not a JSON record: {line[:80]!r}") from None
+        break  # the last line, half written
+      if kind is None or rec.get("kind") == kind:
+        out.append(rec)
+  return out
+
+
+class Writers:
+  """metrics.jsonl and TensorBoard event files in the workdir (written by process 0 only), and
+  the caller's ``on_metrics`` callback (called on process 0 with the same records)."""
+
+  def __init__(self, workdir: str, on_metrics: Optional[MetricsCallback] = None):
     self.enabled = jax.process_index() == 0
+    self.on_metrics = on_metrics
     if self.enabled:
       self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -62,6 +89,8 @@ class Writers:
       return
     self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
     self.jsonl.flush()
+    if self.on_metrics is not None:
+      self.on_metrics(step, kind, dict(values))
     for k, v in values.items():
       if isinstance(v, (int, float)) and math.isfinite(v):
         self.tb.add_scalar(f"{kind}/{k}", v, step)
@@ -97,11 +126,12 @@ class Progress:
     config: the run's config.
     start: the first step this run trains (after a resume, the checkpoint's).
     t_start: when the run started (``time.perf_counter()``).
+    on_metrics: called with every record written to metrics.jsonl (e.g. a notebook's live plot).
   """
 
-  def __init__(self, workdir: str, config, start: int, t_start: float):
+  def __init__(self, workdir: str, config, start: int, t_start: float, on_metrics: Optional[MetricsCallback] = None):
     self.workdir, self.config, self.t_start = workdir, config, t_start
-    self.writers = Writers(workdir)
+    self.writers = Writers(workdir, on_metrics)
     self.stats = TrainStats()
     self.bar = tqdm(
       total=config.num_steps,
