@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any, Dict
 
+import jax
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
@@ -24,11 +25,12 @@ from recsys_jax.parallel import distributed
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
 from recsys_jax.training.job import Job, build_job, build_ps
+from recsys_jax.training import run_config
 from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step
 from recsys_jax.training.validation import dense_optimizer, validate_config
-from recsys_jax.training.writers import Progress, format_summary
+from recsys_jax.training.writers import Progress, format_summary, say
 
 __all__ = [
   "AsyncDenseState",
@@ -72,6 +74,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   t_start = time.perf_counter()
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    # The workdir names its config (a scorer rebuilds the model from it); a changed one is kept beside.
+    changed = run_config.save(workdir, config)
+    if changed:
+      say(f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
+          f"the new one is written as {run_config.newest_name(workdir)}, the old one kept")
   job = build_job(config, workdir)
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
