@@ -195,6 +195,7 @@ def load_scorer(
   scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.chain, params
   scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
   scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
+  scorer.encoder_data = run_config.to_dict(config.data)
   scorer.load_s = time.perf_counter() - t0
   return scorer
 
