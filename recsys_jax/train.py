@@ -22,10 +22,10 @@ import ml_collections
 from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.async_ps.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.parallel import distributed
+from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
 from recsys_jax.training.job import Job, build_job, build_ps
-from recsys_jax.training import run_config
 from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step
@@ -78,8 +78,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     # The workdir names its config (a scorer rebuilds the model from it); a changed one is kept beside.
     changed = run_config.save(workdir, config)
     if changed:
-      say(f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
-          f"the new one is written as {run_config.newest_name(workdir)}, the old one kept")
+      say(
+        f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
+        f"the new one is written as {run_config.newest_name(workdir)}, the old one kept"
+      )
   job = build_job(config, workdir)
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)

@@ -97,7 +97,7 @@ class Reference:
 
   def eval_set(self):
     """(columns, logits) of the reader's eval set, as train.evaluate computes them."""
-    host, cols, logits = self.job.host, [], []
+    cols, logits = [], []
     for batch, n in self.job.reader.eval():
       cols.append(base.take_columns(batch, slice(0, n)))
       logits.append(self.logits(batch)[:n])
@@ -194,7 +194,10 @@ def test_padding_changes_no_score_and_each_bucket_compiles_once(runs):
   sc = scorer.load_scorer(runs["dlrm"]["workdir"], max_batch=8)
   rng = np.random.default_rng(2)
   recs = [
-    {**{f"dense_{j:02d}": float(rng.random() * 3) for j in range(5)}, **{f"cat_{k:02d}": int(rng.integers(0, 50)) for k in range(4)}}
+    {
+      **{f"dense_{j:02d}": float(rng.random() * 3) for j in range(5)},
+      **{f"cat_{k:02d}": int(rng.integers(0, 50)) for k in range(4)},
+    }
     for _ in range(21)
   ]
   alone = np.concatenate([sc.predict(sc.encode([r])) for r in recs])

@@ -128,8 +128,10 @@ def _read(out_dir: str, name: str, entry: Any) -> bytes:
   except OSError as e:
     raise ArtifactError(f"{path}: cannot be read ({e}); the artifact is incomplete") from None
   if len(data) != entry.get("bytes") or _crc(data) != entry["crc32"]:
-    raise ArtifactError(f"{path} is damaged: {len(data)} bytes, CRC32 {_crc(data)}; the manifest says "
-                        f"{entry.get('bytes')} bytes, CRC32 {entry['crc32']}")
+    raise ArtifactError(
+      f"{path} is damaged: {len(data)} bytes, CRC32 {_crc(data)}; the manifest says "
+      f"{entry.get('bytes')} bytes, CRC32 {entry['crc32']}"
+    )
   return data
 
 

@@ -83,7 +83,9 @@ class Encoder:
       if schema is None:
         n = len(data["vocab_sizes"])
         lens = tuple(data.get("multi_hot") or ()) or (1,) * n
-        schema = base.Schema(int(data["num_dense"]), tuple(base.FeatureInfo(f"cat_{i:02d}", int(m)) for i, m in enumerate(lens)))
+        schema = base.Schema(
+          int(data["num_dense"]), tuple(base.FeatureInfo(f"cat_{i:02d}", int(m)) for i, m in enumerate(lens))
+        )
       self.dense_names = tuple(f"dense_{j:02d}" for j in range(schema.num_dense))
       self.kinds = {**{n: "float" for n in self.dense_names}}
       self.kinds.update({f.name: "list" if f.max_len > 1 else "int" for f in schema.features})
@@ -256,4 +258,3 @@ def schema_to_json(schema: base.Schema) -> Dict[str, Any]:
 
 def schema_from_json(d: Mapping[str, Any]) -> base.Schema:
   return base.Schema(int(d["num_dense"]), tuple(base.FeatureInfo(**f) for f in d["features"]))
-

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np

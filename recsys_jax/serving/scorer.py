@@ -198,4 +198,3 @@ def load_scorer(
   scorer.encoder_data = run_config.to_dict(config.data)
   scorer.load_s = time.perf_counter() - t0
   return scorer
-
