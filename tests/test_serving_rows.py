@@ -84,15 +84,17 @@ def test_chain_rows_equal_the_restored_ps_newest_wins(tmp_path, dtype, admit):
 
 
 def test_reading_the_older_snapshot_first_would_differ(tmp_path):
-  """The chain's order matters for this data: ids updated by the incrementals read their newest value."""
+  """The chain's order matters for this data: ids of the full snapshot updated by the incrementals
+  (about half of them) read their newest value, not the full snapshot's."""
   specs = [TableSpec(name="a", dim=8)]
-  chain, ids, _ = _chain(tmp_path, specs)
-  q = ids["a"][50:]
+  chain, _, deleted = _chain(tmp_path, specs)
+  q = snapshot.read(chain[0])["a"]["ids"]
+  q = np.sort(q[~np.isin(q, deleted["a"])])
   new = np.empty((q.shape[0], 8), np.float32)
   rows_lib.SnapshotRows(chain, _tables(specs), 3, 1 << 20).lookup_many({"a": q}, {"a": new})
   old = np.empty_like(new)
   rows_lib.SnapshotRows(chain[:1], _tables(specs), 3, 1 << 20).lookup_many({"a": q}, {"a": old})
-  assert (new != old).any(axis=1).mean() > 0.2
+  assert 0.3 < (new != old).any(axis=1).mean() < 0.7
 
 
 def test_a_damaged_snapshot_is_refused_naming_the_array(tmp_path):

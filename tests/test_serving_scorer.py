@@ -21,6 +21,7 @@ import pytest
 from recsys_jax import train
 from recsys_jax.data import base
 from recsys_jax.serving import artifact, scorer
+from recsys_jax.serving.api import RequestError
 from recsys_jax.training import run_config
 from recsys_jax.training.run_checkpoints import RunCheckpoints
 
@@ -201,6 +202,10 @@ def test_padding_changes_no_score_and_each_bucket_compiles_once(runs):
     for _ in range(21)
   ]
   alone = np.concatenate([sc.predict(sc.encode([r])) for r in recs])
+  with pytest.raises(RequestError, match="9 records in one request; at most 8"):
+    sc.encode(recs[:9])
+  # The front may concatenate requests past max_batch: predict scores them max_batch at a time.
+  np.testing.assert_allclose(sc.predict(sc.concat([sc.encode(recs[:8]), sc.encode(recs[8:16])])), alone[:16], atol=1e-6)
   for size in (2, 3, 5, 8):
     got = np.concatenate([sc.predict(sc.encode(recs[a : a + size])) for a in range(0, len(recs), size)])
     np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)

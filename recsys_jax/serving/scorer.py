@@ -105,7 +105,6 @@ class _Model:
     mesh = mesh_lib.make_mesh(1, 1, jax.devices()[:1])
     cfg = config.copy_and_resolve_references()
     with cfg.unlocked():
-      cfg.dense_staleness = int(config.get("dense_staleness", 0))
       cfg.optimizer.state_memory = "device"  # the template's placement only; the values come from the checkpoint
     with jax.transfer_guard("allow"):
       self.template, _, _ = init_state(cfg, self.model, self.schema, self.features, by_name, mesh)
