@@ -12,11 +12,9 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Any, Dict
 
-import jax
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
@@ -73,15 +71,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   """
   t_start = time.perf_counter()
   validate_config(config)
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() == 0:
-    # The workdir names its config (a scorer rebuilds the model from it); a changed one is kept beside.
-    changed = run_config.save(workdir, config)
-    if changed:
-      say(
-        f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
-        f"the new one is written as {run_config.newest_name(workdir)}, the old one kept"
-      )
+  run_config.record(workdir, config, say)  # makes the workdir; it names its config (a scorer rebuilds the model)
   job = build_job(config, workdir)
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import ml_collections
 
@@ -89,7 +89,9 @@ def save(workdir: str, config: ml_collections.ConfigDict) -> Optional[List[str]]
     name = f"config.{len(files)}.json"
   tmp = os.path.join(workdir, name + ".tmp")
   with open(tmp, "w") as f:
-    json.dump(d, f, indent=1, sort_keys=True)
+    # A value JSON cannot hold (a numpy scalar, an object) is written as its number or text rather
+    # than stopping the run; such a field reads back as that, which a scorer then reports.
+    json.dump(d, f, indent=1, sort_keys=True, default=lambda o: o.item() if hasattr(o, "item") else str(o))
   os.replace(tmp, os.path.join(workdir, name))
   return changed
 
@@ -105,6 +107,22 @@ def _differences(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "", depth: 
     else:
       out.append(prefix + k)
   return out
+
+
+def record(workdir: str, config: ml_collections.ConfigDict, warn: Callable[[str], None]) -> None:
+  """What the trainer calls at the start of a run: makes the workdir; ``save`` on process 0, a
+  warning if the config changed."""
+  import jax
+
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() != 0:
+    return
+  changed = save(workdir, config)
+  if changed:
+    warn(
+      f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
+      f"the new one is written as {newest_name(workdir)}, the old one kept"
+    )
 
 
 def newest_name(workdir: str) -> Optional[str]:
