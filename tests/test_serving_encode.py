@@ -143,6 +143,36 @@ def test_bad_records_raise_request_error_naming_record_and_field(data, records, 
   assert (e.value.field, e.value.record) == (field, record)
 
 
+TABULAR = {
+  "name": "csv",
+  "label": "y",
+  "dense": ("a",),
+  "dense_transform": "log1p",
+  "categorical": ("u",),
+  "multi_hot": (("tags", "|", 3),),
+  "sequence": (),
+}
+
+
+@pytest.mark.parametrize(
+  "over, field, why",
+  [
+    ({"a": "abc"}, "a", "not a number"),
+    ({"a": "nan"}, "a", "not a finite number"),
+    ({"a": [1]}, "a", "expected a number"),
+    ({"a": False}, "a", "expected a number"),
+    ({"u": ["x"]}, "u", "expected a string"),
+    ({"u": 1.5}, "u", "expected a string"),
+    ({"tags": 3}, "tags", "expected a list"),
+    ({"tags": ["p", None]}, "tags", "expected a string"),
+  ],
+)
+def test_bad_tabular_records_name_the_field(over, field, why):
+  with pytest.raises(RequestError, match=why) as e:
+    Encoder(TABULAR).encode([{"a": 1, "u": "x", "tags": ["p"]}, {"a": 1, "u": "x", "tags": ["p"], **over}])
+  assert (e.value.field, e.value.record) == (field, 1)
+
+
 def test_movielens_is_refused_with_a_reason():
   with pytest.raises(ValueError, match="MovieLens"):
     Encoder({"name": "movielens"})

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from recsys_jax.data import base
+from recsys_jax.data import base, csv_lines
 from recsys_jax.serving.api import RequestError
 
 FORMATS = ("synthetic", "criteo", "avazu", "csv", "parquet")
@@ -230,10 +230,10 @@ class Encoder:
         if v is None:
           vals.append(None)  # missing counts as 0, as in the files
         elif isinstance(v, str):
-          try:
-            vals.append(_number(float(v), c, i) if v.strip() else None)
-          except ValueError:
-            raise RequestError(f"{v!r:.40} is not a number", c, i) from None
+          x, empty, invalid = csv_lines.floats([v])  # the CSV reader's own parse of a number
+          if invalid:
+            raise RequestError(invalid[0][1], c, i)
+          vals.append(None if empty[0] else _number(float(x[0]), c, i))
         else:
           vals.append(_number(v, c, i))
       cols[c] = pa.array(vals, pa.float64())

@@ -197,7 +197,7 @@ class SnapshotRows:
       "admission"}`` (:func:`table_info`).
     seed: the run's seed (rows are initialised from (table, id, seed)).
     cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
-      in the chain x its row bytes.
+      in the chain x its row bytes (a table never gets more slots than it has rows).
     verify: read every weights array once at load and check its CRC32.
   """
 
@@ -235,9 +235,11 @@ class SnapshotRows:
     self.tables: Dict[str, TableRows] = {}
     for t, spec in tables.items():
       share = int(cache_bytes) * sizes[t] // total
-      tr = TableRows(spec, seed, share // (int(spec["dim"]) * 4))
+      tr = TableRows(spec, seed, 0)
       tr.parts = parts[t]
       tr.build_index(entries[t])
+      # No more slots than the table has rows: the cache's array is allocated whole.
+      tr.cache = RowCache(min(share // (int(spec["dim"]) * 4), tr.ids.shape[0]), tr.dim)
       entries[t] = []
       self.tables[t] = tr
     self.lock = threading.Lock()
