@@ -215,13 +215,11 @@ class Checkpointer:
         )
     return meta
 
-  def restore(self, step: int, state_template: Any, ps) -> Tuple[Any, Dict[str, Any]]:
-    """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
+  def read_dense(self, step: int, state_template: Any) -> Tuple[Any, Dict[str, Any]]:
+    """Reads checkpoint ``step``'s dense state (checked against its CRC32s) and meta; no PS.
 
     Raises:
-      CheckpointError: naming the directory, if any part is missing or unreadable (remote PS
-        servers included: they refuse a damaged snapshot); the files are left as they are.
-      ConnectionError: a remote PS server out of reach, which says nothing about the checkpoint.
+      CheckpointError: naming the directory, if either is missing, unreadable or damaged.
     """
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
@@ -233,6 +231,21 @@ class Checkpointer:
         f"move it away to resume from an earlier one, or use a new workdir."
       ) from e
     self._verify(step, state, meta.get("state_crc32"))
+    return state, meta
+
+  def all_steps(self) -> List[int]:
+    return sorted(self._mgr.all_steps())
+
+  def restore(self, step: int, state_template: Any, ps) -> Tuple[Any, Dict[str, Any]]:
+    """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
+
+    Raises:
+      CheckpointError: naming the directory, if any part is missing or unreadable (remote PS
+        servers included: they refuse a damaged snapshot); the files are left as they are.
+      ConnectionError: a remote PS server out of reach, which says nothing about the checkpoint.
+    """
+    path = os.path.join(self.directory, str(step))
+    state, meta = self.read_dense(step, state_template)
     chain = list(meta.get("ps_chain", []))
     paths = [os.path.join(self.ps_directory, n) for n in chain]
     try:

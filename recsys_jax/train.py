@@ -12,7 +12,6 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Any, Dict, Optional
 
@@ -21,6 +20,7 @@ import ml_collections
 from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.async_ps.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.parallel import distributed
+from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
 from recsys_jax.training.job import Job, build_job, build_ps
@@ -28,7 +28,7 @@ from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step
 from recsys_jax.training.validation import dense_optimizer, validate_config
-from recsys_jax.training.writers import MetricsCallback, Progress, format_summary, read_metrics
+from recsys_jax.training.writers import MetricsCallback, Progress, format_summary, read_metrics, say
 
 __all__ = [
   "AsyncDenseState",
@@ -64,13 +64,9 @@ def train_and_evaluate(
   Args:
     config: a config like ``configs/default.py``.
     workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
-    on_metrics: ``on_metrics(step, kind, values)`` is called with every record written to
-      metrics.jsonl (kind "train": loss, samples/s, staleness, hot rows; "eval": AUC, logloss;
-      "ps": rows, memory, hit rate), e.g. to draw live plots in a notebook. An exception it raises
-      stops the run like any other (the last checkpoint is kept).
+    on_metrics: called with every metrics.jsonl record as it is written (``writers.MetricsCallback``).
 
-  Returns:
-    The summary dict (also written to ``<workdir>/summary.json``).
+  Returns the summary dict (also written to ``<workdir>/summary.json``).
 
   Raises:
     NonFiniteLossError: if the loss becomes NaN or infinite; the last checkpoint is kept.
@@ -78,7 +74,7 @@ def train_and_evaluate(
   """
   t_start = time.perf_counter()
   validate_config(config)
-  os.makedirs(workdir, exist_ok=True)
+  run_config.record(workdir, config, say)  # makes the workdir; it names its config (a scorer rebuilds the model)
   job = build_job(config, workdir)
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)

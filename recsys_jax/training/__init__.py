@@ -10,5 +10,6 @@ In the order data flows through them:
 - ``job``: builds reader, PS, mesh, model, steps and initial state from a config.
 - ``evaluation``: exact AUC and logloss over the eval set.
 - ``run_checkpoints``: resuming a run and saving its consistent cuts.
+- ``run_config``: the run's config written into the workdir (and read back by serving).
 - ``writers``: what a run writes for people: progress bar, metrics.jsonl, TensorBoard, summary.
 """

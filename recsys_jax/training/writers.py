@@ -49,7 +49,10 @@ class TrainStats:
 
 
 MetricsCallback = Callable[[int, str, Dict[str, Any]], None]
-"""``on_metrics(step, kind, values)``: called with every record written to metrics.jsonl."""
+"""``on_metrics(step, kind, values)``: called with every record written to metrics.jsonl (kind
+"train": loss, samples/s, staleness, hot rows; "eval": AUC, logloss; "ps": rows, memory, hit rate),
+e.g. to draw live plots in a notebook. An exception it raises stops the run like any other error
+(the last checkpoint is kept)."""
 
 
 def read_metrics(workdir: str, kind: Optional[str] = None) -> List[Dict[str, Any]]:

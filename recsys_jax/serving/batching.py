@@ -1,0 +1,156 @@
+"""The scoring half every scorer shares: encoded records -> padded buckets -> rows -> forward.
+
+A batch of n records is padded to the next power of two (1, 2, 4, ... ``max_batch``; longer
+batches are scored ``max_batch`` records at a time) with copies of its first record, and each
+row-width group's distinct rows to the next power of two (at least 16), so the jitted forward
+is compiled once per (batch bucket, rows bucket) and never per request. The forward reads
+only rows of real ids and each record's score depends on that record alone (the models here
+have no batch statistics at inference), so the padding changes no score; the tests check it.
+
+The dedup is the trainer's (:func:`recsys_jax.embeddings.dedup.dedup`), so the rows array and
+inverse index have the layout the training eval step reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Sequence
+
+import numpy as np
+
+from recsys_jax.data import base
+from recsys_jax.embeddings import dedup as dedup_lib
+from recsys_jax.embeddings.specs import FeatureSpec
+from recsys_jax.serving.api import RequestError
+from recsys_jax.serving.encode import Encoder
+
+MIN_ROWS_BUCKET = 16
+
+
+def pow2(n: int, least: int = 1) -> int:
+  """The smallest power of two >= max(n, least)."""
+  n = max(int(n), least)
+  return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dim:
+  dim: int
+  weighted: bool  # some feature of the group has more than one id: pooling weights are always passed
+
+
+@dataclasses.dataclass
+class Encoded:
+  """Checked, parsed records (``Scorer.encode``): the reader's columns."""
+
+  cols: base.Columns
+
+  def __len__(self) -> int:
+    return int(self.cols["dense"].shape[0])
+
+
+class BatchScorer:
+  """A ``Scorer`` (:mod:`recsys_jax.serving.api`) from its parts; immutable once built.
+
+  Args:
+    version: e.g. ``"step-200"``.
+    encoder: parses records.
+    features: the feature specs in model order (linear-term features included).
+    table_dims: table name -> row width.
+    aliases: feature -> the feature whose ids it reads (models with first-order terms).
+    rows: a :class:`recsys_jax.serving.rows.SnapshotRows` (``lookup_many``).
+    forward: ``(rows: {str(dim): [U, dim]}, batch: {"dense", "inverse", "weights"}) -> logits [B]``.
+    max_batch: the most records one ``predict`` call pads to (a power of two); more are split.
+  """
+
+  def __init__(
+    self,
+    version: str,
+    encoder: Encoder,
+    features: Sequence[FeatureSpec],
+    table_dims: Mapping[str, int],
+    aliases: Mapping[str, str],
+    rows,
+    forward: Callable[[Dict[str, Any], Dict[str, Any]], Any],
+    max_batch: int = 512,
+  ):
+    if max_batch < 1 or max_batch & (max_batch - 1):
+      raise ValueError(f"max_batch = {max_batch} must be a power of two")
+    self.version = version
+    self.encoder = encoder
+    self.features = tuple(features)
+    self.table_dims = dict(table_dims)
+    self._tables = {t: dataclasses.make_dataclass("T", [("dim", int)])(d) for t, d in self.table_dims.items()}
+    self.aliases = dict(aliases)
+    self.rows = rows
+    self.forward = forward
+    self.max_batch = int(max_batch)
+    groups: Dict[int, _Dim] = {}
+    for f in self.features:
+      d = self.table_dims[f.table]
+      groups[d] = _Dim(d, groups.get(d, _Dim(d, False)).weighted or f.max_len > 1)
+    self.groups = groups
+
+  def fields(self) -> Dict[str, str]:
+    return self.encoder.fields()
+
+  def encode(self, records: Sequence[Mapping[str, Any]]) -> Encoded:
+    if isinstance(records, (list, tuple)) and len(records) > self.max_batch:
+      raise RequestError(f"{len(records)} records in one request; at most {self.max_batch} (max_batch)")
+    return Encoded(self.encoder.encode(records))
+
+  def concat(self, encoded: Sequence[Encoded]) -> Encoded:
+    if not encoded:
+      raise ValueError("nothing to concatenate")
+    return Encoded(base.concat_columns([e.cols for e in encoded]))
+
+  def predict(self, encoded: Encoded) -> np.ndarray:
+    n = len(encoded)
+    out = np.empty(n, np.float32)
+    for a in range(0, n, self.max_batch):
+      part = base.take_columns(encoded.cols, slice(a, a + self.max_batch))
+      out[a : a + self.max_batch] = self._predict(part)
+    return out
+
+  def prepare(self, cols: base.Columns):
+    """(rows, batch, n) for the forward: ``cols`` padded to its bucket, deduplicated, rows looked up."""
+    n = int(cols["dense"].shape[0])
+    size = pow2(n)
+    if size != n:
+      cols = base.take_columns(cols, np.concatenate([np.arange(n), np.zeros(size - n, np.int64)]))
+    sparse, weights = dict(cols["sparse"]), dict(cols.get("sparse_weights") or {})
+    for name, source in self.aliases.items():
+      sparse[name] = sparse[source]
+      if source in weights:
+        weights[name] = weights[source]
+    groups = dedup_lib.dedup(sparse, self.features, self._tables, weights)
+    wanted, into, rows = {}, {}, {}
+    for dim, g in groups.items():
+      r = np.zeros((pow2(g.num_rows, MIN_ROWS_BUCKET), dim), np.float32)
+      for name, ids, off in g.tables:
+        wanted[name], into[name] = ids, r[off : off + ids.shape[0]]
+      rows[str(dim)] = r
+    self.rows.lookup_many(wanted, into)
+    batch = {
+      "dense": np.asarray(cols["dense"], np.float32),
+      "inverse": {str(d): g.inverse for d, g in groups.items()},
+      "weights": {},
+    }
+    for d, g in groups.items():
+      if self.groups[d].weighted:
+        batch["weights"][str(d)] = g.weights if g.weights is not None else np.ones(g.inverse.shape, np.float32)
+    return rows, batch, n
+
+  def _predict(self, cols: base.Columns) -> np.ndarray:
+    rows, batch, n = self.prepare(cols)
+    logits = np.asarray(self.forward(rows, batch), np.float32)[:n]
+    return (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+
+  def cache_stats(self) -> Dict[str, int]:
+    """Rows the row caches hold now and may hold, their bytes, and the index's bytes."""
+    return {
+      "held_rows": self.rows.held_rows(),
+      "capacity_rows": self.rows.capacity_rows(),
+      "held_bytes": self.rows.held_bytes(),
+      "index_bytes": self.rows.index_bytes(),
+    }

@@ -1,0 +1,289 @@
+"""Embedding rows for serving, read from a checkpoint's PS snapshot chain on demand.
+
+The trainer's PS snapshots (:mod:`recsys_jax.async_ps.snapshot`) hold every table as parts of at
+most 16k rows (zarr3 arrays ``ids`` and ``weights``, float32). A chain is one full snapshot and
+the incremental ones after it; for an id, the newest snapshot that names it wins (a row, or
+``deleted``: then the id has no row).
+
+:class:`SnapshotRows` keeps in RAM only an index per table: its ids sorted (uint64) with, for
+each, the part (uint32) and the row in that part (uint32) of its newest row, **16 bytes per id**.
+Rows are read through tensorstore when asked for, one read per part touched, behind a
+:class:`RowCache` of a fixed number of rows (CLOCK replacement), so RSS stays bounded whatever
+the table size. An id without a row reads what the trainer's evaluation reads for it (a read-only
+PS lookup): its initial value from (table, id, seed), rounded to the table's storage dtype, or
+zeros for a table with admission. Nothing is created.
+
+Checks: the manifests are read and checked by ``snapshot``'s own reader; every ``ids`` array
+is read whole at load (for the index) and checked against its CRC32; every ``weights`` array is
+read once at load, one part at a time, and checked against its CRC32, then dropped (a read of a
+few rows cannot check a whole-array CRC, so the whole array is checked once; snapshots are
+never rewritten, so what was checked is what later reads get). ``verify=False`` skips the
+weights pass (the load then reads only the ids).
+
+A snapshot deleted while a scorer reads it (the trainer keeps only the chains of its last
+``max_checkpoints`` checkpoints) makes a read fail with an error naming the snapshot: load the
+newest checkpoint again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from recsys_jax.async_ps import snapshot, snapshot_chain
+from recsys_jax.async_ps.hashing import name_seed
+from recsys_jax.async_ps.initializers import init_rows
+
+INDEX_BYTES_PER_ID = 16
+_DELETED = np.uint32(0xFFFFFFFF)
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int) -> np.ndarray:
+  """What a read-only PS lookup returns for ids without a row (``Table.lookup(create=False)``)."""
+  ids = np.asarray(ids, np.uint64)
+  if table["admission"]:
+    return np.zeros((ids.shape[0], table["dim"]), np.float32)
+  rows = init_rows(ids, table["dim"], name_seed(table["name"], seed), table["initializer"], table["init_scale"])
+  return rows.astype(_DTYPES[table["storage_dtype"]]).astype(np.float32)
+
+
+class RowCache:
+  """A fixed number of rows of one width, CLOCK replacement; not thread-safe (the caller locks).
+
+  ``rows`` <= ``capacity`` at all times: ``held()`` says how many rows it holds.
+  """
+
+  def __init__(self, capacity: int, dim: int):
+    self.capacity, self.dim = int(capacity), int(dim)
+    self.data = np.zeros((self.capacity, self.dim), np.float32)
+    self.key = np.zeros(self.capacity, np.uint64)
+    self.used = np.zeros(self.capacity, bool)
+    self.ref = np.zeros(self.capacity, bool)
+    self.slot: Dict[int, int] = {}
+    self.hand = 0
+    self.hits = self.misses = 0
+
+  def held(self) -> int:
+    return len(self.slot)
+
+  def get(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Writes the cached rows of ``ids`` into ``out``; returns a bool mask of the ids found."""
+    get = self.slot.get
+    where = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.shape[0])
+    found = where >= 0
+    s = where[found]
+    out[found] = self.data[s]
+    self.ref[s] = True
+    n = int(found.sum())
+    self.hits += n
+    self.misses += ids.shape[0] - n
+    return found
+
+  def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Adds rows of ids not held (the last ``capacity`` of them if more), evicting by CLOCK."""
+    if self.capacity == 0:
+      return
+    ids, rows = ids[-self.capacity :], rows[-self.capacity :]
+    for i, r in zip(ids.tolist(), rows):
+      s = self._victim()
+      if self.used[s]:
+        del self.slot[int(self.key[s])]
+      self.key[s], self.used[s], self.ref[s] = i, True, False
+      self.data[s] = r
+      self.slot[i] = s
+
+  def _victim(self) -> int:
+    while True:  # at most two sweeps: the first clears every reference bit it passes
+      s = self.hand
+      self.hand = (s + 1) % self.capacity
+      if not self.used[s] or not self.ref[s]:
+        return s
+      self.ref[s] = False
+
+
+class _Part:
+  __slots__ = ("directory", "path", "info", "store")
+
+  def __init__(self, directory: str, path: str, info: Dict[str, Any]):
+    self.directory, self.path, self.info, self.store = directory, path, info, None
+
+
+class TableRows:
+  """One table's index over the chain and its row cache."""
+
+  def __init__(self, spec: Mapping[str, Any], seed: int, cache_rows: int):
+    self.spec, self.seed = dict(spec), int(seed)
+    self.dim = int(spec["dim"])
+    self.parts: List[_Part] = []
+    self.ids = np.zeros(0, np.uint64)
+    self.part = np.zeros(0, np.uint32)
+    self.row = np.zeros(0, np.uint32)
+    self.cache = RowCache(cache_rows, self.dim)
+
+  def build_index(self, entries: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """From (ids, part, row) arrays in chain order (oldest first): the newest entry of each id wins."""
+    if not entries:
+      return
+    ids = np.concatenate([e[0] for e in entries])
+    part = np.concatenate([e[1] for e in entries])
+    row = np.concatenate([e[2] for e in entries])
+    order = np.argsort(ids, kind="stable")  # stable: equal ids stay in chain order
+    ids, part, row = ids[order], part[order], row[order]
+    del order
+    last = np.ones(ids.shape[0], bool)
+    last[:-1] = ids[1:] != ids[:-1]
+    last &= part != _DELETED
+    self.ids, self.part, self.row = ids[last], part[last], row[last]
+
+  def index_bytes(self) -> int:
+    return self.ids.nbytes + self.part.nbytes + self.row.nbytes
+
+  def lookup(self, ids: np.ndarray, out: np.ndarray) -> None:
+    """Rows of distinct ``ids`` into ``out`` (float32 [n, dim]): cache, then disk, then defaults."""
+    ids = np.ascontiguousarray(ids, np.uint64)
+    found = self.cache.get(ids, out)
+    if found.all():
+      return
+    miss = np.flatnonzero(~found)
+    mids = ids[miss]
+    pos = np.searchsorted(self.ids, mids)
+    pos_c = np.minimum(pos, max(self.ids.shape[0] - 1, 0))
+    have = (pos < self.ids.shape[0]) & (self.ids[pos_c] == mids) if self.ids.shape[0] else np.zeros(mids.shape, bool)
+    got = np.empty((miss.shape[0], self.dim), np.float32)
+    if (~have).any():
+      got[~have] = default_rows(mids[~have], self.spec, self.seed)
+    at = np.flatnonzero(have)
+    parts, rows = self.part[pos_c[at]], self.row[pos_c[at]]
+    for p in np.unique(parts).tolist():
+      sel = parts == p
+      got[at[sel]] = self._read(p, rows[sel])
+    out[miss] = got
+    self.cache.put(mids[at], got[at])  # default rows are cheap to make again: not cached
+
+  def _read(self, p: int, rows: np.ndarray) -> np.ndarray:
+    part = self.parts[p]
+    try:
+      if part.store is None:
+        part.store = ts.open(snapshot._spec(os.path.join(part.directory, part.path, "weights"))).result()
+      order = np.argsort(rows)
+      got = np.empty((rows.shape[0], self.dim), np.float32)
+      got[order] = np.asarray(part.store[rows[order].astype(np.int64)].read().result(), np.float32)
+      return got
+    except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
+      raise RuntimeError(
+        f"PS snapshot {part.directory}: table {self.spec['name']!r} part {part.path} cannot be read "
+        f"({type(e).__name__}: {e}); was the snapshot deleted? Load the newest checkpoint again"
+      ) from None
+
+
+def _crc(arr: np.ndarray) -> int:
+  return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
+
+
+class SnapshotRows:
+  """Every table's rows from a PS snapshot chain, read on demand (see the module docstring).
+
+  Args:
+    chain: snapshot directories, oldest first (one full, then incremental ones; in-process or
+      RemotePS snapshots).
+    tables: per table name, ``{"name", "dim", "initializer", "init_scale", "storage_dtype",
+      "admission"}`` (:func:`table_info`).
+    seed: the run's seed (rows are initialised from (table, id, seed)).
+    cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
+      in the chain x its row bytes (a table never gets more slots than it has rows).
+    verify: read every weights array once at load and check its CRC32.
+  """
+
+  def __init__(
+    self, chain: Sequence[str], tables: Mapping[str, Mapping[str, Any]], seed: int, cache_bytes: int, verify=True
+  ):
+    self.chain = [os.path.abspath(d) for d in chain]
+    links = snapshot_chain.snapshot_parts(self.chain)
+    snapshot_chain.check_links(links)
+    entries: Dict[str, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {t: [] for t in tables}
+    parts: Dict[str, List[_Part]] = {t: [] for t in tables}
+    for link in links:
+      for d in link:
+        manifest = snapshot._manifest(d)
+        for table, infos in manifest["parts"].items():
+          if table not in tables:
+            raise ValueError(f"PS snapshot {d} holds table {table!r}, which the model does not read")
+          for p, info in enumerate(infos):
+            path = os.path.join(table, str(p))
+            checked = {"ids": (os.path.join(path, "ids"), info["ids"])}
+            if "deleted" in info:
+              checked["deleted"] = (os.path.join(path, "deleted"), info["deleted"])
+            got = snapshot._read_checked(d, checked)
+            if verify:
+              self._check_weights(d, os.path.join(path, "weights"), info["weights"])
+            k = len(parts[table])
+            parts[table].append(_Part(d, path, info["weights"]))
+            n = got["ids"].shape[0]
+            if "deleted" in got:
+              m = got["deleted"].shape[0]
+              entries[table].append((got["deleted"], np.full(m, _DELETED, np.uint32), np.zeros(m, np.uint32)))
+            entries[table].append((got["ids"], np.full(n, k, np.uint32), np.arange(n, dtype=np.uint32)))
+    sizes = {t: sum(int(e[0].shape[0]) for e in entries[t]) * int(s["dim"]) * 4 for t, s in tables.items()}
+    total = max(1, sum(sizes.values()))
+    self.tables: Dict[str, TableRows] = {}
+    for t, spec in tables.items():
+      share = int(cache_bytes) * sizes[t] // total
+      tr = TableRows(spec, seed, 0)
+      tr.parts = parts[t]
+      tr.build_index(entries[t])
+      # No more slots than the table has rows: the cache's array is allocated whole.
+      tr.cache = RowCache(min(share // (int(spec["dim"]) * 4), tr.ids.shape[0]), tr.dim)
+      entries[t] = []
+      self.tables[t] = tr
+    self.lock = threading.Lock()
+
+  @staticmethod
+  def _check_weights(d: str, path: str, info: Mapping[str, Any]) -> None:
+    label = path
+    try:
+      arr = np.asarray(ts.open(snapshot._spec(os.path.join(d, path))).result().read().result())
+    except Exception as e:
+      raise ValueError(f"PS snapshot {d}: array {label} cannot be read ({e})") from None
+    if list(arr.shape) != info["shape"] or _crc(arr) != info["crc32"]:
+      raise ValueError(f"PS snapshot {d}: {label} fails its checksum (damaged or missing chunks)")
+
+  def lookup_many(self, wanted: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
+    """Rows of each table's distinct ids into ``out[table]`` (float32 [n, dim])."""
+    with self.lock:  # the caches are shared by every thread that scores with this scorer
+      for t, ids in wanted.items():
+        self.tables[t].lookup(ids, out[t])
+
+  def held_rows(self) -> int:
+    """Rows held in the caches now (never more than ``capacity_rows()``)."""
+    return sum(t.cache.held() for t in self.tables.values())
+
+  def capacity_rows(self) -> int:
+    return sum(t.cache.capacity for t in self.tables.values())
+
+  def held_bytes(self) -> int:
+    return sum(t.cache.held() * t.dim * 4 for t in self.tables.values())
+
+  def index_bytes(self) -> int:
+    return sum(t.index_bytes() for t in self.tables.values())
+
+  def num_rows(self) -> Dict[str, int]:
+    return {n: int(t.ids.shape[0]) for n, t in self.tables.items()}
+
+
+def table_info(spec) -> Dict[str, Any]:
+  """What :class:`SnapshotRows` needs of a ``TableSpec`` (JSON-able, for an exported artifact)."""
+  return {
+    "name": spec.name,
+    "dim": int(spec.dim),
+    "initializer": spec.initializer,
+    "init_scale": float(spec.init_scale),
+    "storage_dtype": spec.storage_dtype,
+    "admission": bool(spec.admit_after > 1 or spec.admit_probability < 1.0),
+  }

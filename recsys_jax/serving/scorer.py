@@ -1,0 +1,199 @@
+"""A scorer from a training workdir: its config, the newest intact checkpoint, its PS snapshot chain.
+
+``load_scorer(workdir)`` rebuilds what the run was built from (``<workdir>/config.json``:
+reader schema, table and feature specs, the model), restores the dense parameters of a
+checkpoint through orbax (checked against their CRC32s, :meth:`Checkpointer.read_dense`), and
+serves the tables from the checkpoint's PS snapshot chain on demand
+(:class:`recsys_jax.serving.rows.SnapshotRows`). The forward is the training eval step
+(:func:`recsys_jax.training.steps.make_eval_step`), jitted, so scores cannot drift from the
+trainer's evaluation. Nothing in the workdir is written, moved or deleted.
+
+``newest_step(workdir)`` is cheap (a directory listing and a few small JSON files): the front
+polls it to reload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import jax
+from absl import logging
+
+from recsys_jax import checkpoint as checkpoint_lib
+from recsys_jax.async_ps import snapshot_chain
+from recsys_jax.serving import rows as rows_lib
+from recsys_jax.serving.batching import BatchScorer
+from recsys_jax.serving.encode import Encoder
+from recsys_jax.training import run_config
+
+DEFAULT_CACHE_BYTES = 64 << 20
+
+
+def _step_dirs(workdir: str) -> List[int]:
+  d = os.path.join(workdir, "checkpoints")
+  names = os.listdir(d) if os.path.isdir(d) else []
+  return sorted((int(n) for n in names if n.isdigit()), reverse=True)
+
+
+def read_meta(workdir: str, step: int) -> Dict[str, Any]:
+  """Checkpoint ``step``'s meta, checked as the trainer checks it, and its PS chain checked complete.
+
+  Raises:
+    CheckpointError: naming the checkpoint, if it is incomplete or damaged.
+  """
+  path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  try:
+    with open(os.path.join(path, "meta", "metadata")) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise checkpoint_lib.CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {e})") from e
+  if not isinstance(meta, dict) or not isinstance(meta.get("ps_chain"), list) or not meta["ps_chain"]:
+    raise checkpoint_lib.CheckpointError(f"checkpoint {path}: meta is damaged (no PS snapshot chain)")
+  if "meta_crc32" in meta and meta["meta_crc32"] != checkpoint_lib.meta_checksum(meta):
+    raise checkpoint_lib.CheckpointError(f"checkpoint {path} is damaged: its meta does not match its checksum")
+  if not os.path.isdir(os.path.join(path, "state")):
+    raise checkpoint_lib.CheckpointError(f"checkpoint {path}: its dense state is missing")
+  try:
+    snapshot_chain.check_links(snapshot_chain.snapshot_parts(chain_paths(workdir, meta)))
+  except (OSError, ValueError) as e:
+    raise checkpoint_lib.CheckpointError(f"checkpoint {path}: its PS snapshot chain is incomplete ({e})") from e
+  return meta
+
+
+def chain_paths(workdir: str, meta: Dict[str, Any]) -> List[str]:
+  return [os.path.join(os.path.abspath(workdir), "ps_snapshots", n) for n in meta["ps_chain"]]
+
+
+def newest_step(workdir: str) -> Optional[int]:
+  """The newest checkpoint of ``workdir`` that is complete (a committed orbax step whose meta
+  reads back and matches its CRC32, with every snapshot of its PS chain whole), or None.
+
+  The dense arrays' CRC32s are checked by ``load_scorer``, which falls back to an older step
+  if they fail (with ``step=None``).
+  """
+  for step in _step_dirs(workdir):
+    try:
+      read_meta(workdir, step)
+    except checkpoint_lib.CheckpointError:
+      continue
+    return step
+  return None
+
+
+class _Model:
+  """What the config builds: schema, specs, model, eval step, and a dense state template."""
+
+  def __init__(self, config):
+    from recsys_jax.models import MODELS
+    from recsys_jax.parallel import mesh as mesh_lib
+    from recsys_jax.training.specs import build_specs
+    from recsys_jax.training.steps import init_state, make_eval_step
+
+    self.config = config
+    # The schema from the format alone: the training files need not be here any more.
+    self.encoder = Encoder(run_config.to_dict(config.data))
+    self.schema = self.encoder.schema
+    model_cls = MODELS[config.model.name]
+    self.tables, self.features, self.aliases = build_specs(
+      config, self.schema, getattr(model_cls, "linear_terms", False)
+    )
+    self.model = model_cls(**config.model.kwargs)
+    by_name = {t.name: t for t in self.tables}
+    mesh = mesh_lib.make_mesh(1, 1, jax.devices()[:1])
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+      cfg.optimizer.state_memory = "device"  # the template's placement only; the values come from the checkpoint
+    with jax.transfer_guard("allow"):
+      self.template, _, _ = init_state(cfg, self.model, self.schema, self.features, by_name, mesh)
+    group_features: Dict[str, list] = {}
+    for f in self.features:
+      group_features.setdefault(str(by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))
+    self.group_features = {k: tuple(v) for k, v in group_features.items()}
+    self.traces: Dict[str, int] = {}
+    self.eval_step = make_eval_step(self.model, self.group_features, self.traces)
+
+
+def load_scorer(
+  workdir: str,
+  step: Optional[int] = None,
+  cache_rows: Optional[int] = None,
+  cache_bytes: Optional[int] = None,
+  max_batch: int = 512,
+  verify: bool = True,
+) -> BatchScorer:
+  """The scorer of checkpoint ``step`` of ``workdir`` (None: the newest intact one).
+
+  Args:
+    workdir: a training run's directory (with ``config.json``, ``checkpoints/``, ``ps_snapshots/``).
+    step: a checkpoint step; None picks the newest one that is complete and reads back intact.
+    cache_rows: rows of the tables held in RAM over all tables (instead of ``cache_bytes``).
+    cache_bytes: RAM for cached rows (default 64 MiB); the index adds 16 bytes per id.
+    max_batch: records scored at once (a power of two; batch buckets 1, 2, 4, ... max_batch).
+    verify: check every snapshot array's CRC32 at load (one pass over the chain, one part in RAM).
+
+  Returns:
+    A :class:`recsys_jax.serving.batching.BatchScorer` (``version`` ``"step-<step>"``), plus
+    ``load_s`` (seconds the load took) and ``traces`` (forward compilations so far).
+
+  Raises:
+    FileNotFoundError: the workdir has no config or no checkpoint.
+    CheckpointError: the requested checkpoint (or, with step None, every one) is damaged.
+  """
+  t0 = time.perf_counter()
+  workdir = os.path.abspath(workdir)
+  config = run_config.load(workdir)
+  if step is None:
+    steps = _step_dirs(workdir)
+    if not steps:
+      raise FileNotFoundError(f"{workdir} holds no checkpoint (checkpoints/<step>)")
+  else:
+    steps = [int(step)]
+  built = _Model(config)
+  ckpt = checkpoint_lib.Checkpointer(workdir)
+  errors = []
+  try:
+    for s in steps:
+      try:
+        meta = read_meta(workdir, s)
+        state, _ = ckpt.read_dense(s, built.template)
+      except checkpoint_lib.CheckpointError as e:
+        if step is not None:
+          raise
+        logging.warning("serving: skipping checkpoint %d: %s", s, e)
+        errors.append(str(e))
+        continue
+      break
+    else:
+      raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
+  finally:
+    ckpt.close()
+  if cache_bytes is None:
+    width = max(t.dim for t in built.tables) * 4
+    cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
+  tables = {t.name: rows_lib.table_info(t) for t in built.tables}
+  snap = rows_lib.SnapshotRows(chain_paths(workdir, meta), tables, int(config.seed), cache_bytes, verify=verify)
+  params = jax.device_get(state.params)
+  step_fn = jax.jit(built.eval_step)
+
+  def forward(rows, batch):
+    return step_fn(params, rows, batch)["logits"]
+
+  scorer = BatchScorer(
+    f"step-{s}",
+    built.encoder,
+    built.features,
+    {t.name: t.dim for t in built.tables},
+    built.aliases,
+    snap,
+    forward,
+    max_batch,
+  )
+  scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.chain, params
+  scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
+  scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
+  scorer.encoder_data = run_config.to_dict(config.data)
+  scorer.load_s = time.perf_counter() - t0
+  return scorer

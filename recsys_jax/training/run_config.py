@@ -1,0 +1,147 @@
+"""The run's config beside its checkpoints: ``<workdir>/config.json``, and reading it back.
+
+A workdir names what it was trained with, so a scorer (:mod:`recsys_jax.serving.scorer`) can
+rebuild reader schema, table specs and model from the workdir alone (:mod:`recsys_jax.serving`). The file is written by the
+trainer at the start of a run (process 0), through a temporary file and a rename, so it is
+either absent or whole.
+
+A resume with the same config leaves the file as it is. A resume with a different config
+(e.g. more ``num_steps``, another ``eval_every``) keeps the first run's file under
+``config.json`` and writes the new one as ``config.<n>.json``, and ``save`` returns the
+top-level fields that differ so the trainer warns about them; ``load`` reads the newest one
+(the highest ``n``), which is the config the newest checkpoints were written with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional
+
+import ml_collections
+
+FILE = "config.json"
+_NUMBERED = re.compile(r"^config\.(\d+)\.json$")
+
+
+def _plain(x: Any) -> Any:
+  """A JSON-able copy: tuples as lists (JSON has no tuples; ``load`` turns them back)."""
+  if isinstance(x, (ml_collections.ConfigDict, dict)):
+    return {str(k): _plain(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_plain(v) for v in x]
+  return x
+
+
+def _frozen(x: Any) -> Any:
+  """Lists back to tuples (the configs hold tuples; a ConfigDict field keeps its type)."""
+  if isinstance(x, dict):
+    return {k: _frozen(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_frozen(v) for v in x)
+  return x
+
+
+def to_dict(config: ml_collections.ConfigDict) -> Dict[str, Any]:
+  """The config as plain JSON types (a round trip through ``from_dict`` gives an equal config)."""
+  return _plain(config.to_dict() if hasattr(config, "to_dict") else config)
+
+
+def from_dict(d: Dict[str, Any]) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(_frozen(d))
+
+
+def _files(workdir: str) -> List[str]:
+  """The config files of a workdir, oldest first."""
+  names = os.listdir(workdir) if os.path.isdir(workdir) else []
+  numbered = sorted((int(m.group(1)), n) for n in names for m in [_NUMBERED.match(n)] if m)
+  return ([FILE] if FILE in names else []) + [n for _, n in numbered]
+
+
+def _read(path: str) -> Dict[str, Any]:
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path}: cannot read the run's config ({type(e).__name__}: {e})") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{path}: not a config (a JSON object was expected)")
+  return d
+
+
+def save(workdir: str, config: ml_collections.ConfigDict) -> Optional[List[str]]:
+  """Writes the config into ``workdir`` unless the newest one there equals it.
+
+  Returns:
+    None if nothing differed (a new run, or a resume with the same config); else the sorted
+    top-level fields (dotted one level down) that differ from the newest config written
+    before, which is kept: the new config goes to ``config.<n>.json``.
+  """
+  d = to_dict(config)
+  files = _files(workdir)
+  name, changed = FILE, None
+  if files:
+    old = _read(os.path.join(workdir, files[-1]))
+    if old == d:
+      return None
+    changed = sorted(_differences(old, d))
+    name = f"config.{len(files)}.json"
+  tmp = os.path.join(workdir, name + ".tmp")
+  with open(tmp, "w") as f:
+    # A value JSON cannot hold (a numpy scalar, an object) is written as its number or text rather
+    # than stopping the run; such a field reads back as that, which a scorer then reports.
+    json.dump(d, f, indent=1, sort_keys=True, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+  os.replace(tmp, os.path.join(workdir, name))
+  return changed
+
+
+def _differences(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "", depth: int = 2) -> List[str]:
+  out = []
+  for k in sorted(set(a) | set(b)):
+    x, y = a.get(k), b.get(k)
+    if x == y:
+      continue
+    if depth > 1 and isinstance(x, dict) and isinstance(y, dict):
+      out += _differences(x, y, f"{prefix}{k}.", depth - 1)
+    else:
+      out.append(prefix + k)
+  return out
+
+
+def record(workdir: str, config: ml_collections.ConfigDict, warn: Callable[[str], None]) -> None:
+  """What the trainer calls at the start of a run: makes the workdir; ``save`` on process 0, a
+  warning if the config changed."""
+  import jax
+
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() != 0:
+    return
+  changed = save(workdir, config)
+  if changed:
+    warn(
+      f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
+      f"the new one is written as {newest_name(workdir)}, the old one kept"
+    )
+
+
+def newest_name(workdir: str) -> Optional[str]:
+  """The file name of the newest config in ``workdir`` (None: none)."""
+  files = _files(workdir)
+  return files[-1] if files else None
+
+
+def load(workdir: str) -> ml_collections.ConfigDict:
+  """The newest config written into ``workdir`` (see the module docstring).
+
+  Raises:
+    FileNotFoundError: the workdir holds no config (written before runs wrote one).
+    ValueError: naming the file, if it cannot be read.
+  """
+  files = _files(workdir)
+  if not files:
+    raise FileNotFoundError(
+      f"{os.path.join(workdir, FILE)} does not exist: the workdir was not written by a run of this trainer "
+      f"(runs write their config there at their start)"
+    )
+  return from_dict(_read(os.path.join(workdir, files[-1])))
