@@ -66,11 +66,8 @@ def train_and_evaluate(
     workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
     on_metrics: called with every metrics.jsonl record as it is written (``writers.MetricsCallback``).
 
-  Returns the summary dict (also written to ``<workdir>/summary.json``).
-
-  Raises:
-    NonFiniteLossError: if the loss becomes NaN or infinite; the last checkpoint is kept.
-    ValueError: for a config field with a wrong value.
+  Returns the summary dict (also written to ``<workdir>/summary.json``). Raises NonFiniteLossError
+  if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value.
   """
   t_start = time.perf_counter()
   validate_config(config)
