@@ -68,7 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.sequence = ()  # (column, separator, max_len): ordered ids, the last max_len kept.
   c.data.delimiter = ","  # CSV field separator.
   # MovieLens: label rating >= 4; user, movie, genres (multi-hot), history (sequence).
-  c.data.path = "../shared/data/movielens-latest-small"
+  # The MovieLens directory ('': movielens-latest-small in $RECSYS_JAX_DATA, ./data, <checkout>/data or
+  # <checkout>/../shared/data; get it with `python -m recsys_jax.data.get movielens`).
+  c.data.path = ""
   c.data.max_history = 50  # The user's most recent earlier-rated movies kept as the sequence.
   c.data.max_genres = 8  # Genre ids per movie.
   c.data.eval_fraction = 0.2  # The latest ratings in time go to evaluation:

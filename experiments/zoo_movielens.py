@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from configs import dcn_v2, deepfm, din, movielens, wide_deep  # noqa: E402
 from recsys_jax import metrics, train  # noqa: E402
 from recsys_jax.data import base  # noqa: E402
+from recsys_jax.data.get import find_movielens
 from recsys_jax.data.movielens import MovieLensFormat  # noqa: E402
 
 RUNS = {
@@ -79,7 +80,7 @@ def count_baseline() -> dict:
   if _PATH.value:
     c.data.path = _PATH.value
   d = c.data
-  fmt = MovieLensFormat(d.path, max_history=d.max_history, eval_fraction=d.eval_fraction, split=d.split)
+  fmt = MovieLensFormat(find_movielens(d.path), max_history=d.max_history, eval_fraction=d.eval_fraction, split=d.split)
   tr, ev = base.read_all(fmt, "train"), base.read_all(fmt, "eval")
   y, g = tr["label"].astype(np.float64), float(tr["label"].mean())
 
