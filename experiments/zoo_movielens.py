@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from configs import dcn_v2, deepfm, din, movielens, wide_deep  # noqa: E402
 from recsys_jax import metrics, train  # noqa: E402
 from recsys_jax.data import base  # noqa: E402
-from recsys_jax.data.get import find_movielens
+from recsys_jax.data.get import find_movielens  # noqa: E402
 from recsys_jax.data.movielens import MovieLensFormat  # noqa: E402
 
 RUNS = {

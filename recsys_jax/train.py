@@ -72,7 +72,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
   t_start = time.perf_counter()
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
-  job = build_job(config, workdir)
+  job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
