@@ -119,8 +119,9 @@ def test_nothing_found_names_every_place_tried_and_the_command(tmp_path, monkeyp
   with pytest.raises(get.DataNotFound) as e:
     get.find_movielens("")
   msg = str(e.value)
-  for tried in ("mine", "data", "checkout/data", "shared/data"):
-    assert f"{tried}/{get.MOVIELENS_DIR}" in msg, (tried, msg)
+  m = get.MOVIELENS_DIR
+  tried = [f"{tmp_path}/mine/{m}", f"data/{m}", f"{tmp_path}/checkout/data/{m}", f"{tmp_path}/shared/data/{m}"]
+  assert f"(tried {', '.join(tried)})" in msg, msg
   assert get.GET_COMMAND in msg and "\n" not in msg
   with pytest.raises(get.DataNotFound, match=r"config.data.path = '/nowhere' holds no MovieLens"):
     get.find_movielens("/nowhere")
@@ -145,3 +146,11 @@ def test_the_main_job_without_its_data_stops_with_one_line(tmp_path):
   errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and get.GET_COMMAND in errors[0], r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_data_in_the_current_directory_is_found_before_the_checkouts(movielens_dir, tmp_path, monkeypatch):
+  monkeypatch.delenv("RECSYS_JAX_DATA", raising=False)
+  (tmp_path / "data").mkdir()
+  os.symlink(movielens_dir, tmp_path / "data" / get.MOVIELENS_DIR)
+  monkeypatch.chdir(tmp_path)
+  assert get.find_movielens("") == os.path.join("data", get.MOVIELENS_DIR)
