@@ -123,8 +123,9 @@ def test_nothing_found_names_every_place_tried_and_the_command(tmp_path, monkeyp
   tried = [f"{tmp_path}/mine/{m}", f"data/{m}", f"{tmp_path}/checkout/data/{m}", f"{tmp_path}/shared/data/{m}"]
   assert f"(tried {', '.join(tried)})" in msg, msg
   assert get.GET_COMMAND in msg and "\n" not in msg
-  with pytest.raises(get.DataNotFound, match=r"config.data.path = '/nowhere' holds no MovieLens"):
+  with pytest.raises(get.DataNotFound, match=r"config.data.path = '/nowhere' is not a directory: get it with"):
     get.find_movielens("/nowhere")
+  assert get.find_movielens(str(tmp_path)) == str(tmp_path)  # a directory: its reader names what it lacks
 
 
 def test_the_main_job_without_its_data_stops_with_one_line(tmp_path):

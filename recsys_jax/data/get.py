@@ -68,24 +68,25 @@ def is_movielens(directory: str) -> bool:
 
 
 def find_movielens(path: str = "") -> str:
-  """The MovieLens directory to read: ``path`` itself, or for '' the first of :func:`data_roots` that has one.
+  """The MovieLens directory to read: ``path`` itself (any directory: the reader names a file missing in it), or
+  for '' the first of :func:`data_roots` holding ratings.csv and movies.csv.
 
   Raises:
     DataNotFound: one line naming what was tried and the command that gets the data.
   """
-  tried = [path] if path else [os.path.join(r, MOVIELENS_DIR) for r in data_roots()]
-  for d in tried:
-    if is_movielens(d):
-      return d
-  what = (
-    f"config.data.path = {path!r} holds no MovieLens ratings.csv and movies.csv"
-    if path
-    else ("MovieLens data not found (tried " + ", ".join(tried) + ")")
-  )
+  if path:
+    if os.path.isdir(path):
+      return path
+    what = f"config.data.path = {path!r} is not a directory"
+  else:
+    tried = [os.path.join(r, MOVIELENS_DIR) for r in data_roots()]
+    found = [d for d in tried if is_movielens(d)]
+    if found:
+      return found[0]
+    what = "MovieLens data not found (tried " + ", ".join(tried) + ")"
   raise DataNotFound(
     f"{what}: get it with `{GET_COMMAND}` (it writes {os.path.join(default_dest(), MOVIELENS_DIR)}, "
-    "searched when data.path is '') "
-    f"or pass --config.data.path=DIR (a directory holding ratings.csv and movies.csv)"
+    "searched when data.path is '') or pass --config.data.path=DIR (a directory holding ratings.csv and movies.csv)"
   )
 
 
@@ -163,7 +164,12 @@ def get_movielens(
     os.replace(unpacked, final)
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  say(f"{final}: ratings.csv and movies.csv checked (sha256); use it with --config.data.path={final}")
+  try:
+    found = os.path.abspath(find_movielens("")) == os.path.abspath(final)
+  except DataNotFound:
+    found = False
+  use = "the MovieLens configs find it there" if found else f"use it with --config.data.path={final}"
+  say(f"{final}: ratings.csv and movies.csv checked (sha256); {use}")
   return final
 
 
