@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 'criteo' (Kaggle/Terabyte TSV), 'avazu' (CSV), 'csv' or 'parquet' (columns declared below),
   # 'movielens' (a directory with ratings.csv and movies.csv).
   c.data = ml_collections.ConfigDict()
-  c.data.name = "synthetic"
+  c.data.name = "synthetic"  # Which reader: one of the names above.
   c.data.seed = 0  # Seed of the synthetic teacher and stream; of the shuffled order of files.
   # Files (criteo, avazu, csv, parquet): glob patterns; .gz is read as gzip.
   c.data.train_files = ()
@@ -68,7 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.sequence = ()  # (column, separator, max_len): ordered ids, the last max_len kept.
   c.data.delimiter = ","  # CSV field separator.
   # MovieLens: label rating >= 4; user, movie, genres (multi-hot), history (sequence).
-  c.data.path = "../shared/data/movielens-latest-small"
+  # The MovieLens directory ('': movielens-latest-small in $RECSYS_JAX_DATA, ./data, <checkout>/data or
+  # <checkout>/../shared/data; get it with `python -m recsys_jax.data.get movielens`).
+  c.data.path = ""
   c.data.max_history = 50  # The user's most recent earlier-rated movies kept as the sequence.
   c.data.max_genres = 8  # Genre ids per movie.
   c.data.eval_fraction = 0.2  # The latest ratings in time go to evaluation:
@@ -134,7 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # The dense model, picked from recsys_jax.models.MODELS.
   c.model = ml_collections.ConfigDict()
-  c.model.name = "dlrm"
+  c.model.name = "dlrm"  # dlrm, dcn_v2, deepfm, wide_deep or din (MODELS).
   c.model.kwargs = ml_collections.ConfigDict()
   c.model.kwargs.bottom = (64, 32, 16)  # Bottom MLP widths; the last equals embeddings.dim.
   c.model.kwargs.top = (128, 64)  # Top MLP hidden widths.
@@ -142,15 +144,15 @@ def get_config() -> ml_collections.ConfigDict:
   # Dense optimizer (optax), applied synchronously on every replica.
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adam"  # 'adam', 'adagrad' or 'sgd'.
-  c.optimizer.learning_rate = 2e-3
+  c.optimizer.learning_rate = 2e-3  # Step size of the dense optimizer.
   # Where the dense optimizer state lives: 'device', or 'pinned_host' (Cerebras-style: kept in
   # host memory and streamed to the device for each update; saves device memory on a GPU).
   c.optimizer.state_memory = "device"
 
   # Device mesh: sizes of the replica and fsdp axes (-1 fills the rest of the devices).
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.replica = -1
-  c.mesh.fsdp = 1
+  c.mesh.replica = -1  # Replica groups (data parallel across groups).
+  c.mesh.fsdp = 1  # Devices per group that shard the dense parameters (FSDP inside a group).
   # Logical axis names (declared by the models) -> mesh axes: dense parameters and their
   # optimizer state are sharded over fsdp inside a group and replicated across groups.
   c.mesh.rules = (("mlp", "fsdp"), ("embed", None))

@@ -9,7 +9,8 @@ the in-process PS (``--num_ps=0``), then {1, 2} trainers x {1, 2} PS servers. Th
 the run's own samples/s (global batch, after the first step), read from its summary.json.
 On one 2-core machine the processes compete for the cores, so this measures the overhead of
 the remote path (serialisation, loopback gRPC, the per-step barrier of the servers), not the
-scaling several hosts would give. Prints a table and, last, one JSON line.
+scaling several hosts would give. Prints a table and, last, one JSON line; writes ``--out``
+(default runs/experiments/bench_distributed.json; the committed one is in experiments/results/).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import sys
 import tempfile
 import time
 
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = flags.DEFINE_string("config", "configs/dlrm.py", "The config every run uses.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps per run.")
-_OUT = flags.DEFINE_string("out", "experiments/results/bench_distributed.json", "Where to write the results.")
+_OUT = flags.DEFINE_string("out", outputs.default("bench_distributed.json"), "Where to write the results.")
 SETTINGS = ((1, 0), (1, 1), (1, 2), (2, 1), (2, 2))  # (trainers, PS servers); 0 servers: in-process
 
 

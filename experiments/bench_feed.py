@@ -309,7 +309,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
       pusher.flush(step - 1)
 
   build_job = train.build_job
-  train.build_job = lambda config, workdir: job
+  train.build_job = lambda config, workdir, restore=True: job
   train.RunCheckpoints = FinalSaveWaitsOnly
   load0 = os.getloadavg()[0]
   summary = train.train_and_evaluate(c, workdir)

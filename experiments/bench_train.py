@@ -255,7 +255,7 @@ def run_ps(config, warmup: int, steps: int, workdir: str) -> Dict[str, Any]:
   job = train.build_job(c, ps_dir)
   probe = Probe()
   probe.attach(job)
-  build_job, train.build_job = train.build_job, lambda config, workdir: job
+  build_job, train.build_job = train.build_job, lambda config, workdir, restore=True: job
   load0 = os.getloadavg()[0]
   try:
     s = train.train_and_evaluate(c, ps_dir)

@@ -36,7 +36,8 @@ fresh worker process (this script re-run with ``--worker``), so its ``VmRSS`` / 
 peak RSS near 6.5 GiB; not run yet). Defaults take about 40 s on 2 cores (peak RSS 3.5 GiB).
 
 Prints one table per step (stderr), writes ``--json_out`` (default
-experiments/results/capacity.json) and ``--png_out`` (throughput vs rows, RAM-only and tiered;
+runs/experiments/capacity.json; the committed one is experiments/results/capacity.json) and
+``--png_out`` (throughput vs rows, RAM-only and tiered;
 RSS vs rows), and, last on stdout, one JSON line: bytes/param and overhead per config,
 largest measured RAM-only rows and rows/s, extrapolated RAM-only rows, and per tier K the
 peak RSS, rows/s and hit rate.
@@ -53,6 +54,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 from absl import app, flags
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")
@@ -67,8 +69,8 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed batches first.")
 _BATCH = flags.DEFINE_integer("batch_size", 4096, "Samples per batch.")
 _FEATURES = flags.DEFINE_integer("features", 26, "Ids per sample (all into one table).")
 _ALPHA = flags.DEFINE_float("zipf_alpha", 1.1, "Zipf exponent of id frequencies.")
-_JSON_OUT = flags.DEFINE_string("json_out", "experiments/results/capacity.json", "JSON result file.")
-_PNG_OUT = flags.DEFINE_string("png_out", "experiments/results/capacity.png", "Plot file.")
+_JSON_OUT = flags.DEFINE_string("json_out", outputs.default("capacity.json"), "JSON result file.")
+_PNG_OUT = flags.DEFINE_string("png_out", outputs.default("capacity.png"), "Plot file.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement (a JSON job) and print JSON.")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -26,7 +26,8 @@ from its replica_groups) and compares the bytes per device per optimizer step wi
 
 The relative errors are measured against the schedule formulas (the paper's are printed beside
 them); the last stdout line is a JSON record with ``max_rel_err``. The plot goes to
-experiments/results/comm_volume.png. Only compilation is needed, so it runs in well under a
+runs/experiments/comm_volume.png (``--png`` and ``--json_out`` into experiments/results/ update the
+committed ones). Only compilation is needed, so it runs in well under a
 minute on 2 cores.
 """
 
@@ -50,6 +51,8 @@ import optax  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 
 from recsys_jax.parallel import mics  # noqa: E402
 from recsys_jax.parallel.mesh import make_mesh  # noqa: E402
@@ -145,8 +148,8 @@ def main(argv=None):
     "--meshes", default=",".join(f"{r}x{p}" for r, p in MESHES), help="(replicas)x(group size) layouts, e.g. 2x4,4x2"
   )
   parser.add_argument("--micro_steps", default=",".join(map(str, MICRO_STEPS)), help="micro-step counts, e.g. 1,4")
-  parser.add_argument("--png", default=os.path.join(ROOT, "experiments", "results", "comm_volume.png"))
-  parser.add_argument("--json_out", default=os.path.join(ROOT, "experiments", "results", "comm_volume.json"))
+  parser.add_argument("--png", default=outputs.default("comm_volume.png"))
+  parser.add_argument("--json_out", default=outputs.default("comm_volume.json"))
   args = parser.parse_args(argv)
   assert jax.device_count() == 8, jax.devices()
   try:

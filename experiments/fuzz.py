@@ -3,7 +3,7 @@ the PS wire decoder (with the server's request checks behind it), and counts cra
 
     python experiments/fuzz.py --budget_s=600 [--seed=0] [--targets=readers,config,checkpoint,wire]
     python experiments/fuzz.py --examples=200        # a fixed number of inputs per target instead
-    python experiments/fuzz.py --replay=experiments/results/fuzz_crashes/<file>.json
+    python experiments/fuzz.py --replay=runs/experiments/fuzz_crashes/<file>.json
 
 Inputs are drawn by hypothesis, in a worker process per target that a parent watches with a
 per-input time limit (``experiments/fuzzing/harness.py`` says why a process and not a thread).
@@ -11,7 +11,7 @@ What counts as correct per target, and the inputs, are in ``experiments/fuzzing/
 an input either gives the documented clear error (its type, and a message naming the file,
 field or place) or is accepted and its result checked; anything else is a crash, an input
 still running after its limit a hang. Crashing and hanging inputs are saved under
-``--crash_dir`` and replayed with ``--replay``.
+``--crash_dir`` (default runs/experiments/fuzz_crashes) and replayed with ``--replay``.
 
 Prints a table (target, inputs tried, clear errors, accepted, crashes, hangs), then one JSON
 line per target and a last JSON line with the totals. Exits 1 if anything crashed or hung.
@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 from absl import app, flags  # noqa: E402
 
 from experiments.fuzzing import harness  # noqa: E402
@@ -36,9 +37,7 @@ _BUDGET = flags.DEFINE_float("budget_s", 0.0, "Total seconds, split evenly over 
 _EXAMPLES = flags.DEFINE_integer("examples", 100, "Inputs per target (an upper bound when --budget_s is set).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds every hypothesis round.")
 _TARGETS = flags.DEFINE_list("targets", "readers,config,checkpoint,wire", "Targets to fuzz, in order.")
-_CRASH_DIR = flags.DEFINE_string(
-  "crash_dir", os.path.join(ROOT, "experiments", "results", "fuzz_crashes"), "Where crashing inputs are saved."
-)
+_CRASH_DIR = flags.DEFINE_string("crash_dir", outputs.default("fuzz_crashes"), "Where crashing inputs are saved.")
 _REPLAY = flags.DEFINE_string("replay", None, "Run one saved input again (in this process) and print its outcome.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the per-target and total JSON lines here.")
 # Internal: a worker process (started by the parent).

@@ -39,6 +39,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
+
 from configs import default as default_config  # noqa: E402
 from recsys_jax.async_ps import optimizers  # noqa: E402
 from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData  # noqa: E402
@@ -56,7 +58,7 @@ _SCALE = flags.DEFINE_integer("vocab_scale", 1, "Multiplies every field's vocabu
 _WIDTH = flags.DEFINE_integer("sketch_width", 1 << 16, "Count-min columns per table.")
 _DEPTH = flags.DEFINE_integer("sketch_depth", 4, "Count-min rows per table.")
 _SEED = flags.DEFINE_integer("seed", 0, "Data seed (config.data.seed).")
-_OUT = flags.DEFINE_string("out_dir", os.path.join(_ROOT, "experiments", "results"), "Where the JSON and PNG go.")
+_OUT = flags.DEFINE_string("out_dir", outputs.default("hot_hit_rate"), "Where the JSON and PNG go.")
 
 _UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
 

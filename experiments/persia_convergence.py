@@ -20,8 +20,8 @@ by default, so sync, plain hybrid and fully async set ``hot_rows_bytes = 0``: th
 synchronous reference and Persia's two baselines. Hot runs also record the hit rate, the rows
 held on the device, the cold rows and the host -> device row bytes per step.
 
-Writes ``experiments/results/persia_convergence.json`` and ``persia_convergence.png``; prints
-a table and, last, one JSON line.
+Writes ``runs/experiments/persia_convergence.json`` and ``.png`` (``--out=experiments/results/persia_convergence``
+updates the committed ones); prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from absl import app, flags, logging  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
+
 from configs import dlrm, movielens  # noqa: E402
 from recsys_jax import train  # noqa: E402
 
@@ -48,7 +50,7 @@ _ASYNC = flags.DEFINE_integer("async_k", 4, "Staleness of the fully asynchronous
 _HOT = flags.DEFINE_integer(
   "hot_bytes", -1, "Hot-row budget of the hybrid + hot runs, bytes (-1: the config's hot_rows_bytes; 0: no hot runs)."
 )
-_OUT = flags.DEFINE_string("out", "experiments/results/persia_convergence", "Output path without extension.")
+_OUT = flags.DEFINE_string("out", outputs.default("persia_convergence"), "Output path without extension.")
 
 
 def _datasets():

@@ -10,7 +10,8 @@ whose flags ``--config`` and ``--steps`` apply here too): synchronous (k = 0) an
 with the in-process PS, then with 1 and 2 trainers x 1 and 2 PS servers over loopback.
 On one 2-core machine extra processes compete for the cores: scaling cannot show here, only
 the overhead of the remote path and the gain of overlapping. Writes
-``experiments/results/persia_throughput.json``; prints a table and, last, one JSON line.
+``runs/experiments/persia_throughput.json`` and ``.png`` (``--throughput_out=experiments/results/persia_throughput``
+updates the committed ones); prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_distributed  # noqa: E402  (its --config and --steps flags, and one launcher run)
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 
 _OUT_T = flags.DEFINE_string(
-  "throughput_out", "experiments/results/persia_throughput", "Output path without extension (.json, .png)."
+  "throughput_out", outputs.default("persia_throughput"), "Output path without extension (.json, .png)."
 )
 _FULL = flags.DEFINE_bool("full", False, "The main job's length: 2000 steps per setting (about 40 minutes).")
 SETTINGS = [(k, w, s) for k in (0, 4) for (w, s) in ((1, 0), (1, 1), (2, 1), (2, 2))]  # (k, trainers, servers)

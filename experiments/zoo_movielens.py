@@ -6,7 +6,8 @@
 Each run is ``configs/<model>.py`` (``configs/movielens.py`` for DLRM) trained from scratch in
 a temporary workdir with ``train.train_and_evaluate``, exactly as ``python -m recsys_jax.main
 --config=configs/<model>.py`` would. Prints a markdown table (eval AUC, logloss, samples/s,
-wall time), writes ``experiments/results/zoo_movielens.json`` and, last, one JSON line.
+wall time), writes ``runs/experiments/zoo_movielens.json`` (``--out=experiments/results/zoo_movielens.json``
+updates the committed one) and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 
 from configs import dcn_v2, deepfm, din, movielens, wide_deep  # noqa: E402
 from recsys_jax import metrics, train  # noqa: E402
 from recsys_jax.data import base  # noqa: E402
+from recsys_jax.data.get import find_movielens  # noqa: E402
 from recsys_jax.data.movielens import MovieLensFormat  # noqa: E402
 
 RUNS = {
@@ -39,7 +42,7 @@ RUNS = {
 _MODELS = flags.DEFINE_list("models", list(RUNS), f"Runs to do, from {list(RUNS)}.")
 _PATH = flags.DEFINE_string("path", None, "MovieLens directory (default: the configs' data.path).")
 _STEPS = flags.DEFINE_integer("steps", None, "Override num_steps (default: the configs').")
-_OUT = flags.DEFINE_string("out", "experiments/results/zoo_movielens.json", "Where to write the results.")
+_OUT = flags.DEFINE_string("out", outputs.default("zoo_movielens.json"), "Where to write the results.")
 
 
 def run(name: str) -> dict:
@@ -79,7 +82,7 @@ def count_baseline() -> dict:
   if _PATH.value:
     c.data.path = _PATH.value
   d = c.data
-  fmt = MovieLensFormat(d.path, max_history=d.max_history, eval_fraction=d.eval_fraction, split=d.split)
+  fmt = MovieLensFormat(find_movielens(d.path), max_history=d.max_history, eval_fraction=d.eval_fraction, split=d.split)
   tr, ev = base.read_all(fmt, "train"), base.read_all(fmt, "eval")
   y, g = tr["label"].astype(np.float64), float(tr["label"].mean())
 

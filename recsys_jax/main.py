@@ -15,6 +15,7 @@ or config, a workdir whose checkpoints do not fit the job or none of which can b
 server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
+import ast
 import faulthandler
 import os
 import signal
@@ -36,6 +37,10 @@ _NUM_PROCESSES = flags.DEFINE_integer(
   "num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "1")), "Trainer processes in the job."
 )
 _PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "0")), "This trainer's rank.")
+# Read in _parse_flags, before the other flags are; defined so that --help lists it.
+flags.DEFINE_boolean(
+  "helpconfig", False, "Print every --config.<field>: its value (of --config's file, else the defaults) and meaning."
+)
 
 
 def _limit_malloc_arenas(n: int = 2) -> None:
@@ -55,17 +60,39 @@ def _limit_malloc_arenas(n: int = 2) -> None:
     pass
 
 
+def _no_such_field(e: Exception, argv) -> str:
+  """One line for a --config.<field> the config lacks. ml_collections raises it as
+  ``KeyError("'bach_size'\\nDid you mean \"batch_size\" instead of \"bach_size\"?")`` (or AttributeError)."""
+  text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+  if text[:1] in "'\"":  # the AttributeError wraps the KeyError's repr
+    try:
+      text = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      pass
+  key, _, hint = text.partition("\n")
+  key = key.strip("'\"")
+  flag = next((a.split("=")[0] for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")), None)
+  hint = hint.strip().replace("Did you mean", "did you mean") if hint else "--helpconfig lists the fields"
+  return f"{flag or '--config.' + key}: the config has no field {key!r}; {hint}"
+
+
 def _parse_flags(argv):
-  """absl's flag parsing, exiting with ``EXIT_CONFIG`` rather than 1 on a bad flag."""
+  """absl's flag parsing, exiting with ``EXIT_CONFIG`` rather than 1 on a bad flag: one ``error:`` line."""
+  if "--helpconfig" in argv[1:]:  # before parsing: it needs no --config, and a bad override should not hide it
+    from configs import fields  # beside default.py, whose comments it reads
+
+    print(fields.describe(next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)))
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    print(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.", file=sys.stderr)
+    print(f"error: {e} (--helpshort lists the flags, --helpconfig the config fields)", file=sys.stderr)
   # config_flags applies the --config.<field> overrides here and lets their errors through
-  # (AttributeError for a field the config does not have).
+  # (KeyError or AttributeError for a field the config does not have).
+  except (AttributeError, KeyError) as e:
+    print(f"error: {_no_such_field(e, argv)}", file=sys.stderr)
   except Exception as e:
-    hint = " (is each --config.<field> in the config?)" if isinstance(e, (AttributeError, KeyError)) else ""
-    print(f"FATAL Flags parsing error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
   sys.exit(EXIT_CONFIG)
 
 

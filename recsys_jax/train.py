@@ -72,7 +72,7 @@ def train_and_evaluate(
   t_start = time.perf_counter()
   validate_config(config)
   run_config.record(workdir, config, say)  # makes the workdir; it names its config (a scorer rebuilds the model)
-  job = build_job(config, workdir)
+  job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)

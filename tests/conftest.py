@@ -93,3 +93,34 @@ def start():
   yield _start
   for s in servers:
     s.stop(0)
+
+
+def in_ci() -> bool:
+  """Whether the tests run in CI (.ci/run sets CI=1; most CI services set CI=true)."""
+  return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+_MISSING_DATA = []
+
+
+@pytest.fixture(scope="session")
+def movielens_dir():
+  """ml-latest-small, found as a config with data.path '' finds it ($RECSYS_JAX_DATA, ./data, <checkout>/data,
+  <checkout>/../shared/data). Missing: the tests fail in CI (they would otherwise pass by skipping, unseen),
+  and elsewhere skip, with a line at the end of the run saying how to get the data."""
+  from recsys_jax.data import get
+
+  try:
+    return get.find_movielens("")
+  except get.DataNotFound as e:
+    if in_ci():
+      pytest.fail(f"MovieLens data missing in CI: {e}", pytrace=False)
+    _MISSING_DATA.append(str(e))
+    pytest.skip(f"MovieLens data missing: {e}")
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _MISSING_DATA:
+    terminalreporter.write_line(
+      f"MovieLens tests skipped: {_MISSING_DATA[0]} (with CI set they fail instead)", yellow=True
+    )

@@ -10,7 +10,6 @@ from recsys_jax import train
 from recsys_jax.data import base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOVIELENS = os.path.join(os.path.dirname(ROOT), "shared", "data", "movielens-latest-small")
 MODELS = ("dlrm", "dcn_v2", "deepfm", "wide_deep", "din")
 SMALL_KWARGS = {
   "dlrm": {"bottom": (16, 8), "top": (32,)},
@@ -148,13 +147,11 @@ def test_data_without_dense_columns_trains_checkpoints_and_resumes(tiny_config, 
 
 
 @pytest.fixture(scope="module")
-def movielens_base():
-  if not os.path.isdir(MOVIELENS):
-    pytest.skip(f"{MOVIELENS} is not here")
+def movielens_base(movielens_dir):
   from configs import movielens
 
   c = movielens.get_config()
-  c.data.path = MOVIELENS
+  c.data.path = movielens_dir
   c.num_steps = 150  # half an epoch: enough to beat chance clearly, quick
   c.embeddings.dim = 8  # as SMALL_KWARGS["dlrm"]["bottom"][-1]
   c.log_every = 50

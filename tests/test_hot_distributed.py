@@ -39,8 +39,8 @@ c.hot_rows_bytes, c.hot_warmup_steps, c.hot_every, c.hot_min_count = 1 << 14, 3,
 digests = []
 build = train.build_job
 
-def build_job(config, workdir=None):
-  job = build(config, workdir)
+def build_job(config, workdir=None, restore=True):
+  job = build(config, workdir, restore)
   step = job.train_step
 
   def recorded(state, hot, rows, batch):

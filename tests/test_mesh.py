@@ -52,7 +52,7 @@ for r, p in [(1, 8), (2, 4), (4, 2), (8, 1)]:
     d = os.path.join(out, f"{r}x{p}x{s}")
     train.train_and_evaluate(c, d)
     np.savez(os.path.join(out, f"{r}x{p}x{s}.npz"), **_dense_params(d))
-    job = train.build_job(c, d)
+    job = train.build_job(c, d, restore=False)  # the topology only: a fresh state, as before the restore existed
     k = job.state.params["bottom"]["dense_0"]["kernel"]
     last = job.state.params["top"]["dense_1"]["kernel"]  # [32, 1]: 'mlp' of size 1 cannot be split
     # The trainer's compiled step: bytes per device inside and across groups.

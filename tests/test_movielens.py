@@ -11,13 +11,6 @@ import pytest
 
 from recsys_jax.data import base, movielens
 
-DATA = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-  "shared",
-  "data",
-  "movielens-latest-small",
-)
-needs_data = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "ratings.csv")), reason="no MovieLens data")
 H = 50
 
 
@@ -27,17 +20,17 @@ def read_split(fmt, split, chunk_records=1 << 20):
 
 
 @pytest.fixture(scope="module")
-def fmt():
-  return movielens.MovieLensFormat(DATA, max_history=H)
+def fmt(movielens_dir):
+  return movielens.MovieLensFormat(movielens_dir, max_history=H)
 
 
 @pytest.fixture(scope="module")
-def raw():
+def raw(movielens_dir):
   """ratings.csv and movies.csv read independently, with the csv module."""
-  with open(os.path.join(DATA, "ratings.csv"), newline="") as f:
+  with open(os.path.join(movielens_dir, "ratings.csv"), newline="") as f:
     rows = list(csv.reader(f))[1:]
   ratings = [(int(u), int(m), float(r), int(t)) for u, m, r, t in rows]
-  with open(os.path.join(DATA, "movies.csv"), newline="", encoding="utf-8") as f:
+  with open(os.path.join(movielens_dir, "movies.csv"), newline="", encoding="utf-8") as f:
     movies = {int(m): (title, genres) for m, title, genres in list(csv.reader(f))[1:]}
   return ratings, movies
 
@@ -63,7 +56,6 @@ def records(fmt, raw):
   return train, ev, originals(train), originals(ev)
 
 
-@needs_data
 def test_counts_labels_and_temporal_split(fmt, raw, records):
   ratings, _ = raw
   train, ev, train_orig, eval_orig = records
@@ -90,7 +82,6 @@ def brute_history(ratings_of_user, t):
   return [m for _, m in earlier][-H:], len(earlier)
 
 
-@needs_data
 def test_history_and_dense_match_brute_force(raw, records):
   ratings, movies = raw
   train, ev, train_orig, eval_orig = records
@@ -131,7 +122,6 @@ def test_history_and_dense_match_brute_force(raw, records):
   assert truncated > 50  # the sample covers long histories (kept: the most recent H)
 
 
-@needs_data
 def test_movie_reappears_in_later_history(fmt, records):
   train, ev, train_orig, eval_orig = records
   cols = base.concat_columns([train, ev])
@@ -156,15 +146,14 @@ def test_movie_reappears_in_later_history(fmt, records):
   assert base.FeatureInfo("history", H, "sequence", "movie") in fmt.schema.features
 
 
-@needs_data
-def test_chunks_concatenate_to_the_split(fmt, records):
+def test_chunks_concatenate_to_the_split(fmt, records, movielens_dir):
   train, ev, _, _ = records
   for split, whole in (("train", train), ("eval", ev)):
     for chunk_records in (997, 8192, 1 << 20):
       chunks = list(fmt.chunks(split, chunk_records))
       assert all(len(c) == chunk_records for c in chunks[:-1])
       assert [c.first_line for c in chunks] == list(range(1, len(whole["label"]) + 1, chunk_records))
-      assert chunks[0].path == f"{DATA}/ratings.csv[{split}]"
+      assert chunks[0].path == f"{movielens_dir}/ratings.csv[{split}]"
       got = base.concat_columns([fmt.parse(c, base.BadRecords()) for c in chunks])
       for key in ("label", "dense"):
         np.testing.assert_array_equal(got[key], whole[key])
@@ -257,10 +246,9 @@ def test_bad_movies_line(tmp_path):
   assert bad.count == 1 and fmt.num_train + fmt.num_eval == 5  # movie 20 rated, now without genres
 
 
-@needs_data
-def test_per_user_split_holds_each_users_latest_ratings(raw):
+def test_per_user_split_holds_each_users_latest_ratings(raw, movielens_dir):
   ratings, _ = raw
-  fmt = movielens.MovieLensFormat(DATA, max_history=H, split="user")
+  fmt = movielens.MovieLensFormat(movielens_dir, max_history=H, split="user")
   train, ev = read_split(fmt, "train"), read_split(fmt, "eval")
   users = sorted({r[0] for r in ratings})
   user_of = dict(zip(base.hash_ints(np.array(users), "user").tolist(), users))

@@ -204,12 +204,11 @@ def build_reader(config, process_index: int = 0, process_count: int = 1, workdir
     raise ValueError(f"config.data.name = {d.name!r}: choose one of {NAMES}")
   bad = base.BadRecords(d.on_bad_record)
   if d.name == "movielens":
+    from recsys_jax.data.get import find_movielens
     from recsys_jax.data.movielens import MovieLensFormat
 
-    if not os.path.isdir(d.path):
-      raise ValueError(f"config.data.path = {d.path!r} is not a directory (MovieLens ratings.csv and movies.csv)")
     fmt = MovieLensFormat(
-      d.path,
+      find_movielens(d.path),  # '' searches $RECSYS_JAX_DATA, ./data, ...; missing: one line saying how to get it
       max_history=d.max_history,
       max_genres=d.max_genres,
       eval_fraction=d.eval_fraction,

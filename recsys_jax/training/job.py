@@ -4,6 +4,7 @@ jitted steps and the initial dense state (``build_job``; nothing runs)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -19,8 +20,10 @@ from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline
 from recsys_jax.training.hot_rows import HotRows
+from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import init_state, make_eval_step, make_train_step, state_specs
+from recsys_jax.training.writers import say
 
 
 @dataclasses.dataclass
@@ -46,6 +49,8 @@ class Job:
   """The hot rows kept on the device (``hot.enabled`` False: ``config.hot_rows_bytes`` buys none)."""
   hot_state: Any = dataclasses.field(default_factory=dict)
   """The initial device tables of the hot rows (empty: none), replicated over the mesh."""
+  step: int = 0
+  """The step the state and PS rows are at: 0 for a fresh job, else the checkpoint's restored by ``build_job``."""
 
 
 def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None):
@@ -53,10 +58,18 @@ def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], wor
   return factory.build_ps(config, tables, workdir, process_index=jax.process_index(), process_count=jax.process_count())
 
 
-def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> Job:
-  """Builds reader, PS, model, mesh, jitted steps and the initial state (nothing runs).
+def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, restore: bool = True) -> Job:
+  """Builds reader, PS, model, mesh, jitted steps and the state (nothing runs).
 
   ``workdir`` anchors a relative ``config.ps.tier`` path and holds the data cache (``config.data.cache_dir``).
+  If it holds a checkpoint (a trained run's workdir) and ``restore`` is True, the job is that run's: the
+  newest intact checkpoint's dense state, PS rows and hot set are loaded (one line says which), so
+  ``evaluate(job.state, job.eval_step, job.host, config)`` scores the trained model. ``restore=False``
+  builds a fresh, untrained job whatever the workdir holds.
+
+  Raises:
+    ValueError: a checkpoint written with another batch size, data set or number of trainer processes.
+    CheckpointError: the workdir has checkpoints and none of them can be read.
   """
   reader = readers.build_reader(config, jax.process_index(), jax.process_count(), workdir)
   model_cls = MODELS[config.model.name]
@@ -102,4 +115,24 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None) 
     out_shardings=(state_shardings, repl, rows_out, repl),
   )
   eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
-  return Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)
+  job = Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)
+  ckpt_dir = None if workdir is None else os.path.join(workdir, "checkpoints")
+  if restore and ckpt_dir is not None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+    _restore(job, config, workdir)
+  return job
+
+
+def _restore(job: Job, config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Loads the newest intact checkpoint of ``workdir`` into ``job`` (as a resumed run starts)."""
+  ckpts = RunCheckpoints(workdir, config)
+  try:
+    state, start, _ = ckpts.restore_latest(job.state, job.ps, announce=False)
+    if ckpts.latest is None:
+      return
+    job.state, job.step = state, start
+    job.hot_state = job.hot.resume(start, ckpts.latest_dir(), job.ps, job.hot_state)
+    say(
+      f"build_job: restored {ckpts.latest_dir()} (step {start}): dense state and PS rows; restore=False for a fresh job"
+    )
+  finally:
+    ckpts.close()

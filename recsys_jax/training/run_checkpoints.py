@@ -39,9 +39,10 @@ class RunCheckpoints:
     self.positions: Dict[int, Any] = {}
     """The reader's position after each step's batch, since the last save."""
 
-  def restore_latest(self, state, ps) -> Tuple[Any, int, Any]:
+  def restore_latest(self, state, ps, announce: bool = True) -> Tuple[Any, int, Any]:
     """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
     aside, each named in one line: :meth:`recsys_jax.checkpoint.Checkpointer.restore_newest_intact`).
+    ``announce``: say "resumed from ..." (a run resuming; ``build_job`` says its own line).
 
     Returns:
       ``(state, start, position)``: the dense state, the first step to train and the
@@ -78,7 +79,8 @@ class RunCheckpoints:
         raise ValueError(
           f"{where} was written reading data {meta['data']!r}, config has {config.data.name!r}: use a new workdir"
         )
-      say(f"resumed from {where} at step {start} of {config.num_steps}")
+      if announce:
+        say(f"resumed from {where} at step {start} of {config.num_steps}")
     self.positions = {start - 1: position}
     return state, start, position
 

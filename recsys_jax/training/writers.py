@@ -218,6 +218,15 @@ class Progress:
     return summary
 
 
+def _throughput(s: Dict[str, Any]) -> str:
+  sps = s.get("samples_per_sec")
+  if sps is not None and sps == sps:  # not NaN
+    return f"{sps:,.0f} samples/s (after the first step)"
+  if not s.get("steps_this_run"):
+    return "no steps run (the workdir's checkpoint is at the last step; a new workdir trains again)"
+  return "not measured (it is timed after the first step, which compiles; this run made one)"
+
+
 def format_summary(s: Dict[str, Any]) -> str:
   """A few readable lines for the end of a run."""
   lines = [
@@ -226,7 +235,7 @@ def format_summary(s: Dict[str, Any]) -> str:
     f"eval logloss  {s['logloss']:.4f}" + (f"   (oracle {s['oracle_logloss']:.4f})" if s.get("oracle_logloss") else ""),
     f"calibration   {s['calibration']:.3f}",
     f"steps         {s['steps']} ({s['steps_this_run']} this run, batch {s['batch_size']}, staleness k={s['staleness']})",
-    f"throughput    {s['samples_per_sec']:,.0f} samples/s (after the first step)",
+    f"throughput    {_throughput(s)}",
     *(
       [
         f"hot rows      {s['hot']['hot_rows_held']:,.0f} on the device, hit rate {s['hot']['hot_hit_rate']:.3f}, "

@@ -1,0 +1,91 @@
+"""The command line explains itself: ``--helpconfig`` lists every config field with its value and the comment
+beside it in configs/default.py, and a mistyped ``--config.<field>`` is one ``error:`` line with the suggestion."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default, fields, movielens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(*args):
+  return subprocess.run(
+    [sys.executable, "-m", "recsys_jax.main", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+  )
+
+
+def test_every_default_field_has_its_comment():
+  docs = fields.field_docs()
+  names = [name for name, _ in fields.leaves(default.get_config())]
+  assert len(names) > 80
+  missing = [n for n in names if not docs.get(n, (0, ""))[1]]
+  assert not missing, f"fields of configs/default.py with no comment: {missing}"
+  text = fields.describe()
+  for n in names:
+    assert f"  --config.{n}=" in text, n
+  assert docs["seed"][1] == "Seeds parameter init, PS row init and (via data.seed) the data."
+
+
+def test_comment_rules_on_a_written_file(tmp_path):
+  path = tmp_path / "default.py"
+  path.write_text(
+    "def get_config():\n"
+    "  c = ml_collections.ConfigDict()\n"
+    "  # A section.\n"
+    "  c.s = ml_collections.ConfigDict()\n"
+    "  # Two lines\n"
+    "  # above.\n"
+    "  c.s.a = 1  # And beside.\n"
+    "\n"
+    "  # Not above b: a blank line is between.\n"
+    "\n"
+    "  c.s.b = '#not a comment'\n"
+    "  c.s.a = 2  # Again.\n"
+  )
+  docs = fields.field_docs(str(path))
+  assert docs == {"s": (4, "A section."), "s.a": (7, "Two lines above. And beside. Again."), "s.b": (11, "")}
+
+
+def test_helpconfig_prints_the_values_of_the_given_config():
+  r = main("--helpconfig")
+  assert r.returncode == 0, r.stderr
+  assert "  --config.batch_size=4096\n      Global examples per step" in r.stdout
+  r = main("--config=configs/movielens.py", "--helpconfig")
+  assert r.returncode == 0, r.stderr
+  assert f"  --config.batch_size={movielens.get_config().batch_size}\n" in r.stdout
+  assert "--config.data.name='movielens'" in r.stdout
+  assert "helpconfig" in main("--help").stdout
+
+
+@pytest.mark.parametrize(
+  "flag, line",
+  [
+    (
+      "--config.bach_size=1",
+      "error: --config.bach_size: the config has no field 'bach_size'; "
+      'did you mean "batch_size" instead of "bach_size"?',
+    ),
+    (
+      "--config.model.kwargs.bottum=1",
+      "error: --config.model.kwargs.bottum: the config has no field 'bottum'; "
+      'did you mean "bottom" instead of "bottum"?',
+    ),
+    ("--config.zzzqqq=1", "error: --config.zzzqqq: the config has no field 'zzzqqq'; --helpconfig lists the fields"),
+    (
+      "--config.batch_size=abc",
+      "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc' "
+      "(--helpshort lists the flags, --helpconfig the config fields)",
+    ),
+  ],
+)
+def test_a_bad_config_flag_is_one_error_line(flag, line, tmp_path):
+  r = main("--config=configs/tiny.py", flag, f"--workdir={tmp_path}")
+  assert r.returncode == 2
+  assert r.stderr.splitlines() == [line]
+  assert os.listdir(tmp_path) == []  # nothing started
