@@ -20,7 +20,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
-  assert {p.name for p in NOTEBOOKS} >= {"papers.ipynb"}, NOTEBOOKS
+  assert {p.name for p in NOTEBOOKS} >= {"papers.ipynb", "quickstart.ipynb"}, NOTEBOOKS
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
