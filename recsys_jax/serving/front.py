@@ -36,8 +36,9 @@ class FrontError(Exception):
   """A request answered with an error; ``field`` and ``record`` say where, when it is one place."""
 
   def __init__(self, kind: str, message: str, field: Optional[str] = None, record: Optional[int] = None):
-    super().__init__(message)
-    self.kind, self.message, self.field, self.record = kind, message, field, record
+    text = str(RequestError(message, field, record))  # "record 1, field 'c2': ..." as the model's errors say
+    super().__init__(text)
+    self.kind, self.message, self.field, self.record = kind, text, field, record
 
   @property
   def http_status(self) -> int:
@@ -115,7 +116,7 @@ class Front:
     try:
       answer = self.batcher.submit(records).result(self.timeout_s)
     except RequestError as e:
-      raise FrontError("bad_request", str(e), e.field, e.record) from None
+      raise FrontError("bad_request", e.reason, e.field, e.record) from None
     except Overloaded as e:
       raise FrontError("unavailable", str(e)) from None
     except concurrent.futures.TimeoutError:

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from recsys_jax.serving.front import Front, FrontError
 
+_MAX_SKIP = 64 << 20  # bodies of refused requests up to this are read and dropped; larger ones close the connection
 _ROUTES = {"/v1/predict": "POST", "/v1/model": "GET", "/v1/health": "GET"}
 
 
@@ -54,9 +55,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     self.end_headers()
     self.wfile.write(data)
 
-  def _fail(self, e: FrontError, close: bool = False) -> None:
+  def _skip_body(self) -> bool:
+    """Reads and drops the body of a request refused before reading it, if it is not too large, so that
+    the client, still sending it, gets the answer and the connection carries the next request."""
+    length = self.headers.get("Content-Length")
+    if length is None:
+      return self.headers.get("Transfer-Encoding") is None  # no body at all
+    if not length.isdigit() or int(length) > _MAX_SKIP:
+      return False
+    left = int(length)
+    while left > 0:
+      chunk = self.rfile.read(min(left, 1 << 16))
+      if not chunk:
+        return False
+      left -= len(chunk)
+    return True
+
+  def _fail(self, e: FrontError, unread: bool = False) -> None:
     extra = {"WWW-Authenticate": "Bearer"} if e.http_status == 401 else {}
-    if close:  # the body was not read: the connection cannot carry another request
+    if unread and not self._skip_body():  # the connection cannot carry another request
       extra["Connection"] = "close"
       self.close_connection = True
     self._send(e.http_status, e.body(), extra)
@@ -65,16 +82,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     path = self.path.split("?", 1)[0]
     want = _ROUTES.get(path)
     if want is None:
-      self._fail(FrontError("not_found", f"no such path {path!r}; try {sorted(_ROUTES)}"), close=method == "POST")
+      self._fail(FrontError("not_found", f"no such path {path!r}; try {sorted(_ROUTES)}"), unread=True)
       return False
     if want != method:
-      self.close_connection = method == "POST"
-      self._send(405, {"error": f"{path} takes {want}, not {method}", "field": None, "record": None}, {"Allow": want})
+      extra = {"Allow": want}
+      if not self._skip_body():
+        extra["Connection"] = "close"
+        self.close_connection = True
+      self._send(405, {"error": f"{path} takes {want}, not {method}", "field": None, "record": None}, extra)
       return False
     try:
       self.server.front.authenticate(self.headers.get("Authorization"))
     except FrontError as e:
-      self._fail(e, close=method == "POST")
+      self._fail(e, unread=True)
       return False
     return True
 
@@ -90,12 +110,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     length = self.headers.get("Content-Length")
     if length is None or not length.isdigit():
       self.close_connection = True
-      self._send(411, {"error": "send the body with a Content-Length", "field": None, "record": None})
+      self._send(
+        411, {"error": "send the body with a Content-Length", "field": None, "record": None}, {"Connection": "close"}
+      )
       return
     if int(length) > self.server.max_body_bytes:
-      self._fail(
-        FrontError("too_large", f"a body of {length} bytes is over the server's {self.server.max_body_bytes}"), True
-      )
+      limit = self.server.max_body_bytes
+      self._fail(FrontError("too_large", f"a body of {length} bytes is over the server's {limit}"), unread=True)
       return
     body = self.rfile.read(int(length))
     try:
