@@ -6,6 +6,7 @@ Also: the token (401 / UNAUTHENTICATED), loopback by default, and the answers' s
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import socket
@@ -132,11 +133,11 @@ def test_token_is_required_when_set(tmp_path):
   try:
     for token in (None, "wrong", "s3cret "):
       h, g = HttpClient("127.0.0.1", s.http_port, token=token), GrpcClient(f"127.0.0.1:{s.grpc_port}", token=token)
-      for call in (lambda: h.predict([GOOD]), h.health, h.model):
+      for call in (functools.partial(h.predict, [GOOD]), h.health, h.model):
         with pytest.raises(ServeError) as e:
           call()
         assert e.value.status == 401
-      for call in (lambda: g.predict([GOOD]), g.health, g.model):
+      for call in (functools.partial(g.predict, [GOOD]), g.health, g.model):
         with pytest.raises(ServeError) as e:
           call()
         assert e.value.status == "UNAUTHENTICATED"
