@@ -30,9 +30,13 @@ CATS = ("c1", "c2")
 BUCKETS = 1000
 
 
-def _weights(step: int):
+def _names(n_dense: int, n_cat: int):
+  return tuple(f"i{k + 1}" for k in range(n_dense)), tuple(f"c{k + 1}" for k in range(n_cat))
+
+
+def _weights(step: int, n_dense: int = len(DENSE), n_cat: int = len(CATS)):
   rng = np.random.default_rng(step)
-  return rng.standard_normal(len(DENSE)) * 0.5, rng.standard_normal((len(CATS), BUCKETS)), float(rng.standard_normal())
+  return rng.standard_normal(n_dense) * 0.5, rng.standard_normal((n_cat, BUCKETS)), float(rng.standard_normal())
 
 
 def _bucket(s: str) -> int:
@@ -40,20 +44,25 @@ def _bucket(s: str) -> int:
 
 
 class LinearScorer:
-  def __init__(self, step: int, delay_s: float = 0.0):
+  """Fields ``i1..i<n_dense>`` (floats) and ``c1..c<n_cat>`` (strings); 3 and 2 unless told."""
+
+  def __init__(self, step: int, delay_s: float = 0.0, n_dense: int = len(DENSE), n_cat: int = len(CATS)):
     self.step, self.version, self.delay_s = step, f"step-{step}", delay_s
-    self._wd, self._wc, self._b = _weights(step)
+    self._wd, self._wc, self._b = _weights(step, n_dense, n_cat)
+    self._dense, self._cats = _names(n_dense, n_cat)
     self.predict_calls = 0
 
   def fields(self) -> Dict[str, str]:
-    return {**{f: "float" for f in DENSE}, **{f: "string" for f in CATS}}
+    return {**{f: "float" for f in self._dense}, **{f: "string" for f in self._cats}}
 
   def encode(self, records: Sequence[Mapping[str, Any]]):
+    DENSE, CATS = self._dense, self._cats  # noqa: N806 - as the module's defaults
+    known = set(DENSE) | set(CATS)
     dense = np.zeros((len(records), len(DENSE)))
     cats = np.zeros((len(records), len(CATS)), np.int64)
     for i, r in enumerate(records):
       for k in r:
-        if k not in DENSE and k not in CATS:
+        if k not in known:
           raise RequestError("unknown feature", field=k, record=i)
       for j, f in enumerate(DENSE):
         if f not in r:
@@ -78,25 +87,27 @@ class LinearScorer:
     if self.delay_s:
       time.sleep(self.delay_s)
     dense, cats = encoded
-    logit = dense @ self._wd + self._b + sum(self._wc[j, cats[:, j]] for j in range(len(CATS)))
+    logit = dense @ self._wd + self._b + sum(self._wc[j, cats[:, j]] for j in range(len(self._cats)))
     return (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
 
 
 def reference(step: int, record: Mapping[str, Any]) -> float:
   """What version ``step`` must answer for ``record``: a plain float64 loop."""
-  wd, wc, b = _weights(step)
+  dense, cats = _names(sum(k[0] == "i" for k in record), sum(k[0] == "c" for k in record))
+  wd, wc, b = _weights(step, len(dense), len(cats))
   z = b
-  for j, f in enumerate(DENSE):
+  for j, f in enumerate(dense):
     z += float(record[f]) * wd[j]
-  for j, f in enumerate(CATS):
+  for j, f in enumerate(cats):
     z += wc[j, _bucket(record[f])]
   return 1.0 / (1.0 + math.exp(-z))
 
 
-def records(n: int, seed: int = 0) -> List[Dict[str, Any]]:
+def records(n: int, seed: int = 0, n_dense: int = len(DENSE), n_cat: int = len(CATS)) -> List[Dict[str, Any]]:
+  dense, cats = _names(n_dense, n_cat)
   rng = np.random.default_rng(seed)
   return [
-    {**{f: float(np.round(rng.standard_normal(), 3)) for f in DENSE}, **{f: f"v{rng.integers(50)}" for f in CATS}}
+    {**{f: float(np.round(rng.standard_normal(), 3)) for f in dense}, **{f: f"v{rng.integers(50)}" for f in cats}}
     for _ in range(n)
   ]
 
@@ -121,4 +132,22 @@ def load_scorer(workdir: str, step: Optional[int] = None) -> LinearScorer:
   if options.get("broken"):
     raise ValueError(f"checkpoint {step} is broken")
   time.sleep(options.get("load_s", 0.0))
-  return LinearScorer(step, options.get("delay_s", 0.0))
+  return LinearScorer(
+    step, options.get("delay_s", 0.0), options.get("n_dense", len(DENSE)), options.get("n_cat", len(CATS))
+  )
+
+
+def main(argv: Sequence[str]) -> None:
+  """A trainer's stand-in: ``python tests/serve_fakes.py WORKDIR EVERY_S COUNT [N_DENSE N_CAT]`` publishes
+  COUNT new checkpoints, one every EVERY_S seconds, after the newest one there."""
+  workdir, every_s, count = argv[0], float(argv[1]), int(argv[2])
+  shape = {"n_dense": int(argv[3]), "n_cat": int(argv[4])} if len(argv) > 3 else {}
+  for _ in range(count):
+    time.sleep(every_s)
+    publish(workdir, (newest_step(workdir) or 0) + 100, **shape)
+
+
+if __name__ == "__main__":
+  import sys
+
+  main(sys.argv[1:])

@@ -137,6 +137,7 @@ class Front:
       "loads": self.holder.loads,
       "failed_loads": self.holder.failures,
       "last_load_error": self.holder.last_error,
+      "batching": {k: v for k, v in self.batcher.stats().items() if k != "batch_sizes"},
     }
 
   def health(self) -> Dict[str, Any]:
