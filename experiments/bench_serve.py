@@ -1,6 +1,6 @@
 """The model server under load: predictions/s and latency by protocol and request size, and freshness.
 
-    python experiments/bench_serve.py --workdir=W [--model_module=recsys_jax.serving.model]
+    python experiments/bench_serve.py --workdir=W [--model_module=recsys_jax.serving.scorer]
         [--protocols=http,grpc] [--batches=1,64,512] [--clients=4] [--seconds=10]
         [--max_batch=512] [--max_wait_ms=2] [--trainer_cmd="..."] [--freshness_s=30] [--json_out=FILE]
 
@@ -51,7 +51,7 @@ from absl import app, flags
 from recsys_jax.serving.client import GrpcClient, HttpClient
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run to serve.")
-_MODULE = flags.DEFINE_string("model_module", "recsys_jax.serving.model", "The server's --model_module.")
+_MODULE = flags.DEFINE_string("model_module", "recsys_jax.serving.scorer", "The server's --model_module.")
 _PROTOCOLS = flags.DEFINE_list("protocols", ["http", "grpc"], "Protocols to measure.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "64", "512"], "Records per request.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Client processes at once.")

@@ -13,7 +13,9 @@ and errors, and README "Serving" for an example.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import signal
 import sys
@@ -42,7 +44,7 @@ def _define_flags() -> None:
   flags.DEFINE_float("max_body_mb", 16.0, "Largest request body or gRPC message, MiB.")
   flags.DEFINE_string(
     "model_module",
-    "recsys_jax.serving.model",
+    "recsys_jax.serving.scorer",
     "Module whose load_scorer(workdir, step) and newest_step(workdir) load the model (tests serve their own).",
   )
 
@@ -102,6 +104,8 @@ def _start():
     load_scorer, newest_step = model.load_scorer, model.newest_step
   except (ImportError, AttributeError) as e:
     raise _Usage(f"cannot load models for serving with --model_module={FLAGS.model_module}: {e}") from None
+  if "max_batch" in inspect.signature(load_scorer).parameters:  # the scorer pads to powers of two up to it
+    load_scorer = functools.partial(load_scorer, max_batch=1 << (FLAGS.max_batch - 1).bit_length())
   from recsys_jax.serving.reload import NoModel
   from recsys_jax.serving.server import Serving
 

@@ -8,7 +8,7 @@ names mixed versions.
 
 A "workdir" of this model holds files ``ckpt-<step>`` (JSON options: ``broken``: the load
 fails; ``delay_s``: predict sleeps that long; ``load_s``: loading takes that long).
-``load_scorer``/``newest_step`` here have the signatures of ``recsys_jax.serving.model``'s, so
+``load_scorer``/``newest_step`` here have the signatures of ``recsys_jax.serving.scorer``'s, so
 ``python -m recsys_jax.serve --model_module=tests.serve_fakes`` serves it.
 """
 

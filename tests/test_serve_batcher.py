@@ -7,6 +7,7 @@ in another order, fails.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -90,6 +91,31 @@ def test_max_wait_bounds_latency():
   b.close()
 
 
+def test_max_wait_counts_from_the_first_request_of_a_batch():
+  """Requests trickling in faster than max_wait do not hold the first one back past it."""
+  scorer = F.LinearScorer(4)
+  b = Batcher(lambda: scorer, max_batch=512, max_wait_s=0.4)
+  stop = threading.Event()
+
+  def trickle():
+    while not stop.is_set():
+      b.submit(F.records(1))
+      time.sleep(0.05)
+
+  t = threading.Thread(target=trickle)
+  t0 = time.monotonic()
+  first = b.submit(F.records(2))
+  t.start()
+  try:
+    _check(first.result(timeout=30), F.records(2))
+    waited = time.monotonic() - t0
+  finally:
+    stop.set()
+    t.join()
+    b.close()
+  assert waited < 0.4 + 0.5, waited  # from its last arrival, the wait would last as long as the trickle
+
+
 def test_a_bad_request_fails_alone_in_its_batch():
   scorer = F.LinearScorer(5, delay_s=0.02)
   b = Batcher(lambda: scorer, max_batch=512, max_wait_s=0.3)
@@ -133,10 +159,10 @@ def test_holder_needs_a_checkpoint_and_skips_a_failing_load(tmp_path):
   assert h.version == "step-100" and h.failures == 2 and "step 200" in h.last_error
   F.publish(w, 300)
   assert h.check() and h.version == "step-300" and h.last_error is None
-  # Versions only move forward: an older step appearing later is not loaded.
-  import os
-
-  os.remove(os.path.join(w, "ckpt-300"))
+  # Versions only move forward: when the newest step is an older one (a run restarted), it is not loaded.
+  for step in (200, 300):
+    os.remove(os.path.join(w, f"ckpt-{step}"))
+  assert F.newest_step(w) == 100
   assert not h.check() and h.version == "step-300"
 
 

@@ -112,6 +112,11 @@ def test_http_only_refusals(server):
       call()
     assert e.value.status == status, e.value
     _good_answered(c)
+  # A body far over the limit is read and dropped, so that the client, still sending it, reads the 413.
+  with pytest.raises(ServeError) as e:
+    c.request("POST", "/v1/predict", b" " * (8 << 20))
+  assert e.value.status == 413
+  _good_answered(c)
   status, body = _raw(p, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
   assert status == 411 and "Content-Length" in body["error"]
   _good_answered(c)

@@ -33,8 +33,8 @@ class ModelHolder:
 
   Args:
     workdir: the training run's directory.
-    load: ``load(workdir, step) -> Scorer`` (``serving.model.load_scorer``).
-    newest: ``newest(workdir) -> step or None`` (``serving.model.newest_step``).
+    load: ``load(workdir, step) -> Scorer`` (``serving.scorer.load_scorer``).
+    newest: ``newest(workdir) -> step or None`` (``serving.scorer.newest_step``).
     step: serve this step (None: the newest).
 
   Raises:

@@ -20,7 +20,7 @@ class Serving:
 
   Args:
     workdir: the training run's directory.
-    load, newest: ``serving.model.load_scorer`` and ``newest_step`` (or a test's own).
+    load, newest: ``serving.scorer.load_scorer`` and ``newest_step`` (or a test's own).
     host: the address both sides bind (default loopback only).
     http_port, grpc_port: 0 picks a free port; None leaves that side off.
     token: if set, every request must carry ``authorization: Bearer <token>``.
