@@ -51,6 +51,7 @@ class LinearScorer:
     self._wd, self._wc, self._b = _weights(step, n_dense, n_cat)
     self._dense, self._cats = _names(n_dense, n_cat)
     self.predict_calls = 0
+    self.predicted = []  # records of each predict call
 
   def fields(self) -> Dict[str, str]:
     return {**{f: "float" for f in self._dense}, **{f: "string" for f in self._cats}}
@@ -84,6 +85,7 @@ class LinearScorer:
 
   def predict(self, encoded) -> np.ndarray:
     self.predict_calls += 1
+    self.predicted.append(len(encoded[0]))
     if self.delay_s:
       time.sleep(self.delay_s)
     dense, cats = encoded

@@ -203,3 +203,42 @@ def test_reload_during_a_storm_of_requests(tmp_path):
   for s in seen:
     assert s and s == sorted(s), s  # each client's versions never go back
   assert set().union(*map(set, seen)) == {100, 200, 300, 400}
+
+
+def test_a_new_version_is_warmed_at_the_traffic_batch_sizes_before_it_serves(tmp_path):
+  w = str(tmp_path)
+  F.publish(w, 100)
+  h = ModelHolder(w, F.load_scorer, F.newest_step)
+  b = Batcher(h.current, max_batch=64, max_wait_s=0.0)
+  served_during_warm = []
+
+  def warm(scorer):
+    served_during_warm.append(h.current() is scorer)
+    return b.warm(scorer)
+
+  h.warm = warm
+  F.publish(w, 200)
+  assert h.check() and h.current().predicted == []  # no traffic yet: nothing to warm with
+  for n in (3, 3, 40):
+    b.predict(F.records(n, seed=n), timeout=30)
+  F.publish(w, 300)
+  assert h.check() and h.version == "step-300"
+  assert sorted(h.current().predicted) == [4, 64], h.current().predicted  # 3 -> 4, 40 -> 64 (pow2)
+  assert served_during_warm == [False, False]
+
+  # A version that refuses the recent requests (its schema changed) is served unwarmed; one whose
+  # predict fails is not served.
+  def refuse(scorer):
+    raise RequestError("unknown feature", field="i1")
+
+  h.warm = refuse
+  F.publish(w, 400)
+  assert h.check() and h.version == "step-400"
+
+  def broken(scorer):
+    raise RuntimeError("cannot compile")
+
+  h.warm = broken
+  F.publish(w, 500)
+  assert not h.check() and h.version == "step-400" and "cannot compile" in h.last_error
+  b.close()

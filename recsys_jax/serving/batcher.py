@@ -73,6 +73,7 @@ class Batcher:
     self._take = threading.Lock()  # one worker gathers a batch at a time, so batches keep arrival order
     self._stats = collections.Counter()
     self._sizes: List[int] = []  # records per batch, the last 10000 (for tests and the bench)
+    self._sample: List[Mapping[str, Any]] = []  # records of recent batches, to warm a new version with
     self._threads = [threading.Thread(target=self._work, name=f"serve-batch-{i}", daemon=True) for i in range(workers)]
     for t in self._threads:
       t.start()
@@ -110,6 +111,24 @@ class Batcher:
       out = dict(self._stats)
       out["batch_sizes"] = list(self._sizes)
     return out
+
+  def warm(self, scorer: Scorer) -> List[int]:
+    """Scores recent requests' records with ``scorer`` at the batch sizes served lately (each rounded
+    up to a power of two), before it serves: a new version compiles its batch shapes here, not in a
+    request. Off the request path (the reload poller calls it).
+
+    Returns:
+      The batch sizes scored (none before the first request).
+    """
+    with self._cond:
+      sample, sizes = list(self._sample), set(self._sizes[-1000:])
+    if not sample:
+      return []
+    done = sorted({min(self.max_batch, 1 << (n - 1).bit_length()) for n in sizes})
+    for n in done:
+      recs = [sample[i % len(sample)] for i in range(n)]
+      scorer.predict(scorer.encode(recs))
+    return done
 
   def close(self) -> None:
     """Stops the workers once the requests queued are answered."""
@@ -189,6 +208,9 @@ class Batcher:
       self._stats["requests"] += len(ok)
       self._sizes.append(n)
       del self._sizes[:-10000]
+      if len(self._sample) < self.max_batch:
+        self._sample.extend(r for item in ok for r in item.records)
+        del self._sample[self.max_batch :]
     start = 0
     for item in ok:
       item.future.set_result(Prediction(scorer.version, scores[start : start + item.n].tolist()))

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from absl import logging
 
-from recsys_jax.serving.api import Scorer
+from recsys_jax.serving.api import RequestError, Scorer
 
 Load = Callable[[str, Optional[int]], Scorer]
 Newest = Callable[[str], Optional[int]]
@@ -36,13 +36,24 @@ class ModelHolder:
     load: ``load(workdir, step) -> Scorer`` (``serving.scorer.load_scorer``).
     newest: ``newest(workdir) -> step or None`` (``serving.scorer.newest_step``).
     step: serve this step (None: the newest).
+    warm: called with a newly loaded version before it is swapped in (``Batcher.warm``: it compiles
+      the batch shapes the traffic uses); a ``RequestError`` there (the new version refuses the
+      recent requests: its schema changed) is logged and the version swapped in anyway, any other
+      error fails the load.
 
   Raises:
     NoModel: no checkpoint in ``workdir``. The first load's own errors pass through.
   """
 
-  def __init__(self, workdir: str, load: Load, newest: Newest, step: Optional[int] = None):
-    self.workdir, self._load, self._newest = workdir, load, newest
+  def __init__(
+    self,
+    workdir: str,
+    load: Load,
+    newest: Newest,
+    step: Optional[int] = None,
+    warm: Optional[Callable[[Scorer], object]] = None,
+  ):
+    self.workdir, self._load, self._newest, self.warm = workdir, load, newest, warm
     if step is None:
       step = newest(workdir)
       if step is None:
@@ -77,6 +88,7 @@ class ModelHolder:
       t0 = time.perf_counter()
       try:
         scorer = self._load(self.workdir, step)
+        self._warm(scorer)
       except Exception as e:  # noqa: BLE001 - the old version keeps serving whatever went wrong
         self.failures += 1
         self.last_error = f"step {step}: {type(e).__name__}: {e}"
@@ -88,8 +100,18 @@ class ModelHolder:
       self._scorer, self.step = scorer, step
       self.loads += 1
       self.last_error, self._failed_step = None, None
-      logging.info("now serving %s (was %s), loaded in %.2f s", scorer.version, old, time.perf_counter() - t0)
+      logging.info(
+        "now serving %s (was %s), loaded and warmed in %.2f s", scorer.version, old, time.perf_counter() - t0
+      )
       return True
+
+  def _warm(self, scorer: Scorer) -> None:
+    if self.warm is None:
+      return
+    try:
+      self.warm(scorer)
+    except RequestError as e:
+      logging.warning("%s refuses the recent requests (%s); serving it unwarmed", scorer.version, e)
 
   @property
   def version(self) -> str:

@@ -58,6 +58,7 @@ class Serving:
       raise ValueError("TLS needs both --tls_cert and --tls_key")
     self.holder = ModelHolder(workdir, load, newest, step)
     self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers)
+    self.holder.warm = self.batcher.warm
     self.front = Front(self.holder, self.batcher, token, timeout_s)
     self.http = self.grpc = None
     self.http_port = self.grpc_port = None
