@@ -21,7 +21,10 @@ the workdir, e.g. a running trainer): the bench polls the model module's ``newes
 a batch-1 predict, both every ``--poll_ms``; a step's lag is the time from ``newest_step`` first
 naming it to the first answer naming a new version (the server's ``/v1/model`` step then), for
 ``--freshness_s`` seconds. The server polls every ``--reload_every_s``, so the lag is at most
-that plus the load time, plus the poll interval of the bench.
+that plus the load time (and the warm-up of the new version, ``--warm_reload``), plus the poll
+interval of the bench. ``first_answer_ms``: the round trip of the first answer from each new
+version (a version's first batch of a shape compiles it unless the server warmed it), against
+``poll_p50_ms``, the median round trip of the polls. ``--batches=`` (empty) measures freshness alone.
 
 ``--model_module=tests.serve_fakes`` serves the test suite's linear model instead (a workdir of
 ``ckpt-<step>`` files with ``{"n_dense": 13, "n_cat": 26}``: Criteo's fields), which measures
@@ -60,6 +63,7 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", 512, "The server's --max_batch.")
 _MAX_WAIT = flags.DEFINE_float("max_wait_ms", 2.0, "The server's --max_wait_ms.")
 _WORKERS = flags.DEFINE_integer("batch_workers", 2, "The server's --batch_workers.")
 _RELOAD = flags.DEFINE_float("reload_every_s", 1.0, "The server's --reload_every_s.")
+_WARM = flags.DEFINE_bool("warm_reload", True, "The server's --warm_reload.")
 _RECORDS_FILE = flags.DEFINE_string("records_file", None, "JSON lines of records to send (default: drawn).")
 _TRAINER = flags.DEFINE_string("trainer_cmd", None, "A command writing new checkpoints into the workdir.")
 _FRESH_S = flags.DEFINE_float("freshness_s", 30.0, "How long to measure freshness.")
@@ -119,7 +123,7 @@ def _start_server(workdir: str):
   cmd = [
     sys.executable, "-m", "recsys_jax.serve", f"--workdir={workdir}", f"--model_module={_MODULE.value}",
     "--http_port=0", "--grpc_port=0", f"--max_batch={_MAX_BATCH.value}", f"--max_wait_ms={_MAX_WAIT.value}",
-    f"--batch_workers={_WORKERS.value}", f"--reload_every_s={_RELOAD.value}",
+    f"--batch_workers={_WORKERS.value}", f"--reload_every_s={_RELOAD.value}", f"--warm_reload={_WARM.value}",
   ]  # fmt: skip
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=_ROOT)
   end = time.monotonic() + 600
@@ -191,16 +195,21 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
   version = admin.request("POST", "/v1/predict", body)["version"]
+  polls, first = [], {}  # each poll's latency; the first answer of each new version's
   end, done = time.time() + _FRESH_S.value, None
   while time.time() < end:
     if done is None and trainer.poll() is not None:
       done = time.time()
     if done is not None and time.time() > done + 2 * _RELOAD.value + 1:  # its last snapshot had time to load
       break
+    t0 = time.time()
     v = admin.request("POST", "/v1/predict", body)["version"]
+    t = time.time()
+    polls.append(t - t0)
     if v != version:
-      t, version = time.time(), v
+      version = v
       step = admin.model()["step"]
+      first[step] = t - t0
       if step in appeared:
         lags[step] = t - appeared[step]
     time.sleep(poll)
@@ -213,6 +222,9 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
     "median_lag_s": float(np.median(vals)) if vals else None,
     "max_lag_s": max(vals) if vals else None,
     "snapshots_seen": len(appeared),
+    "first_answer_ms": {str(k): 1e3 * v for k, v in sorted(first.items())},
+    "poll_p50_ms": 1e3 * float(np.median(polls)) if polls else None,
+    "warm_reload": _WARM.value,
     "reload_every_s": _RELOAD.value,
     "poll_ms": _POLL_MS.value,
   }
@@ -265,7 +277,8 @@ def main(argv):
       f = freshness(_WORKDIR.value, admin, json.dumps({"records": pool[:1]}).encode())
       print(
         f"freshness: {f['snapshots_seen']} snapshots, lag median {f['median_lag_s']} s, max {f['max_lag_s']} s "
-        f"(server polls every {_RELOAD.value} s)",
+        f"(server polls every {_RELOAD.value} s); first answer of a new version {f['first_answer_ms']} ms "
+        f"(median answer {f['poll_p50_ms']:.1f} ms), warm_reload={_WARM.value}",
         file=sys.stderr,
       )
       _emit(f)

@@ -39,6 +39,9 @@ def _define_flags() -> None:
   flags.DEFINE_float("max_wait_ms", 2.0, "Longest a request waits for others to join its batch, ms.")
   flags.DEFINE_integer("batch_workers", 2, "Batches scored at once (one fills while another is scored).")
   flags.DEFINE_float("reload_every_s", 5.0, "How often to look for a newer checkpoint, s (0: never).")
+  flags.DEFINE_bool(
+    "warm_reload", True, "Score recent requests with a new version before swapping it in (compiles its shapes)."
+  )
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
   flags.DEFINE_float("max_body_mb", 16.0, "Largest request body or gRPC message, MiB.")
@@ -124,6 +127,7 @@ def _start():
       max_wait_s=FLAGS.max_wait_ms / 1e3,
       batch_workers=FLAGS.batch_workers,
       reload_every_s=FLAGS.reload_every_s,
+      warm_reload=FLAGS.warm_reload,
       step=FLAGS.step,
       threads=FLAGS.threads,
       max_body_bytes=int(FLAGS.max_body_mb * (1 << 20)),

@@ -28,6 +28,7 @@ class Serving:
     max_batch, max_wait_s, batch_workers: the micro-batcher's (``batcher.Batcher``); ``max_batch``
       also bounds the records of one request.
     reload_every_s: how often to look for a newer checkpoint (0: never).
+    warm_reload: score recent requests' records with a new version before it serves (``Batcher.warm``).
     step: serve this step (None: the newest).
     threads: gRPC calls served at once.
     max_body_bytes: the largest request body or message.
@@ -49,6 +50,7 @@ class Serving:
     max_wait_s: float = 0.002,
     batch_workers: int = 2,
     reload_every_s: float = 5.0,
+    warm_reload: bool = True,
     step: Optional[int] = None,
     threads: int = 32,
     max_body_bytes: int = 16 << 20,
@@ -58,7 +60,8 @@ class Serving:
       raise ValueError("TLS needs both --tls_cert and --tls_key")
     self.holder = ModelHolder(workdir, load, newest, step)
     self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers)
-    self.holder.warm = self.batcher.warm
+    if warm_reload:
+      self.holder.warm = self.batcher.warm
     self.front = Front(self.holder, self.batcher, token, timeout_s)
     self.http = self.grpc = None
     self.http_port = self.grpc_port = None
