@@ -33,10 +33,11 @@ def _run(*args, timeout=120):
   )
 
 
-def _start(workdir, *args, timeout=120):
-  """The server process and its (http, grpc) ports, once it printed its ready line."""
+def _start(workdir, *args, timeout=300, model_module=FAKE):
+  """The server process, its http and grpc ports and version, once it printed its ready line."""
+  extra = [model_module] if model_module else []
   p = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.serve", f"--workdir={workdir}", "--http_port=0", "--grpc_port=0", FAKE, *args],
+    [sys.executable, "-m", "recsys_jax.serve", f"--workdir={workdir}", "--http_port=0", "--grpc_port=0", *extra, *args],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
