@@ -37,7 +37,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
   flags.DEFINE_integer("max_batch", 512, "Most records in one scored batch, and in one request.")
   flags.DEFINE_float("max_wait_ms", 2.0, "Longest a request waits for others to join its batch, ms.")
-  flags.DEFINE_integer("batch_workers", 2, "Batches scored at once (one fills while another is scored).")
+  # One: on 2 CPU cores, two workers scored smaller batches in parallel and gave 0.86x the predictions/s
+  # of one at 64 records a request (DLRM, experiments/bench_serve.py); more cores or a GPU may differ.
+  flags.DEFINE_integer("batch_workers", 1, "Batches scored at once (with 2, one fills while another is scored).")
   flags.DEFINE_float("reload_every_s", 5.0, "How often to look for a newer checkpoint, s (0: never).")
   flags.DEFINE_bool(
     "warm_reload", True, "Score recent requests with a new version before swapping it in (compiles its shapes)."

@@ -48,7 +48,7 @@ class Serving:
     tls_key: Optional[str] = None,
     max_batch: int = 512,
     max_wait_s: float = 0.002,
-    batch_workers: int = 2,
+    batch_workers: int = 1,
     reload_every_s: float = 5.0,
     warm_reload: bool = True,
     step: Optional[int] = None,
