@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import shutil
 import socket
+import subprocess
 
 import grpc
 import pytest
@@ -174,3 +176,28 @@ def test_loopback_by_default(server):
   for port in (server.http_port, server.grpc_port):
     with pytest.raises(OSError):
       socket.create_connection((ip, port), timeout=5).close()
+
+
+def test_tls_on_both_sides(tmp_path):
+  if shutil.which("openssl") is None:
+    pytest.skip("no openssl CLI to make a self-signed certificate")
+  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+  subprocess.run(
+    ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+    check=True, capture_output=True,
+  )  # fmt: skip
+  w = tmp_path / "w"
+  w.mkdir()
+  F.publish(str(w), 100)
+  s = Serving(str(w), F.load_scorer, F.newest_step, tls_cert=str(cert), tls_key=str(key), reload_every_s=0)
+  try:
+    _good_answered(HttpClient("127.0.0.1", s.http_port, tls_ca=str(cert)))
+    _good_answered(GrpcClient(f"localhost:{s.grpc_port}", tls_ca=cert.read_bytes()))
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+      HttpClient("127.0.0.1", s.http_port, timeout=10).predict([GOOD])  # plaintext to a TLS server
+    with pytest.raises(ServeError) as e:
+      GrpcClient(f"127.0.0.1:{s.grpc_port}", timeout=10).predict([GOOD])
+    assert e.value.status == "UNAVAILABLE"
+  finally:
+    s.stop()

@@ -17,8 +17,11 @@ import http.server
 import json
 import socket
 import ssl
+import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
+
+from absl import logging
 
 from recsys_jax.serving.front import Front, FrontError
 
@@ -30,6 +33,10 @@ class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
   front: Front
   max_body_bytes: int
+
+  def handle_error(self, request: Any, client_address: Any) -> None:
+    # A client that breaks off (or speaks plaintext to TLS) is one log line, not a traceback per connection.
+    logging.warning("HTTP connection from %s failed: %s", client_address, sys.exc_info()[1])
 
   def __init__(self, address: Tuple[str, int], handler):
     if ":" in address[0]:
