@@ -136,6 +136,9 @@ def _start():
     )
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None
+  except Exception as e:  # noqa: BLE001 - the first load failed (a damaged checkpoint, a --step not there)
+    what = f"step {FLAGS.step}" if FLAGS.step is not None else "the newest checkpoint"
+    raise _Usage(f"cannot load {what} of {FLAGS.workdir}: {type(e).__name__}: {e}") from None
 
 
 def main(argv: Sequence[str]) -> None:

@@ -87,6 +87,10 @@ def test_bad_flags_get_one_error_line(tmp_path):
   _one_error_line(_run(f"--workdir={empty}", FAKE, f"--token_file={tmp_path}/token"), "--token_file", "empty")
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--tls_cert=/x"), "--tls_key")
   F.publish(str(empty), 5)
+  _one_error_line(_run(f"--workdir={empty}", FAKE, "--step=7"), "cannot load step 7", "FileNotFoundError")
+  F.publish(str(empty), 6, broken=True)
+  _one_error_line(_run(f"--workdir={empty}", FAKE), "cannot load the newest checkpoint", "checkpoint 6 is broken")
+  F.publish(str(empty), 6)
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
     taken.listen()
