@@ -1,0 +1,123 @@
+"""A small client of the model server, over HTTP or gRPC (the tests and ``bench_serve`` use it).
+
+    c = HttpClient("127.0.0.1", 8501)          # or GrpcClient("127.0.0.1:8500")
+    c.predict([{"i1": 3.0, "c1": "68fd1e64"}])  # -> {"version": "step-200", "scores": [0.12]}
+
+Both raise ``ServeError`` (``status``: the HTTP status or gRPC code name; ``field``, ``record``:
+where the server says the request is wrong). One client is one connection: use one per thread.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import grpc
+
+from recsys_jax.serving.grpc_service import SERVICE
+
+
+class ServeError(Exception):
+  """The server refused or failed a request."""
+
+  def __init__(self, status: Any, message: str, field: Optional[str] = None, record: Optional[int] = None):
+    super().__init__(f"{status}: {message}")
+    self.status, self.message, self.field, self.record = status, message, field, record
+
+
+class HttpClient:
+  """Predict over HTTP/JSON on one keep-alive connection.
+
+  Args:
+    host, port: the server's HTTP side.
+    token: sent as ``Authorization: Bearer <token>``.
+    timeout: seconds per request.
+    tls_ca: path of a CA bundle: speak HTTPS, checking the server against it.
+  """
+
+  def __init__(self, host: str, port: int, token: Optional[str] = None, timeout: float = 60.0, tls_ca=None):
+    if tls_ca is not None:
+      ctx = ssl.create_default_context(cafile=tls_ca)
+      self._conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ctx)
+    else:
+      self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    self._headers = {"Content-Type": "application/json"}
+    if token is not None:
+      self._headers["Authorization"] = f"Bearer {token}"
+
+  def request(self, method: str, path: str, body: Optional[bytes] = None) -> Dict[str, Any]:
+    """Sends ``body`` (bytes, as is) and returns the JSON answer; ``ServeError`` on a non-200."""
+    try:
+      self._conn.request(method, path, body=body, headers=self._headers)
+      resp = self._conn.getresponse()
+      data = resp.read()
+    except (http.client.HTTPException, OSError):
+      self._conn.close()  # the next request opens a new connection
+      raise
+    if resp.getheader("Connection", "").lower() == "close":
+      self._conn.close()
+    try:
+      answer = json.loads(data)
+    except ValueError:
+      raise ServeError(resp.status, f"not JSON: {data[:200]!r}") from None
+    if resp.status != 200:
+      raise ServeError(resp.status, answer.get("error", ""), answer.get("field"), answer.get("record"))
+    return answer
+
+  def predict(self, records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``{"version", "scores"}`` of ``records``."""
+    return self.request("POST", "/v1/predict", json.dumps({"records": list(records)}).encode("utf-8"))
+
+  def model(self) -> Dict[str, Any]:
+    return self.request("GET", "/v1/model")
+
+  def health(self) -> Dict[str, Any]:
+    return self.request("GET", "/v1/health")
+
+  def close(self) -> None:
+    self._conn.close()
+
+
+class GrpcClient:
+  """Predict over gRPC (JSON messages, see ``grpc_service``).
+
+  Args:
+    target: ``host:port`` of the server's gRPC side.
+    token: sent as ``authorization: Bearer <token>`` metadata.
+    timeout: seconds per call.
+    tls_ca: PEM bytes of a CA: speak TLS, checking the server against it.
+  """
+
+  def __init__(self, target: str, token: Optional[str] = None, timeout: float = 60.0, tls_ca: Optional[bytes] = None):
+    if tls_ca is not None:
+      self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca))
+    else:
+      self._channel = grpc.insecure_channel(target)
+    self._meta = () if token is None else (("authorization", f"Bearer {token}"),)
+    self._timeout = timeout
+    self._calls = {m: self._channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Predict", "Model", "Health")}
+
+  def call(self, method: str, body: bytes = b"") -> Dict[str, Any]:
+    """Sends ``body`` (bytes, as is) to ``method``; ``ServeError`` with the status code name on an error."""
+    try:
+      return json.loads(self._calls[method](body, timeout=self._timeout, metadata=self._meta))
+    except grpc.RpcError as e:
+      trailing = dict(e.trailing_metadata() or ())
+      record = trailing.get("error-record")
+      raise ServeError(
+        e.code().name, e.details() or "", trailing.get("error-field"), None if record is None else int(record)
+      ) from None
+
+  def predict(self, records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    return self.call("Predict", json.dumps({"records": list(records)}).encode("utf-8"))
+
+  def model(self) -> Dict[str, Any]:
+    return self.call("Model")
+
+  def health(self) -> Dict[str, Any]:
+    return self.call("Health")
+
+  def close(self) -> None:
+    self._channel.close()

@@ -1,0 +1,107 @@
+"""The gRPC side of the model server (for services), with generic handlers and no generated code.
+
+Methods of ``/recsys_jax.serving.Predictor/``: ``Predict``, ``Model``, ``Health``. The messages
+are the HTTP side's JSON bodies as UTF-8 bytes (``Model`` and ``Health`` take an empty message):
+the records are raw feature values of mixed types in the training data's schema, which a
+protobuf would need a schema per dataset (or a ``Struct``, which is JSON anyway) to carry; JSON
+keeps one parser and one set of checks and error words for both sides, and any gRPC client can
+send it without our ``.proto``. Its cost is measured by ``experiments/bench_serve.py``.
+
+Errors: INVALID_ARGUMENT (a bad request, as HTTP 400/413: the details say which record and
+field, also in trailing metadata ``error-field`` and ``error-record``), UNAUTHENTICATED (a
+token is set and the call lacks ``authorization: Bearer <token>`` metadata), UNAVAILABLE
+(overloaded), INTERNAL (the model failed), RESOURCE_EXHAUSTED (a message over the limit, from
+gRPC itself).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from typing import Any, Callable, Optional, Tuple
+
+import grpc
+
+from recsys_jax.serving.front import Front, FrontError
+
+SERVICE = "recsys_jax.serving.Predictor"
+METHODS = ("Predict", "Model", "Health")
+
+
+def _handler(front: Front) -> grpc.GenericRpcHandler:
+  def wrap(fn: Callable[[bytes], Any]):
+    def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
+      try:
+        auth = None
+        for key, value in context.invocation_metadata() or ():
+          if key == "authorization":
+            auth = value
+        front.authenticate(auth)
+        return json.dumps(fn(request)).encode("utf-8")
+      except FrontError as e:
+        meta = []
+        if e.field is not None:
+          meta.append(("error-field", str(e.field)))
+        if e.record is not None:
+          meta.append(("error-record", str(e.record)))
+        if meta:
+          context.set_trailing_metadata(tuple(meta))
+        context.abort(grpc.StatusCode[e.grpc_code], e.message)
+
+    return grpc.unary_unary_rpc_method_handler(behavior)
+
+  methods = {
+    "Predict": wrap(front.predict),
+    "Model": wrap(lambda _: front.model()),
+    "Health": wrap(lambda _: front.health()),
+  }
+  return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def serve_grpc(
+  front: Front,
+  host: str,
+  port: int,
+  threads: int = 32,
+  max_message_bytes: int = 16 << 20,
+  tls_cert: Optional[bytes] = None,
+  tls_key: Optional[bytes] = None,
+) -> Tuple[grpc.Server, int]:
+  """Starts the gRPC server.
+
+  Args:
+    front: the request handling.
+    host, port: where to listen (port 0: a free one).
+    threads: calls served at once (each waits for its batch to be scored).
+    max_message_bytes: larger requests are refused by gRPC (RESOURCE_EXHAUSTED).
+    tls_cert, tls_key: PEM bytes; both or neither (then plaintext).
+
+  Returns:
+    The started server (stop it with ``.stop(grace)``) and its port.
+
+  Raises:
+    RuntimeError: the address cannot be bound.
+  """
+  if (tls_cert is None) != (tls_key is None):
+    raise ValueError("TLS needs both a certificate and a key")
+  server = grpc.server(
+    concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serve-rpc"),
+    options=[
+      ("grpc.max_receive_message_length", max_message_bytes),
+      ("grpc.max_send_message_length", max_message_bytes),
+      ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+    ],
+  )
+  server.add_generic_rpc_handlers((_handler(front),))
+  address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+  try:
+    if tls_cert is not None:
+      bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+      bound = server.add_insecure_port(address)
+  except RuntimeError as e:
+    raise RuntimeError(f"cannot listen on {address} (gRPC): {e}") from None
+  if not bound:
+    raise RuntimeError(f"cannot listen on {address} (gRPC)")
+  server.start()
+  return server, bound
