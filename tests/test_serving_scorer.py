@@ -313,3 +313,34 @@ def test_config_json_written_by_the_run_and_a_changed_one_kept_beside(runs, tmp_
   assert run_config.save(d, c) == ["model.kwargs", "num_steps"]
   assert sorted(os.listdir(d)) == ["config.1.json", "config.json"]
   assert run_config.load(d).num_steps == 99 and run_config.load(d).model.kwargs.top == (8,)
+
+
+@pytest.mark.parametrize("name", ["dlrm", "dcn", "criteo"])
+def test_http_and_grpc_answers_equal_the_trainers_evaluation(runs, refs, name):
+  """The server's answers (micro-batched: several clients at once) are the trainer's eval scores."""
+  import concurrent.futures
+
+  from recsys_jax.serving.client import GrpcClient, HttpClient
+  from recsys_jax.serving.server import Serving
+
+  ref = refs[name]
+  cols, want = ref.eval_set()
+  recs = _records(name, runs, ref, cols)
+  srv = Serving(runs[name]["workdir"], scorer.load_scorer, scorer.newest_step, reload_every_s=0, max_wait_s=0.005)
+  try:
+    spans = [(a, min(a + 37, len(recs))) for a in range(0, len(recs), 37)]
+
+    def ask(i):  # a client is one connection: one per request here, HTTP and gRPC in turn
+      c = HttpClient("127.0.0.1", srv.http_port) if i % 2 else GrpcClient(f"127.0.0.1:{srv.grpc_port}")
+      try:
+        return c.predict(recs[slice(*spans[i])])
+      finally:
+        c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      answers = list(pool.map(ask, range(len(spans))))
+  finally:
+    srv.stop()
+  assert {a["version"] for a in answers} == {f"step-{ref.step}"}
+  got = np.concatenate([np.asarray(a["scores"], np.float64) for a in answers])
+  np.testing.assert_allclose(got, _sigmoid(want), rtol=0, atol=1e-6)
