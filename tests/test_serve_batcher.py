@@ -14,7 +14,7 @@ import time
 import pytest
 import serve_fakes as F
 
-from recsys_jax.serving.api import RequestError
+from recsys_jax.serving.api import RequestError, SnapshotGone
 from recsys_jax.serving.batcher import Batcher
 from recsys_jax.serving.reload import ModelHolder, NoModel
 
@@ -242,3 +242,34 @@ def test_a_new_version_is_warmed_at_the_traffic_batch_sizes_before_it_serves(tmp
   F.publish(w, 500)
   assert not h.check() and h.version == "step-400" and "cannot compile" in h.last_error
   b.close()
+
+
+def test_a_version_whose_snapshot_was_deleted_gives_way_to_the_newest(tmp_path, monkeypatch):
+  """The trainer deletes PS snapshots only older checkpoints needed; a version still reading them
+  lazily fails with SnapshotGone: the batch is scored again by the newest checkpoint, not failed."""
+  w = str(tmp_path)
+  F.publish(w, 100)
+  gone = {"step-100"}
+
+  def predict(self, encoded, real=F.LinearScorer.predict):
+    if self.version in gone:
+      raise SnapshotGone(f"{self.version}: PS snapshot deleted")
+    return real(self, encoded)
+
+  monkeypatch.setattr(F.LinearScorer, "predict", predict)
+  h = ModelHolder(w, F.load_scorer, F.newest_step)
+  b = Batcher(h.current, max_batch=64, max_wait_s=0.003, on_gone=h.check)
+  recs = F.records(5)
+  with pytest.raises(SnapshotGone):  # no newer checkpoint to go to: the batch fails, once, no loop
+    b.predict(recs, timeout=30)
+  F.publish(w, 200)
+  answers = _together(6, lambda i: b.predict(recs[: i % 5 + 1], timeout=30))
+  for i, a in enumerate(answers):
+    assert a.version == "step-200", a
+    _check(a, recs[: i % 5 + 1])
+  gone.add("step-200")
+  F.publish(w, 300)
+  _check(b.predict(recs, timeout=30), recs)
+  assert h.version == "step-300"
+  b.close()
+  assert b.stats()["failed_batches"] == 1

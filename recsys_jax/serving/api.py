@@ -27,6 +27,11 @@ class RequestError(ValueError):
     self.field, self.record, self.reason = field, record, message
 
 
+class SnapshotGone(RuntimeError):
+  """The files a loaded version reads are gone: the trainer deleted a PS snapshot that only older
+  checkpoints needed. A newer checkpoint exists then; the front loads it and scores the batch again."""
+
+
 class Scorer(Protocol):
   """One loaded model version (dense parameters + the tables it reads)."""
 

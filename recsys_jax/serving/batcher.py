@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import numpy as np
 from absl import logging
 
-from recsys_jax.serving.api import RequestError, Scorer
+from recsys_jax.serving.api import RequestError, Scorer, SnapshotGone
 
 
 class Overloaded(RuntimeError):
@@ -51,6 +51,8 @@ class Batcher:
     max_wait_s: longest a request waits for others to join its batch.
     workers: batches scored at once (while one is in ``predict``, the next one fills).
     max_pending: requests waiting at most; more are refused with ``Overloaded``.
+    on_gone: called when ``predict`` raises ``SnapshotGone`` (``ModelHolder.check``: load the newest
+      checkpoint); if it returns True the batch is scored again, once, by the version now current.
   """
 
   def __init__(
@@ -60,6 +62,7 @@ class Batcher:
     max_wait_s: float = 0.002,
     workers: int = 1,
     max_pending: int = 4096,
+    on_gone: Optional[Callable[[], bool]] = None,
   ):
     if max_batch < 1 or max_wait_s < 0 or workers < 1 or max_pending < 1:
       raise ValueError(
@@ -67,6 +70,7 @@ class Batcher:
         f"{workers}, {max_pending}"
       )
     self._current, self.max_batch, self.max_wait_s, self._max_pending = current, max_batch, max_wait_s, max_pending
+    self._on_gone = on_gone
     self._queue: collections.deque = collections.deque()
     self._cond = threading.Condition()
     self._closed = False
@@ -171,14 +175,15 @@ class Batcher:
         return
       self._score(batch)
 
-  def _score(self, batch: List[_Pending]) -> None:
-    scorer = self._current()  # once per batch: the whole batch is scored by this version
+  def _predict(self, scorer: Scorer, batch: List[_Pending]):
+    """-> (requests that encoded, their scores or the exception predict raised); a request the
+    version refuses gets its ``RequestError`` here."""
     ok: List[_Pending] = []
     parts: List[Any] = []
     for item in batch:
       if item.scorer is not scorer:
         try:
-          item.encoded = scorer.encode(item.records)
+          item.encoded, item.scorer = scorer.encode(item.records), scorer
         except RequestError as e:
           item.future.set_exception(e)
           continue
@@ -189,19 +194,35 @@ class Batcher:
       ok.append(item)
       parts.append(item.encoded)
     if not ok:
-      return
+      return ok, None
     n = sum(item.n for item in ok)
     try:
       scores = np.asarray(scorer.predict(scorer.concat(parts) if len(parts) > 1 else parts[0]), np.float32)
       if scores.shape != (n,):
         raise RuntimeError(f"model {scorer.version} returned scores of shape {scores.shape} for {n} records")
     except Exception as e:  # noqa: BLE001 - answer every request of the batch, keep serving
-      logging.exception("predict of %d records by %s failed", n, scorer.version)
+      return ok, e
+    return ok, scores
+
+  def _score(self, batch: List[_Pending]) -> None:
+    scorer = self._current()  # once per batch: the whole batch is scored by this version
+    ok, scores = self._predict(scorer, batch)
+    if not ok:
+      return
+    if isinstance(scores, SnapshotGone) and self._on_gone is not None and self._on_gone():
+      # The trainer deleted rows this version reads lazily, after saving a newer checkpoint: the
+      # batch is scored again, whole, by the version now loaded (its responses name that one).
+      logging.warning("%s: %s; scoring the batch again with %s", scorer.version, scores, self._current().version)
+      scorer = self._current()
+      ok, scores = self._predict(scorer, ok)
+    if isinstance(scores, Exception):
+      logging.error("predict of %d requests by %s failed", len(ok), scorer.version, exc_info=scores)
       with self._cond:
         self._stats["failed_batches"] += 1
       for item in ok:
-        item.future.set_exception(e)
+        item.future.set_exception(scores)
       return
+    n = len(scores)
     with self._cond:
       self._stats["batches"] += 1
       self._stats["records"] += n

@@ -39,6 +39,7 @@ import tensorstore as ts
 from recsys_jax.async_ps import snapshot, snapshot_chain
 from recsys_jax.async_ps.hashing import name_seed
 from recsys_jax.async_ps.initializers import init_rows
+from recsys_jax.serving.api import SnapshotGone
 
 INDEX_BYTES_PER_ID = 16
 _DELETED = np.uint32(0xFFFFFFFF)
@@ -177,7 +178,7 @@ class TableRows:
       got[order] = np.asarray(part.store[rows[order].astype(np.int64)].read().result(), np.float32)
       return got
     except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
-      raise RuntimeError(
+      raise SnapshotGone(
         f"PS snapshot {part.directory}: table {self.spec['name']!r} part {part.path} cannot be read "
         f"({type(e).__name__}: {e}); was the snapshot deleted? Load the newest checkpoint again"
       ) from None

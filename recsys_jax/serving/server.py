@@ -59,7 +59,7 @@ class Serving:
     if (tls_cert is None) != (tls_key is None):
       raise ValueError("TLS needs both --tls_cert and --tls_key")
     self.holder = ModelHolder(workdir, load, newest, step)
-    self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers)
+    self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers, on_gone=self.holder.check)
     if warm_reload:
       self.holder.warm = self.batcher.warm
     self.front = Front(self.holder, self.batcher, token, timeout_s)
