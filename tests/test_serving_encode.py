@@ -188,3 +188,59 @@ def test_fields_name_every_feature_and_its_kind():
   }
   f = Encoder(CRITEO).fields()
   assert len(f) == 39 and f["I1"] == "int" and f["C26"] == "string"
+
+
+SYNTH1 = {"name": "synthetic", "num_dense": 2, "vocab_sizes": (10, 10, 10)}  # one-hot: the column-wise path
+
+
+def _synth1(**over):
+  r = {"dense_00": 0.5, "dense_01": 2, "cat_00": 3, "cat_01": 0, "cat_02": 2**64 - 1}
+  r.update(over)
+  return r
+
+
+def test_column_wise_synthetic_encoding_equals_the_record_by_record_one():
+  enc = Encoder(SYNTH1)
+  rng = np.random.default_rng(0)
+  recs = []
+  for _ in range(300):
+    r = {"dense_00": float(rng.standard_normal() * 10.0 ** rng.integers(-30, 30)), "dense_01": int(rng.integers(-9, 9))}
+    r.update({f"cat_{j:02d}": int(rng.integers(0, 2**63)) * 2 + int(rng.integers(0, 2)) for j in range(3)})
+    recs.append(r)
+  recs[5]["cat_01"], recs[6]["dense_00"] = 2**64 - 1, 3.4028234663852886e38  # the largest of each
+  fast = enc._synthetic_fast(recs)
+  assert fast is not None
+  want = enc._synthetic_checked(recs)
+  np.testing.assert_array_equal(fast["dense"], want["dense"])
+  assert fast["dense"].dtype == want["dense"].dtype == np.float32
+  for k in want["sparse"]:
+    np.testing.assert_array_equal(fast["sparse"][k], want["sparse"][k], err_msg=k)
+    assert fast["sparse"][k].dtype == np.uint64
+  assert fast["sparse_weights"] == want["sparse_weights"] == {}
+
+
+@pytest.mark.parametrize(
+  "over, field, why",
+  [
+    ({"dense_00": "0.5"}, "dense_00", "expected a number"),
+    ({"dense_00": True}, "dense_00", "expected a number"),
+    ({"dense_00": None}, "dense_00", "expected a number"),
+    ({"dense_01": float("nan")}, "dense_01", "not a finite number"),
+    ({"dense_01": float("-inf")}, "dense_01", "not a finite number"),
+    ({"dense_01": -1e39}, "dense_01", "float32"),
+    ({"dense_01": 10**400}, "dense_01", "float32|finite"),
+    ({"cat_00": [3]}, "cat_00", "integer id"),
+    ({"cat_00": -1}, "cat_00", "integer id"),
+    ({"cat_00": 2**64}, "cat_00", "integer id"),
+    ({"cat_00": 1.0}, "cat_00", "integer id"),
+    ({"cat_00": False}, "cat_00", "integer id"),
+    ({"cat_00": "3"}, "cat_00", "integer id"),
+  ],
+)
+def test_bad_one_hot_synthetic_records_are_named_by_the_checked_path(over, field, why):
+  enc = Encoder(SYNTH1)
+  recs = [_synth1(), _synth1(), _synth1(**over)]
+  assert enc._synthetic_fast(recs) is None
+  with pytest.raises(RequestError, match=why) as e:
+    enc.encode(recs)
+  assert (e.value.field, e.value.record) == (field, 2)
