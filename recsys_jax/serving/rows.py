@@ -46,12 +46,15 @@ _DELETED = np.uint32(0xFFFFFFFF)
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int) -> np.ndarray:
-  """What a read-only PS lookup returns for ids without a row (``Table.lookup(create=False)``)."""
+def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int, table_seed: Any = None) -> np.ndarray:
+  """What a read-only PS lookup returns for ids without a row (``Table.lookup(create=False)``);
+  ``table_seed``: ``name_seed(table["name"], seed)`` if the caller keeps it."""
   ids = np.asarray(ids, np.uint64)
   if table["admission"]:
     return np.zeros((ids.shape[0], table["dim"]), np.float32)
-  rows = init_rows(ids, table["dim"], name_seed(table["name"], seed), table["initializer"], table["init_scale"])
+  if table_seed is None:
+    table_seed = name_seed(table["name"], seed)
+  rows = init_rows(ids, table["dim"], table_seed, table["initializer"], table["init_scale"])
   return rows.astype(_DTYPES[table["storage_dtype"]]).astype(np.float32)
 
 
@@ -121,6 +124,7 @@ class TableRows:
 
   def __init__(self, spec: Mapping[str, Any], seed: int, cache_rows: int):
     self.spec, self.seed = dict(spec), int(seed)
+    self.table_seed = name_seed(self.spec["name"], self.seed)  # the same for every lookup
     self.dim = int(spec["dim"])
     self.parts: List[_Part] = []
     self.ids = np.zeros(0, np.uint64)
@@ -159,7 +163,7 @@ class TableRows:
     have = (pos < self.ids.shape[0]) & (self.ids[pos_c] == mids) if self.ids.shape[0] else np.zeros(mids.shape, bool)
     got = np.empty((miss.shape[0], self.dim), np.float32)
     if (~have).any():
-      got[~have] = default_rows(mids[~have], self.spec, self.seed)
+      got[~have] = default_rows(mids[~have], self.spec, self.seed, self.table_seed)
     at = np.flatnonzero(have)
     parts, rows = self.part[pos_c[at]], self.row[pos_c[at]]
     for p in np.unique(parts).tolist():
