@@ -166,6 +166,20 @@ def test_initializer_kinds_have_the_documented_distribution():
     initializers.init_rows(ids, 4, seed, "bogus", 0.2)
 
 
+@pytest.mark.parametrize("kind", ["uniform", "normal", "zeros"])
+def test_init_rows_with_a_seed_per_id_makes_each_tables_own_rows(kind):
+  """Rows of several tables in one call (a seed per id) equal each table's own call, across blocks."""
+  rng = np.random.default_rng(3)
+  names = ["a", "b", "cat_07"]
+  ids = [rng.integers(0, 2**63, n, dtype=np.uint64) for n in (5, 1, 70_000)]  # the last spans two blocks
+  want = np.concatenate([initializers.init_rows(i, 8, name_seed(t, 4), kind, 0.1) for t, i in zip(names, ids)])
+  seeds = np.concatenate([np.full(i.shape[0], name_seed(t, 4), np.uint64) for t, i in zip(names, ids)])
+  got = initializers.init_rows(np.concatenate(ids), 8, seeds, kind, 0.1)
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="2 seeds for 3 ids"):
+    initializers.init_rows(ids[0][:3], 8, seeds[:2], kind, 0.1)
+
+
 def test_lookup_without_create_reads_init_and_does_not_grow():
   rng = np.random.default_rng(8)
   specs = _specs("adagrad")

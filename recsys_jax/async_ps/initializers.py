@@ -31,7 +31,8 @@ def init_rows(
   Args:
     ids: uint64 ids.
     dim: row width.
-    table_seed: the table's seed (``hashing.name_seed(table_name, seed)``).
+    table_seed: the table's seed (``hashing.name_seed(table_name, seed)``), or one per id (uint64
+      [len(ids)]): rows of several tables made in one call, each as its own table makes it.
     kind: 'uniform' in [-scale, scale), 'normal' with std ``scale``, or 'zeros'.
     scale: the half-width or standard deviation.
   """
@@ -39,12 +40,16 @@ def init_rows(
   n = ids.shape[0]
   if kind not in ("uniform", "normal", "zeros"):
     raise ValueError(f"unknown initializer {kind!r}; choose 'uniform', 'normal' or 'zeros'")
+  seeds = np.asarray(table_seed, np.uint64)
+  if seeds.ndim and seeds.shape != (n,):
+    raise ValueError(f"init_rows: {seeds.shape[0]} seeds for {n} ids")
   out = np.zeros((n, dim), np.float32)
   if kind == "zeros":
     return out
   step = max(1, _BLOCK_VALUES // max(dim, 1))
   for a in range(0, n, step):  # element-wise, so the blocks change no value
     block = ids[a : a + step]
+    table_seed = seeds[a : a + step] if seeds.ndim else seeds
     u = _uniforms(block, dim, table_seed)
     if kind == "uniform":
       out[a : a + step] = (2.0 * u - 1.0) * scale
