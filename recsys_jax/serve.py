@@ -47,6 +47,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
   flags.DEFINE_float("max_body_mb", 16.0, "Largest request body or gRPC message, MiB.")
+  flags.DEFINE_float(
+    "cache_mb", 64.0, "RAM for the tables' rows, MiB: the rows served most recently; the rest are read from disk."
+  )
   flags.DEFINE_string(
     "model_module",
     "recsys_jax.serving.scorer",
@@ -95,8 +98,8 @@ def _start():
   ):
     if value < 1:
       raise _Usage(f"--{name} must be at least 1, got {value}")
-  if FLAGS.max_wait_ms < 0 or FLAGS.reload_every_s < 0 or FLAGS.max_body_mb <= 0:
-    raise _Usage("--max_wait_ms and --reload_every_s must be >= 0 and --max_body_mb > 0")
+  if FLAGS.max_wait_ms < 0 or FLAGS.reload_every_s < 0 or FLAGS.max_body_mb <= 0 or not FLAGS.cache_mb >= 0:
+    raise _Usage("--max_wait_ms, --reload_every_s and --cache_mb must be >= 0 and --max_body_mb > 0")
   if (FLAGS.tls_cert is None) != (FLAGS.tls_key is None):
     raise _Usage("TLS needs both --tls_cert and --tls_key")
   for name in ("tls_cert", "tls_key"):
@@ -109,8 +112,11 @@ def _start():
     load_scorer, newest_step = model.load_scorer, model.newest_step
   except (ImportError, AttributeError) as e:
     raise _Usage(f"cannot load models for serving with --model_module={FLAGS.model_module}: {e}") from None
-  if "max_batch" in inspect.signature(load_scorer).parameters:  # the scorer pads to powers of two up to it
+  params = inspect.signature(load_scorer).parameters
+  if "max_batch" in params:  # the scorer pads to powers of two up to it
     load_scorer = functools.partial(load_scorer, max_batch=1 << (FLAGS.max_batch - 1).bit_length())
+  if "cache_bytes" in params:
+    load_scorer = functools.partial(load_scorer, cache_bytes=int(FLAGS.cache_mb * (1 << 20)))
   from recsys_jax.serving.reload import NoModel
   from recsys_jax.serving.server import Serving
 

@@ -83,6 +83,7 @@ def test_bad_flags_get_one_error_line(tmp_path):
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--http_port=70000"), "--http_port")
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--http_port=-1", "--grpc_port=-1"), "nothing to serve")
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--max_batch=0"), "--max_batch")
+  _one_error_line(_run(f"--workdir={empty}", FAKE, "--cache_mb=-1"), "--cache_mb")
   (tmp_path / "token").write_text("\n")
   _one_error_line(_run(f"--workdir={empty}", FAKE, f"--token_file={tmp_path}/token"), "--token_file", "empty")
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--tls_cert=/x"), "--tls_key")
