@@ -9,6 +9,7 @@ newer checkpoint by itself, and its answers must match that step's scores.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,5 +84,46 @@ def test_serves_a_run_and_picks_up_its_new_checkpoints(tmp_path):
     np.testing.assert_allclose(a["scores"], _expected(w, 40, recs), rtol=1e-5, atol=1e-6)
     assert not np.allclose(a["scores"], want)  # training moved the model: the test sees a reload
     assert os.path.isdir(w)
+  finally:
+    _stop(p)
+
+
+@pytest.mark.slow  # a few steps of configs/dlrm.py and a server: about 40 s on 2 shared cores
+def test_the_readmes_curl_example_works_as_written(tmp_path):
+  """The README's "Serving" commands, run as written but for the workdir, a short run and free ports."""
+  import re
+  import shlex
+
+  text = open(os.path.join(ROOT, "README.md")).read()
+  block = text[text.index("## Serving") :]
+  block = block[block.index("```bash") + len("```bash") : block.index("```", block.index("```bash") + 7)]
+  lines = [ln.split("#")[0].strip() for ln in block.strip().splitlines()]
+  train_cmd, serve_cmd = lines[0], lines[1]
+  curl = " ".join(lines[3:])  # the predict call continues over several lines
+  assert (
+    train_cmd.startswith("python -m recsys_jax.main --config=configs/dlrm.py") and "--workdir=runs/dlrm" in train_cmd
+  )
+  assert serve_cmd.startswith("python -m recsys_jax.serve --workdir=runs/dlrm")
+  w = str(tmp_path / "dlrm")
+  args = shlex.split(train_cmd.replace("runs/dlrm", w))[1:]
+  args = [a for a in args if not a.startswith(("--config.num_steps", "--config.checkpoint_every"))]
+  subprocess.run(
+    [sys.executable, *args, "--config.num_steps=2", "--config.eval_samples=16384", "--config.progress_bar=False"],
+    check=True,
+    cwd=ROOT,
+    capture_output=True,
+    timeout=600,
+  )
+  p, hp, _, version = _start(w, model_module=None)
+  try:
+    assert version == "step-2"
+    argv = shlex.split(curl.replace("localhost:8501", f"localhost:{hp}"))
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
+    answer = json.loads(out)
+    assert answer["version"] == "step-2" and len(answer["scores"]) == 1 and 0 < answer["scores"][0] < 1, out
+    model = json.loads(subprocess.run(shlex.split(lines[2].replace("8501", str(hp))), capture_output=True).stdout)
+    assert model["version"] == "step-2"
+    sent = json.loads(re.search(r"-d '(.*)'", curl).group(1))["records"][0]
+    assert sorted(sent) == sorted(model["fields"]), "the README's record must name every field of the model"
   finally:
     _stop(p)
