@@ -88,7 +88,6 @@ def test_serves_a_run_and_picks_up_its_new_checkpoints(tmp_path):
     _stop(p)
 
 
-@pytest.mark.slow  # a few steps of configs/dlrm.py and a server: about 40 s on 2 shared cores
 def test_the_readmes_curl_example_works_as_written(tmp_path):
   """The README's "Serving" commands, run as written but for the workdir, a short run and free ports."""
   import re
