@@ -398,26 +398,37 @@ def serve(
     raise ValueError(f"need --max_message_mb > 0 and --max_inflight_mb >= 0, got {max_message_mb}, {max_inflight_mb}")
   inflight = int(max_inflight_mb * (1 << 20)) or None
   service = ShardServer(shard_index, num_shards, local_shards, token, snapshot_root, limit, inflight, **limits)
+  server, bound = listen(service.handler(), host, port, threads, limit, tls_cert, tls_key, "ps-rpc")
+  return server, bound, service
+
+
+def listen(handler, host: str, port: int, threads: int, limit: int, tls_cert, tls_key, thread_prefix: str, what=""):
+  """A started gRPC server of the generic ``handler`` on host:port, and the port it got.
+
+  ``threads`` calls are served at once and messages are limited to ``limit`` bytes both ways
+  (larger: RESOURCE_EXHAUSTED); with both PEMs (bytes) it speaks TLS. A second server on a port in
+  use fails rather than sharing it: RuntimeError naming the address (and ``what`` listens there).
+  """
+  if (tls_cert is None) != (tls_key is None):
+    raise ValueError("TLS needs both a certificate and a key")
   server = grpc.server(
-    concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
+    concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
     options=[
       ("grpc.max_receive_message_length", limit),
       ("grpc.max_send_message_length", limit),
       ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
     ],
   )
-  server.add_generic_rpc_handlers((service.handler(),))
+  server.add_generic_rpc_handlers((handler,))
   address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-  if (tls_cert is None) != (tls_key is None):
-    raise ValueError("TLS needs both a certificate and a key")
   try:
     if tls_cert is not None:
       bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
     else:
       bound = server.add_insecure_port(address)
   except RuntimeError as e:
-    raise RuntimeError(f"cannot listen on {address}: {e}") from None
+    raise RuntimeError(f"cannot listen on {address}{what}: {e}") from None
   if not bound:
-    raise RuntimeError(f"cannot listen on {address}")
+    raise RuntimeError(f"cannot listen on {address}{what}")
   server.start()
-  return server, bound, service
+  return server, bound

@@ -16,12 +16,12 @@ gRPC itself).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 from typing import Any, Callable, Optional, Tuple
 
 import grpc
 
+from recsys_jax.async_ps import rpc
 from recsys_jax.serving.front import Front, FrontError
 
 SERVICE = "recsys_jax.serving.Predictor"
@@ -82,26 +82,4 @@ def serve_grpc(
   Raises:
     RuntimeError: the address cannot be bound.
   """
-  if (tls_cert is None) != (tls_key is None):
-    raise ValueError("TLS needs both a certificate and a key")
-  server = grpc.server(
-    concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serve-rpc"),
-    options=[
-      ("grpc.max_receive_message_length", max_message_bytes),
-      ("grpc.max_send_message_length", max_message_bytes),
-      ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
-    ],
-  )
-  server.add_generic_rpc_handlers((_handler(front),))
-  address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-  try:
-    if tls_cert is not None:
-      bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-    else:
-      bound = server.add_insecure_port(address)
-  except RuntimeError as e:
-    raise RuntimeError(f"cannot listen on {address} (gRPC): {e}") from None
-  if not bound:
-    raise RuntimeError(f"cannot listen on {address} (gRPC)")
-  server.start()
-  return server, bound
+  return rpc.listen(_handler(front), host, port, threads, max_message_bytes, tls_cert, tls_key, "serve-rpc", " (gRPC)")
