@@ -188,6 +188,7 @@ def _run_to_end(trainers):
     assert t.returncode == 0, f"trainer {i}:\n{out[-4000:]}"
 
 
+@pytest.mark.slow  # about 36 s; the stopped-server test covers a lost server in the default run
 def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failure(tmp_path):
   ckpt = ["--config.checkpoint_every=20", "--config.ps.timeout_s=5"]
   # The run without failures, for reference.

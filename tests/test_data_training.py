@@ -159,7 +159,9 @@ def movielens_base(movielens_dir):
   return c
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(
+  "model", [m if m in ("dlrm", "dcn_v2") else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+)  # the other three take 12-22 s each: with -m slow; every model trains on tiny synthetic data in the default run
 def test_every_model_trains_on_movielens(movielens_base, tmp_path, model):
   c = movielens_base.copy_and_resolve_references()
   c.model.name = model

@@ -157,6 +157,7 @@ def test_a_run_is_bit_identical_for_any_worker_count(one_worker, tiny_config, tm
   _assert_same(outcome(_config(tiny_config, data, workers), str(tmp_path)), want)
 
 
+@pytest.mark.slow  # about 20 s; the resume tests above cover one worker count
 def test_resume_with_another_worker_count_continues_at_the_same_record(one_worker, tiny_config, tmp_path):
   """Checkpointed at step 10 (mid-epoch, mid-window) by a run with 2 workers that went on to step
   14, so its workers had read past step 10's batch when it saved; resumed from that checkpoint with

@@ -69,6 +69,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow  # about 60 s; test_train and the tests below cover 8 devices against one in the default run
 def test_every_group_shape_and_micro_steps_on_8_devices_match_one_device(tiny_config, tmp_path):
   """The trainer's MiCS step on 8 devices, (r, p) x micro_steps, against one device, no accumulation.
 

@@ -365,6 +365,7 @@ def test_repeated_ids_in_an_apply_are_refused_and_change_nothing(num_shards, sto
   ps.close()
 
 
+@pytest.mark.slow  # about 17 s: a million stats calls racing row creation
 def test_stats_while_another_thread_creates_rows():
   """The training loop logs PS stats while the prefetcher's lookups create rows: a stats call
   must never see the id map in the middle of growing (its slots are briefly None). Without the
