@@ -95,6 +95,22 @@ def start():
     s.stop(0)
 
 
+@pytest.fixture
+def self_signed_cert(tmp_path):
+  """(certificate, key) PEM paths of a self-signed certificate for 127.0.0.1 and localhost."""
+  import shutil
+
+  if shutil.which("openssl") is None:
+    pytest.skip("no openssl CLI to make a self-signed certificate (and the cryptography package is not used)")
+  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+  subprocess.run(
+    ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+    check=True, capture_output=True,
+  )  # fmt: skip
+  return cert, key
+
+
 def in_ci() -> bool:
   """Whether the tests run in CI (.ci/run sets CI=1; most CI services set CI=true)."""
   return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")

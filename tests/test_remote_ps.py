@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import threading
 import time
 
@@ -381,15 +380,8 @@ def test_wrong_address_fails_within_the_deadline():
   assert time.monotonic() - t0 < 4
 
 
-def test_tls_round_trip(servers, tmp_path):
-  if shutil.which("openssl") is None:
-    pytest.skip("no openssl CLI to make a self-signed certificate (and the cryptography package is not used)")
-  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-  subprocess.run(
-    ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-    check=True, capture_output=True,
-  )  # fmt: skip
+def test_tls_round_trip(servers, tmp_path, self_signed_cert):
+  cert, key = self_signed_cert
   ((addr, _),) = servers.start(1, f"--tls_cert={cert}", f"--tls_key={key}")
   ids = {"user": np.arange(50, dtype=np.uint64)}
   with RemotePS([addr], SPECS, seed=SEED, tls_ca=str(cert)) as ps:

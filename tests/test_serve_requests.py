@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
-import shutil
 import socket
-import subprocess
 
 import grpc
 import pytest
@@ -178,15 +176,8 @@ def test_loopback_by_default(server):
       socket.create_connection((ip, port), timeout=5).close()
 
 
-def test_tls_on_both_sides(tmp_path):
-  if shutil.which("openssl") is None:
-    pytest.skip("no openssl CLI to make a self-signed certificate")
-  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-  subprocess.run(
-    ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-    check=True, capture_output=True,
-  )  # fmt: skip
+def test_tls_on_both_sides(tmp_path, self_signed_cert):
+  cert, key = self_signed_cert
   w = tmp_path / "w"
   w.mkdir()
   F.publish(str(w), 100)
