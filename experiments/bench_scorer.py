@@ -11,6 +11,7 @@ with an unbounded cache and with one a quarter of the tables' rows.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -66,6 +67,7 @@ def main():
       out.append(r)
     return out
 
+  result = {}
   for label, s in (("load_scorer", sc), ("load_artifact", art), ("cache 1/4 of rows", small)):
     for b in (1, 64, 512):
       batches = [records(b) for _ in range(a.repeats + 1)]
@@ -80,11 +82,13 @@ def main():
         enc.append(t1 - t0)
         pred.append(t2 - t1)
       me, mp = statistics.median(enc) * 1e3, statistics.median(pred) * 1e3
+      result[f"{label} batch {b}"] = {"encode_ms": round(me, 3), "predict_ms": round(mp, 3)}
       print(
         f"{label:18s} batch {b:4d}: encode {me:7.2f} ms, predict {mp:7.2f} ms, {b / (me + mp) * 1e3:9.0f} records/s"
       )
     print(f"  {label}: {s.cache_stats()}")
   print(f"os.getloadavg() at end: {os.getloadavg()}")
+  print(json.dumps({**result, "load_avg": os.getloadavg()}))
 
 
 if __name__ == "__main__":
