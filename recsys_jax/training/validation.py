@@ -33,6 +33,7 @@ _FLOATS = (
   "data.bias data.dense_scale data.id_scale data.pair_scale"
 ).split()
 _BOOLS = "progress_bar data.shuffle".split()
+_MAX_DENSE_STALENESS = 1024
 _STRS = (
   "data.name data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
   "embeddings.optimizer embeddings.initializer embeddings.combiner embeddings.storage_dtype embeddings.eviction "
@@ -92,6 +93,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   need(config.batch_size > 0, "batch_size", "must be positive")
   need(config.staleness >= 0, "staleness", "must be >= 0 (0 = synchronous)")
   need(config.dense_staleness >= 0, "dense_staleness", "must be >= 0 (0 = synchronous dense part)")
+  need(
+    config.dense_staleness <= _MAX_DENSE_STALENESS,
+    "dense_staleness",
+    f"must be <= {_MAX_DENSE_STALENESS}: the step keeps that many dense gradients on the device",
+  )
+  if _has(config, "data.num_dense"):
+    need(config.data.num_dense >= 0, "data.num_dense", "must be >= 0 (the dense features a record has)")
   rules = config.mesh.rules
   need(
     isinstance(rules, (tuple, list))
