@@ -30,6 +30,11 @@ MANIFEST = "manifest.json"
 _CHUNK_BYTES = 16 << 20
 
 
+def _crc32(arr: np.ndarray) -> int:
+  """CRC32 of an array's bytes (0 for an empty one), as a manifest records it."""
+  return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
+
+
 def _spec(path: str) -> Dict[str, Any]:
   return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
 
@@ -69,7 +74,7 @@ class _Writer:
   def _write(self, path: str, arr: np.ndarray) -> Tuple["ts.Future", Dict[str, Any]]:
     arr = np.ascontiguousarray(arr)
     # zarr reads a missing chunk as zeros and has no checksum: the manifest keeps one.
-    info = {"shape": list(arr.shape), "crc32": zlib.crc32(arr.view(np.uint8).reshape(-1)) if arr.size else 0}
+    info = {"shape": list(arr.shape), "crc32": _crc32(arr)}
     return _write_array(os.path.join(self.tmp, path), arr), info
 
   def add(self, table: str, arrays: Mapping[str, np.ndarray]) -> None:
@@ -207,8 +212,7 @@ def _read_checked(directory: str, arrays: Mapping[str, Tuple[str, Mapping[str, A
       raise ValueError(f"PS snapshot {directory}: array {label} cannot be read ({e})") from None
     if list(arr.shape) != info["shape"]:
       raise ValueError(f"PS snapshot {directory}: {label} has shape {list(arr.shape)}, manifest says {info['shape']}")
-    got = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
-    if got != info["crc32"]:
+    if _crc32(arr) != info["crc32"]:
       raise ValueError(f"PS snapshot {directory}: {label} fails its checksum (damaged or missing chunks)")
     out[label] = arr
   return out

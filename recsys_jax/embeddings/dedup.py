@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numba
 import numpy as np
@@ -109,6 +109,19 @@ class Group:
   """Distinct ids over the group's tables."""
   bucket: int
   """Length of the padded rows array (static shape)."""
+
+
+def aliased(
+  batch: Mapping[str, Any], aliases: Mapping[str, str]
+) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+  """(ids, weights) of a batch's features, with each alias reading the ids (and weights) of its
+  source feature (e.g. first-order terms read the same ids as the embedding of that feature)."""
+  sparse, weights = dict(batch["sparse"]), dict(batch.get("sparse_weights") or {})
+  for name, source in aliases.items():
+    sparse[name] = sparse[source]
+    if source in weights:
+      weights[name] = weights[source]
+  return sparse, weights
 
 
 def dedup(

@@ -14,6 +14,7 @@ inverse index have the layout the training eval step reads.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Dict, Mapping, Sequence
 
 import numpy as np
@@ -80,7 +81,7 @@ class BatchScorer:
     self.encoder = encoder
     self.features = tuple(features)
     self.table_dims = dict(table_dims)
-    self._tables = {t: dataclasses.make_dataclass("T", [("dim", int)])(d) for t, d in self.table_dims.items()}
+    self._tables = {t: types.SimpleNamespace(dim=d) for t, d in self.table_dims.items()}  # what dedup reads
     self.aliases = dict(aliases)
     self.rows = rows
     self.forward = forward
@@ -118,11 +119,7 @@ class BatchScorer:
     size = pow2(n)
     if size != n:
       cols = base.take_columns(cols, np.concatenate([np.arange(n), np.zeros(size - n, np.int64)]))
-    sparse, weights = dict(cols["sparse"]), dict(cols.get("sparse_weights") or {})
-    for name, source in self.aliases.items():
-      sparse[name] = sparse[source]
-      if source in weights:
-        weights[name] = weights[source]
+    sparse, weights = dedup_lib.aliased(cols, self.aliases)
     groups = dedup_lib.dedup(sparse, self.features, self._tables, weights)
     wanted, into, rows = {}, {}, {}
     for dim, g in groups.items():

@@ -90,7 +90,7 @@ class _Model:
     from recsys_jax.models import MODELS
     from recsys_jax.parallel import mesh as mesh_lib
     from recsys_jax.training.specs import build_specs
-    from recsys_jax.training.steps import init_state, make_eval_step
+    from recsys_jax.training.steps import group_features, init_state, make_eval_step
 
     self.config = config
     # The schema from the format alone: the training files need not be here any more.
@@ -108,10 +108,7 @@ class _Model:
       cfg.optimizer.state_memory = "device"  # the template's placement only; the values come from the checkpoint
     with jax.transfer_guard("allow"):
       self.template, _, _ = init_state(cfg, self.model, self.schema, self.features, by_name, mesh)
-    group_features: Dict[str, list] = {}
-    for f in self.features:
-      group_features.setdefault(str(by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))
-    self.group_features = {k: tuple(v) for k, v in group_features.items()}
+    self.group_features = group_features(self.features, by_name)
     self.traces: Dict[str, int] = {}
     self.eval_step = make_eval_step(self.model, self.group_features, self.traces)
 

@@ -77,11 +77,7 @@ class HostPipeline:
 
   def prepare(self, step: int, batch: Dict[str, Any], position: Any = None, n_valid: Optional[int] = None) -> Prepared:
     """Dedups a reader's batch (``step``: its step, or its index in an evaluation)."""
-    sparse, weights = dict(batch["sparse"]), dict(batch.get("sparse_weights") or {})
-    for name, source in self.aliases.items():  # e.g. first-order terms read the same ids
-      sparse[name] = sparse[source]
-      if source in weights:
-        weights[name] = weights[source]
+    sparse, weights = dedup_lib.aliased(batch, self.aliases)
     min_bucket = self._min_bucket(int(batch["label"].shape[0]), n_valid is None)
     groups = dedup_lib.dedup(sparse, self.features, self.tables, weights, min_bucket=min_bucket)
     return Prepared(step, batch, groups, position, n_valid)

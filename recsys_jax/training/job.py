@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import ml_collections
@@ -17,6 +17,7 @@ from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.models import MODELS
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training import steps as steps_lib
 from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline
 from recsys_jax.training.hot_rows import HotRows
@@ -87,10 +88,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
   # Several processes evaluate on their own devices, each its share of the eval set.
   eval_mesh = mesh_lib.make_mesh(-1, 1, jax.local_devices()) if multi else mesh
   host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh, worker_count(config.host_workers))
-  group_features: Dict[str, List[Tuple[str, str, int]]] = {}  # in dedup's order: the inverse's F axis
-  for f in features:
-    group_features.setdefault(str(tables_by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))
-  group_features = {k: tuple(v) for k, v in group_features.items()}
+  group_features = steps_lib.group_features(features, tables_by_name)
   traces: Dict[str, int] = {}
   repl = mesh_lib.replicated(mesh)
   hot = HotRows(config, tables_by_name, features, mesh)

@@ -187,6 +187,14 @@ def make_train_step(
   return train_step
 
 
+def group_features(features, tables_by_name) -> Dict[str, tuple]:
+  """Row width -> the (name, kind, max_len) of its features, in dedup's order (the inverse's F axis)."""
+  out: Dict[str, list] = {}
+  for f in features:
+    out.setdefault(str(tables_by_name[f.table].dim), []).append((f.name, f.kind, f.max_len))
+  return {k: tuple(v) for k, v in out.items()}
+
+
 def make_eval_step(model, group_features, traces: Dict[str, int]):
   """Returns eval_step(params, rows, batch), to be jitted."""
 
