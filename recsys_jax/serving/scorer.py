@@ -4,9 +4,11 @@
 reader schema, table and feature specs, the model), restores the dense parameters of a
 checkpoint through orbax (checked against their CRC32s, :meth:`Checkpointer.read_dense`), and
 serves the tables from the checkpoint's PS snapshot chain on demand
-(:class:`recsys_jax.serving.rows.SnapshotRows`). The forward is the training eval step
+(:class:`recsys_jax.serving.rows.SnapshotRows`), from files the version holds for as long as it
+lives (hard links under ``<workdir>/serving_held``: the trainer's rotation deleting the chain
+changes nothing it reads). The forward is the training eval step
 (:func:`recsys_jax.training.steps.make_eval_step`), jitted, so scores cannot drift from the
-trainer's evaluation. Nothing in the workdir is written, moved or deleted.
+trainer's evaluation. Nothing the trainer wrote is changed, moved or deleted.
 
 ``newest_step(workdir)`` is cheap (a directory listing and a few small JSON files): the front
 polls it to reload.
@@ -149,16 +151,33 @@ def load_scorer(
   else:
     steps = [int(step)]
   built = _Model(config)
+  if cache_bytes is None:
+    width = max(t.dim for t in built.tables) * 4
+    cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
+  tables = {t.name: rows_lib.table_info(t) for t in built.tables}
   ckpt = checkpoint_lib.Checkpointer(workdir)
   errors = []
   try:
     for s in steps:
       try:
         meta = read_meta(workdir, s)
+        # The chain is held (linked) before the dense state is read: a rotation that deletes it
+        # after this point cannot touch what the version reads, and one before fails here.
+        snap = rows_lib.SnapshotRows(
+          chain_paths(workdir, meta),
+          tables,
+          int(config.seed),
+          cache_bytes,
+          verify=verify,
+          hold=rows_lib.hold_root(workdir),
+          label=f"step-{s}",
+        )
         state, _ = ckpt.read_dense(s, built.template)
-      except checkpoint_lib.CheckpointError as e:
+      except (checkpoint_lib.CheckpointError, OSError, ValueError) as e:
+        if not isinstance(e, checkpoint_lib.CheckpointError):
+          e = checkpoint_lib.CheckpointError(f"checkpoint {s} of {workdir}: its PS snapshot chain: {e}")
         if step is not None:
-          raise
+          raise e from None
         logging.warning("serving: skipping checkpoint %d: %s", s, e)
         errors.append(str(e))
         continue
@@ -167,11 +186,6 @@ def load_scorer(
       raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
   finally:
     ckpt.close()
-  if cache_bytes is None:
-    width = max(t.dim for t in built.tables) * 4
-    cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
-  tables = {t.name: rows_lib.table_info(t) for t in built.tables}
-  snap = rows_lib.SnapshotRows(chain_paths(workdir, meta), tables, int(config.seed), cache_bytes, verify=verify)
   params = jax.device_get(state.params)
   step_fn = jax.jit(built.eval_step)
 
@@ -188,7 +202,7 @@ def load_scorer(
     forward,
     max_batch,
   )
-  scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.chain, params
+  scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.source, params
   scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
   scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
   scorer.encoder_data = run_config.to_dict(config.data)
