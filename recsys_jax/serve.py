@@ -110,6 +110,7 @@ def _start():
   try:  # imported here: the model side pulls in jax, which the flag checks above need not wait for
     model = importlib.import_module(FLAGS.model_module)
     load_scorer, newest_step = model.load_scorer, model.newest_step
+    steps, signature = getattr(model, "complete_steps", None), getattr(model, "step_signature", None)
   except (ImportError, AttributeError) as e:
     raise _Usage(f"cannot load models for serving with --model_module={FLAGS.model_module}: {e}") from None
   params = inspect.signature(load_scorer).parameters
@@ -139,6 +140,8 @@ def _start():
       step=FLAGS.step,
       threads=FLAGS.threads,
       max_body_bytes=int(FLAGS.max_body_mb * (1 << 20)),
+      steps=steps,
+      signature=signature,
     )
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None

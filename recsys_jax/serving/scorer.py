@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 from absl import logging
@@ -69,13 +69,25 @@ def chain_paths(workdir: str, meta: Dict[str, Any]) -> List[str]:
   return [os.path.join(os.path.abspath(workdir), "ps_snapshots", n) for n in meta["ps_chain"]]
 
 
-def newest_step(workdir: str) -> Optional[int]:
-  """The newest checkpoint of ``workdir`` that is complete (a committed orbax step whose meta
-  reads back and matches its CRC32, with every snapshot of its PS chain whole), or None.
+def complete_steps(workdir: str) -> List[int]:
+  """The checkpoints of ``workdir`` that are complete (a committed orbax step whose meta reads back
+  and matches its CRC32, with every snapshot of its PS chain there), newest first.
 
   The dense arrays' CRC32s are checked by ``load_scorer``, which falls back to an older step
-  if they fail (with ``step=None``).
+  if they fail (with ``step=None``); the server's reload skips such a step (``step_signature``).
   """
+  out = []
+  for step in _step_dirs(workdir):
+    try:
+      read_meta(workdir, step)
+    except checkpoint_lib.CheckpointError:
+      continue
+    out.append(step)
+  return out
+
+
+def newest_step(workdir: str) -> Optional[int]:
+  """The newest complete checkpoint of ``workdir`` (``complete_steps``), or None."""
   for step in _step_dirs(workdir):
     try:
       read_meta(workdir, step)
@@ -83,6 +95,18 @@ def newest_step(workdir: str) -> Optional[int]:
       continue
     return step
   return None
+
+
+def step_signature(workdir: str, step: int) -> Tuple[Tuple[str, int, int], ...]:
+  """What changes when checkpoint ``step``'s files change (each file's path, size and mtime): a
+  step that failed to load is tried again only then."""
+  top = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  out = []
+  for d, _, files in os.walk(top):
+    for f in files:
+      st = os.stat(os.path.join(d, f))
+      out.append((os.path.relpath(os.path.join(d, f), top), st.st_size, st.st_mtime_ns))
+  return tuple(sorted(out))
 
 
 class _Model:

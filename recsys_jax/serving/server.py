@@ -21,6 +21,7 @@ class Serving:
   Args:
     workdir: the training run's directory.
     load, newest: ``serving.scorer.load_scorer`` and ``newest_step`` (or a test's own).
+    steps, signature: ``serving.scorer.complete_steps`` and ``step_signature`` (``reload.ModelHolder``).
     host: the address both sides bind (default loopback only).
     http_port, grpc_port: 0 picks a free port; None leaves that side off.
     token: if set, every request must carry ``authorization: Bearer <token>``.
@@ -55,10 +56,12 @@ class Serving:
     threads: int = 32,
     max_body_bytes: int = 16 << 20,
     timeout_s: float = 30.0,
+    steps=None,
+    signature=None,
   ):
     if (tls_cert is None) != (tls_key is None):
       raise ValueError("TLS needs both --tls_cert and --tls_key")
-    self.holder = ModelHolder(workdir, load, newest, step)
+    self.holder = ModelHolder(workdir, load, newest, step, steps=steps, signature=signature)
     self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers, on_gone=self.holder.check)
     if warm_reload:
       self.holder.warm = self.batcher.warm
