@@ -7,6 +7,7 @@ in another order, fails.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -144,7 +145,7 @@ def test_a_failing_predict_fails_its_batch_and_the_next_is_answered():
     b.predict(F.records(1), timeout=30)
   _check(b.predict(F.records(3), timeout=30), F.records(3))
   b.close()
-  assert b.stats()["failed_batches"] == 1
+  assert b.stats()["failed_batches"] == 2
 
 
 def _holder(w, load=F.load_scorer):
@@ -304,6 +305,11 @@ def test_a_version_whose_snapshot_was_deleted_gives_way_to_the_newest(tmp_path, 
   recs = F.records(5)
   with pytest.raises(SnapshotGone):  # no newer checkpoint to go to: the batch fails, once, no loop
     b.predict(recs, timeout=30)
+  from recsys_jax.serving.front import Front, FrontError
+
+  with pytest.raises(FrontError, match="PS snapshot deleted") as e:  # a 503 naming why, never a 500 or a score
+    Front(h, b).predict(json.dumps({"records": recs}))
+  assert e.value.http_status == 503 and e.value.grpc_code == "UNAVAILABLE"
   F.publish(w, 200)
   answers = _together(6, lambda i: b.predict(recs[: i % 5 + 1], timeout=30))
   for i, a in enumerate(answers):
@@ -314,4 +320,4 @@ def test_a_version_whose_snapshot_was_deleted_gives_way_to_the_newest(tmp_path, 
   _check(b.predict(recs, timeout=30), recs)
   assert h.version == "step-300"
   b.close()
-  assert b.stats()["failed_batches"] == 1
+  assert b.stats()["failed_batches"] == 2
