@@ -46,6 +46,9 @@ def _define_flags() -> None:
   )
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
+  flags.DEFINE_integer(
+    "listen_backlog", 1024, "HTTP connections the kernel queues before they are accepted (capped by somaxconn)."
+  )
   flags.DEFINE_float("max_body_mb", 16.0, "Largest request body or gRPC message, MiB.")
   flags.DEFINE_float(
     "cache_mb", 64.0, "RAM for the tables' rows, MiB: the rows served most recently; the rest are read from disk."
@@ -95,6 +98,7 @@ def _start():
     ("max_batch", FLAGS.max_batch),
     ("threads", FLAGS.threads),
     ("batch_workers", FLAGS.batch_workers),
+    ("listen_backlog", FLAGS.listen_backlog),
   ):
     if value < 1:
       raise _Usage(f"--{name} must be at least 1, got {value}")
@@ -142,6 +146,7 @@ def _start():
       max_body_bytes=int(FLAGS.max_body_mb * (1 << 20)),
       steps=steps,
       signature=signature,
+      backlog=FLAGS.listen_backlog,
     )
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None

@@ -67,6 +67,8 @@ def parse_request(body: Union[bytes, str], max_records: int) -> list:
     req = json.loads(body, parse_constant=_no_constant)
   except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
     raise FrontError("bad_request", f"malformed JSON: {e}") from None
+  except RecursionError:  # arrays or objects nested past Python's recursion limit (~1000 deep)
+    raise FrontError("bad_request", "malformed JSON: nested too deeply (a predict request is 3 levels deep)") from None
   if not isinstance(req, dict):
     raise FrontError("bad_request", f'the body must be a JSON object {{"records": [...]}}, got {type(req).__name__}')
   for key in req:
