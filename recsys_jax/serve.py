@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging as std_logging
 import os
 import signal
 import sys
@@ -62,6 +63,16 @@ def _define_flags() -> None:
 
 class _Usage(Exception):
   pass
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops the libraries' own INFO lines (orbax logs ~30 per checkpoint read, jax its backend
+  search): a user reads the server's own lines, warnings and errors from anywhere."""
+
+  _PATHS = tuple(f"{os.sep}{lib}{os.sep}" for lib in ("orbax", "jax", "jaxlib"))
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or not any(p in record.pathname for p in self._PATHS)
 
 
 def _read_token(path: Optional[str]) -> Optional[str]:
@@ -160,6 +171,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
     serving = _start()
   except _Usage as e:

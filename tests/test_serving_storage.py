@@ -98,3 +98,183 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
   gc.collect()
   assert not os.path.exists(held)
   assert all(os.path.isdir(os.path.join(w, "ps_snapshots", n)) for n in names)  # the trainer's are untouched
+
+
+# -- the load test: a trainer rotating and the test deleting what the server serves -------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _archive(w, step, archive):
+  """Hard-links checkpoint ``step`` of ``w`` (and its chain and config) into ``archive/<step>``."""
+  from serve_trainer import _link_tree
+
+  dst = os.path.join(archive, str(step))
+  _link_tree(os.path.join(w, "checkpoints", str(step)), os.path.join(dst, "checkpoints", str(step)))
+  for name in scorer.read_meta(w, step)["ps_chain"]:
+    _link_tree(os.path.join(w, "ps_snapshots", name), os.path.join(dst, "ps_snapshots", name))
+  shutil.copy(os.path.join(w, "config.json"), os.path.join(dst, "config.json"))
+
+
+def _start_server(w, *args):
+  import select
+  import subprocess
+  import sys
+  import time
+
+  p = subprocess.Popen(
+    [sys.executable, "-m", "recsys_jax.serve", f"--workdir={w}", "--http_port=0", "--grpc_port=0", *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=ROOT,
+  )
+  end = time.monotonic() + 300
+  while time.monotonic() < end:
+    if select.select([p.stdout], [], [], 1.0)[0]:
+      line = p.stdout.readline()
+      if line.startswith("ready "):
+        parts = dict(kv.split("=", 1) for kv in line.split()[1:])
+        return p, int(parts["http"].rsplit(":", 1)[1]), int(parts["grpc"].rsplit(":", 1)[1]), parts["version"]
+      if not line:
+        break
+  p.kill()
+  raise AssertionError(f"no ready line; stderr: {p.communicate()[1][-3000:]}")
+
+
+class _Offline:
+  """The trainer's path, independent of ``recsys_jax.serving``'s row reads: each archived checkpoint
+  restored whole into an in-RAM PS (``RunCheckpoints``), records scored by the jitted eval step,
+  the probability in float64."""
+
+  def __init__(self, w):
+    from recsys_jax.training import run_config
+
+    self.config = run_config.load(w)
+    self.job = train.build_job(self.config, None)
+    self.step = None
+
+  def scores(self, archive, step, cols):
+    import jax
+
+    from recsys_jax.training.run_checkpoints import RunCheckpoints
+
+    if self.step != step:
+      ckpts = RunCheckpoints(os.path.join(archive, str(step)), self.config)
+      self.state, start, _ = ckpts.restore_latest(self.job.state, self.job.ps, announce=False)
+      ckpts.close()
+      assert start == step
+      self.step = step
+    host = self.job.host
+    n = int(cols["dense"].shape[0])
+    cols = dict(cols, label=np.zeros(n, np.float32))
+    p = host.prepare(0, cols, n_valid=n)
+    host.lookup(p, create=False)
+    _, rows, batch = host.place(p)
+    logits = np.asarray(jax.device_get(self.job.eval_step(self.state.params, rows, batch))["logits"], np.float64)
+    return 1.0 / (1.0 + np.exp(-logits[:n]))
+
+
+def _load_with_trainer(run, tmp_path, seconds):
+  import json
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from serve_load_client import id_records
+
+  from recsys_jax.serving.client import HttpClient
+  from recsys_jax.serving.encode import Encoder
+
+  w = _copy(run, tmp_path)
+  archive = str(tmp_path / "archive")
+  first = scorer.newest_step(w)
+  _archive(w, first, archive)
+  sc = scorer.load_scorer(w)
+  spec = {"num_dense": 5, "ids": {t: sc.rows.tables[t].ids[::3].tolist() for t in sc.rows.tables}}
+  del sc
+  with open(tmp_path / "ids.json", "w") as f:
+    json.dump(spec, f)
+  # A 10 KiB row cache: nearly every row is read from the snapshots at each request.
+  server, hp, gp, version = _start_server(w, "--reload_every_s=0.2", "--cache_mb=0.01", "--max_wait_ms=2")
+  trainer = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, "tests", "serve_trainer.py"), w, archive, "1000000", "4"],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  clients = []
+  deleted = set()
+  try:
+    end = time.monotonic() + 300
+    while len(os.listdir(archive)) < 2 and trainer.poll() is None and time.monotonic() < end:
+      time.sleep(0.1)  # the trainer resumed (it reads the chain the test is about to delete) and saved once
+    assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+    clients = [
+      subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "serve_load_client.py"), str(hp), str(gp), str(seconds)]
+        + [str(tmp_path / f"client{c}.json"), str(c + 1), str(tmp_path / "ids.json")],
+        cwd=ROOT,
+      )
+      for c in range(2)
+    ]
+    http = HttpClient("127.0.0.1", hp)
+    while any(c.poll() is None for c in clients):
+      # Deliberate deletions: every snapshot of the version served now, as soon as it is served.
+      step = http.model()["step"]
+      if step not in deleted:
+        try:
+          names = scorer.read_meta(w, step)["ps_chain"]
+        except Exception:  # noqa: BLE001 - rotated away already
+          names = []
+        for name in names:
+          shutil.rmtree(os.path.join(w, "ps_snapshots", name), ignore_errors=True)
+        deleted.add(step)
+      time.sleep(0.3)
+    assert all(c.wait() == 0 for c in clients)
+    model = http.model()
+  finally:
+    for c in clients:
+      c.kill()
+    trainer.kill()
+    terr = trainer.communicate()[1]
+    server.send_signal(signal.SIGTERM)
+    _, serr = server.communicate(timeout=120)
+  answers, failures = [], []
+  for c in range(2):
+    with open(tmp_path / f"client{c}.json") as f:
+      out = json.load(f)
+    failures += out["failures"]
+    answers += out["answers"]
+  steps = sorted({int(v.split("-")[1]) for _, _, v, _ in answers})
+  print("archived", sorted(int(n) for n in os.listdir(archive) if n.isdigit()), "served", steps, "deleted", deleted)
+  print("\n".join(line[:300] for line in serr.splitlines() if "I1" not in line[:3])[-4000:])
+  assert not failures, (failures[:5], serr[-3000:])
+  least = 2 if seconds < 30 else 4  # versions served: the trainer's checkpoints reached the clients
+  assert len(steps) >= least, (steps, model, serr[-3000:], terr[-3000:])
+  missing = [s for s in steps if not os.path.isdir(os.path.join(archive, str(s)))]
+  assert not missing, missing
+  from recsys_jax.training import run_config
+
+  offline = _Offline(w)
+  enc = Encoder(run_config.to_dict(offline.config.data))
+  wrong = 0
+  for rseed, n, version, got in sorted(answers, key=lambda a: int(a[2].split("-")[1])):
+    want = offline.scores(archive, int(version.split("-")[1]), enc.encode(id_records(spec, n, rseed)))
+    wrong += int(np.sum(np.abs(np.asarray(got, np.float64) - want) > 1e-6))
+  deleted_served = len(deleted & set(steps))
+  print(f"answers {len(answers)} versions {len(steps)} deleted-while-served {deleted_served} wrong {wrong}")
+  assert wrong == 0, wrong
+  assert deleted_served >= least and len(answers) > 5 * seconds, (deleted_served, len(answers))
+  return len(answers), steps, wrong
+
+
+def test_load_with_a_trainer_rotating_and_snapshots_deleted_short(run, tmp_path):
+  _load_with_trainer(run, tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_load_with_a_trainer_rotating_and_snapshots_deleted_60s(run, tmp_path):
+  _load_with_trainer(run, tmp_path, 60)
