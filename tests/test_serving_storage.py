@@ -93,7 +93,8 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
   held = sc.rows.held_dir
   assert os.path.isdir(held)
   names = scorer.read_meta(w, sc.step)["ps_chain"]
-  assert sorted(os.listdir(held)) == sorted(names)
+  assert sorted(os.listdir(os.path.join(held, "ps_snapshots"))) == sorted(names)
+  assert os.listdir(os.path.join(held, "checkpoints")) == [str(sc.step)]
   del sc
   gc.collect()
   assert not os.path.exists(held)
@@ -269,6 +270,18 @@ def _load_with_trainer(run, tmp_path, seconds):
   )
   assert not failures, (failures[:5], serr[-3000:])
   assert wrong == 0, wrong
+  # Startup and reloads print the server's own lines only: none of orbax's or jax's INFO lines.
+  noise = [
+    line
+    for line in serr.splitlines()
+    if line[:1] == "I"
+    and (
+      "orbax" in line
+      or ".py:" in line
+      and any(f in line for f in ("checkpoint_manager.py", "xla_bridge.py", "event_tracking.py", "checkpointer.py"))
+    )
+  ]
+  assert not noise, noise[:5]
   least = 2 if seconds < 30 else 4  # versions served: the trainer's checkpoints reached the clients
   assert len(steps) >= least, (steps, model, serr[-3000:], terr[-3000:])
   assert not missing, missing
@@ -284,3 +297,23 @@ def test_load_with_a_trainer_rotating_and_snapshots_deleted_short(run, tmp_path)
 @pytest.mark.slow
 def test_load_with_a_trainer_rotating_and_snapshots_deleted_60s(run, tmp_path):
   _load_with_trainer(run, tmp_path, 60)
+
+
+def test_held_files_of_a_killed_server_are_removed_by_the_next_one(tmp_path):
+  import socket
+  import subprocess
+  import sys
+
+  from recsys_jax.serving import rows
+
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()  # its pid is no process now (pids are not reused this soon)
+  root = tmp_path / rows.HELD
+  gone = root / f"{socket.gethostname()}-{dead.pid}" / "step-4-abc" / "0000000004-full"
+  kept = root / f"otherhost-{dead.pid}" / "step-4-abc"  # another machine's: its process cannot be asked
+  alive = root / f"{socket.gethostname()}-{os.getppid()}" / "step-4-abc"
+  for d in (gone, kept, alive):
+    d.mkdir(parents=True)
+  mine = rows.hold_root(str(tmp_path))
+  assert mine == str(root / f"{socket.gethostname()}-{os.getpid()}")
+  assert not (root / f"{socket.gethostname()}-{dead.pid}").exists() and kept.is_dir() and alive.is_dir()

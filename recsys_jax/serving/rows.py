@@ -20,13 +20,14 @@ few rows cannot check a whole-array CRC, so the whole array is checked once; sna
 never rewritten, so what was checked is what later reads get). ``verify=False`` skips the
 weights pass (the load then reads only the ids).
 
-A served version holds on to what it reads: :func:`hold_chain` hard-links every file of the chain
-into a directory of its own before the index is built (a copy where the filesystem cannot link),
-so the trainer's rotation deleting ``ps_snapshots/<name>`` frees nothing the version reads, and
-the load's checks (CRC32 of every array) run on the held files, the ones later reads get. The
-held directory is removed when the version is dropped. A read that still fails (someone deleted
-the held files, or a chunk of a snapshot that stores every chunk is missing: tensorstore would
-read it as zeros) raises ``SnapshotGone`` naming the snapshot, never a fill value.
+A served version holds on to what it reads: the scorer hard-links (:func:`hold`; a copy where the
+filesystem cannot link) every file of its checkpoint and PS chain into a directory of its own
+before anything is read, so the trainer's rotation deleting ``ps_snapshots/<name>`` frees nothing
+the version reads, and the load's checks (CRC32 of every array) run on the held files, the ones
+later reads get. The held directory goes when the version is dropped (``owns``). A read that
+still fails (someone deleted the held files, or a chunk of a snapshot that stores every chunk is
+missing: tensorstore would read it as zeros) raises ``SnapshotGone`` naming the snapshot, never a
+fill value.
 """
 
 from __future__ import annotations
@@ -160,33 +161,31 @@ def hold_root(workdir: str) -> str:
   return os.path.join(root, f"{host}-{os.getpid()}")
 
 
-def hold_chain(chain: Sequence[str], root: str, label: str) -> Tuple[List[str], str]:
-  """Hard-links (or copies, across filesystems) every file of the snapshot directories ``chain``
-  into a new directory under ``root``; returns (the held directories in chain order, the new
-  directory). Nothing under ``chain`` is changed.
+def hold(sources: Sequence[Tuple[str, str]], root: str, label: str) -> str:
+  """Hard-links (or copies, across filesystems) every file of the directories ``sources``
+  (``(directory, path under the new one)`` pairs) into a new directory under ``root``, in order;
+  returns the new directory. Nothing under the sources is changed.
 
   Raises:
-    FileNotFoundError: naming the snapshot, if one is gone (the trainer rotated it away mid-way);
+    FileNotFoundError: naming the directory, if one is gone (the trainer rotated it away mid-way);
       then nothing is left held.
   """
   dest = os.path.join(root, f"{label}-{uuid.uuid4().hex[:12]}")
-  held = []
   try:
-    for d in chain:
+    for d, rel_dest in sources:
       d = os.path.abspath(d)
       if not os.path.isdir(d):
-        raise FileNotFoundError(f"PS snapshot {d} does not exist (rotated away?)")
-      to = os.path.join(dest, os.path.basename(d))
+        raise FileNotFoundError(f"{d} does not exist (rotated away?)")
+      to = os.path.join(dest, rel_dest)
       for top, _dirs, files in os.walk(d, onerror=_raise):
         rel = os.path.relpath(top, d)
         os.makedirs(os.path.join(to, rel), exist_ok=True)
         for f in files:
           _link(os.path.join(top, f), os.path.join(to, rel, f))
-      held.append(to)
   except BaseException:
     shutil.rmtree(dest, ignore_errors=True)
     raise
-  return held, dest
+  return dest
 
 
 def _raise(e: OSError) -> None:
@@ -288,8 +287,8 @@ class SnapshotRows:
     cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
       in the chain x its row bytes (a table never gets more slots than it has rows).
     verify: read every weights array once at load and check its CRC32.
-    hold: a directory (``hold_root``) to hold the chain's files in (:func:`hold_chain`) for as long
-      as this object lives; None reads the chain where it is (a caller that owns the files).
+    owns: a directory of held files (:func:`hold`) the chain lies in, removed when this object
+      goes (the version is dropped) or at exit.
   """
 
   def __init__(
@@ -299,17 +298,13 @@ class SnapshotRows:
     seed: int,
     cache_bytes: int,
     verify=True,
-    hold: Optional[str] = None,
-    label: str = "chain",
+    owns: Optional[str] = None,
   ):
-    self.source = [os.path.abspath(d) for d in chain]
-    self.held_dir: Optional[str] = None
-    if hold is None:
-      self.chain = self.source
-    else:
-      self.chain, self.held_dir = hold_chain(self.source, hold, label)
+    self.chain = [os.path.abspath(d) for d in chain]
+    self.held_dir = owns
+    if owns is not None:
       # Removed when the version is dropped (the last batch that took it finished), or at exit.
-      weakref.finalize(self, shutil.rmtree, self.held_dir, True)
+      weakref.finalize(self, shutil.rmtree, owns, True)
     links = snapshot_chain.snapshot_parts(self.chain)
     snapshot_chain.check_links(links)
     entries: Dict[str, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {t: [] for t in tables}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -179,37 +180,40 @@ def load_scorer(
     width = max(t.dim for t in built.tables) * 4
     cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
   tables = {t.name: rows_lib.table_info(t) for t in built.tables}
-  ckpt = checkpoint_lib.Checkpointer(workdir)
   errors = []
-  try:
-    for s in steps:
+  for s in steps:
+    held = None
+    try:
+      names = read_meta(workdir, s)["ps_chain"]
+      # Everything the version reads (its checkpoint and PS chain) is held (hard-linked) first
+      # and read from there: a rotation after this point cannot touch it, one before fails here.
+      held = rows_lib.hold(
+        [(os.path.join(workdir, "checkpoints", str(s)), os.path.join("checkpoints", str(s)))]
+        + [(p, os.path.join("ps_snapshots", os.path.basename(p))) for p in chain_paths(workdir, {"ps_chain": names})],
+        rows_lib.hold_root(workdir),
+        f"step-{s}",
+      )
+      snap = rows_lib.SnapshotRows(
+        chain_paths(held, read_meta(held, s)), tables, int(config.seed), cache_bytes, verify=verify, owns=held
+      )
+      ckpt = checkpoint_lib.Checkpointer(held)
       try:
-        meta = read_meta(workdir, s)
-        # The chain is held (linked) before the dense state is read: a rotation that deletes it
-        # after this point cannot touch what the version reads, and one before fails here.
-        snap = rows_lib.SnapshotRows(
-          chain_paths(workdir, meta),
-          tables,
-          int(config.seed),
-          cache_bytes,
-          verify=verify,
-          hold=rows_lib.hold_root(workdir),
-          label=f"step-{s}",
-        )
         state, _ = ckpt.read_dense(s, built.template)
-      except (checkpoint_lib.CheckpointError, OSError, ValueError) as e:
-        if not isinstance(e, checkpoint_lib.CheckpointError):
-          e = checkpoint_lib.CheckpointError(f"checkpoint {s} of {workdir}: its PS snapshot chain: {e}")
-        if step is not None:
-          raise e from None
-        logging.warning("serving: skipping checkpoint %d: %s", s, e)
-        errors.append(str(e))
-        continue
-      break
-    else:
-      raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
-  finally:
-    ckpt.close()
+      finally:
+        ckpt.close()
+    except (checkpoint_lib.CheckpointError, OSError, ValueError) as e:
+      if held is not None:
+        shutil.rmtree(held, ignore_errors=True)
+      if not isinstance(e, checkpoint_lib.CheckpointError):
+        e = checkpoint_lib.CheckpointError(f"checkpoint {s} of {workdir}: its PS snapshot chain: {e}")
+      if step is not None:
+        raise e from None
+      logging.warning("serving: skipping checkpoint %d: %s", s, e)
+      errors.append(str(e))
+      continue
+    break
+  else:
+    raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
   params = jax.device_get(state.params)
   step_fn = jax.jit(built.eval_step)
 
@@ -226,7 +230,12 @@ def load_scorer(
     forward,
     max_batch,
   )
-  scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.source, params
+  scorer.step, scorer.workdir, scorer.chain, scorer.params = (
+    s,
+    workdir,
+    chain_paths(workdir, {"ps_chain": names}),
+    params,
+  )
   scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
   scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
   scorer.encoder_data = run_config.to_dict(config.data)
