@@ -210,7 +210,9 @@ def _load_with_trainer(run, tmp_path, seconds):
   deleted = set()
   try:
     end = time.monotonic() + 300
-    while len(os.listdir(archive)) < 2 and trainer.poll() is None and time.monotonic() < end:
+    while (
+      len([n for n in os.listdir(archive) if n.isdigit()]) < 2 and trainer.poll() is None and time.monotonic() < end
+    ):
       time.sleep(0.1)  # the trainer resumed (it reads the chain the test is about to delete) and saved once
     assert trainer.poll() is None, trainer.communicate()[1][-3000:]
     clients = [
@@ -251,7 +253,7 @@ def _load_with_trainer(run, tmp_path, seconds):
     answers += out["answers"]
   steps = sorted({int(v.split("-")[1]) for _, _, v, _ in answers})
   print("archived", sorted(int(n) for n in os.listdir(archive) if n.isdigit()), "served", steps, "deleted", deleted)
-  print("\n".join(line[:300] for line in serr.splitlines() if "I1" not in line[:3])[-4000:])
+  print("\n".join(line[:300] for line in serr.splitlines() if "I1" not in line[:3] or "reload.py" in line)[-6000:])
   from recsys_jax.training import run_config
 
   offline = _Offline(w)
