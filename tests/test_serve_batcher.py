@@ -145,7 +145,7 @@ def test_a_failing_predict_fails_its_batch_and_the_next_is_answered():
     b.predict(F.records(1), timeout=30)
   _check(b.predict(F.records(3), timeout=30), F.records(3))
   b.close()
-  assert b.stats()["failed_batches"] == 2
+  assert b.stats()["failed_batches"] == 1
 
 
 def _holder(w, load=F.load_scorer):
