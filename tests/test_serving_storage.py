@@ -292,6 +292,7 @@ def _load_with_trainer(run, tmp_path, seconds):
   return len(answers), steps, wrong
 
 
+@pytest.mark.slow  # about 50 s (a trainer, a server, two clients); the default suite has the fast tests above
 def test_load_with_a_trainer_rotating_and_snapshots_deleted_short(run, tmp_path):
   _load_with_trainer(run, tmp_path, 8)
 
