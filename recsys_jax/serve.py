@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging as std_logging
 import os
 import signal
 import sys
@@ -46,6 +47,9 @@ def _define_flags() -> None:
   )
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
+  flags.DEFINE_integer(
+    "listen_backlog", 1024, "HTTP connections the kernel queues before they are accepted (capped by somaxconn)."
+  )
   flags.DEFINE_float("max_body_mb", 16.0, "Largest request body or gRPC message, MiB.")
   flags.DEFINE_float(
     "cache_mb", 64.0, "RAM for the tables' rows, MiB: the rows served most recently; the rest are read from disk."
@@ -59,6 +63,16 @@ def _define_flags() -> None:
 
 class _Usage(Exception):
   pass
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops the libraries' own INFO lines (orbax logs ~30 per checkpoint read, jax its backend
+  search): a user reads the server's own lines, warnings and errors from anywhere."""
+
+  _PATHS = tuple(f"{os.sep}{lib}{os.sep}" for lib in ("orbax", "jax", "jaxlib"))
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or not any(p in record.pathname for p in self._PATHS)
 
 
 def _read_token(path: Optional[str]) -> Optional[str]:
@@ -95,6 +109,7 @@ def _start():
     ("max_batch", FLAGS.max_batch),
     ("threads", FLAGS.threads),
     ("batch_workers", FLAGS.batch_workers),
+    ("listen_backlog", FLAGS.listen_backlog),
   ):
     if value < 1:
       raise _Usage(f"--{name} must be at least 1, got {value}")
@@ -110,6 +125,7 @@ def _start():
   try:  # imported here: the model side pulls in jax, which the flag checks above need not wait for
     model = importlib.import_module(FLAGS.model_module)
     load_scorer, newest_step = model.load_scorer, model.newest_step
+    steps, signature = getattr(model, "complete_steps", None), getattr(model, "step_signature", None)
   except (ImportError, AttributeError) as e:
     raise _Usage(f"cannot load models for serving with --model_module={FLAGS.model_module}: {e}") from None
   params = inspect.signature(load_scorer).parameters
@@ -139,6 +155,9 @@ def _start():
       step=FLAGS.step,
       threads=FLAGS.threads,
       max_body_bytes=int(FLAGS.max_body_mb * (1 << 20)),
+      steps=steps,
+      signature=signature,
+      backlog=FLAGS.listen_backlog,
     )
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None
@@ -152,6 +171,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
     serving = _start()
   except _Usage as e:

@@ -127,6 +127,15 @@ def newest_step(workdir: str) -> Optional[int]:
   return max(steps) if steps else None
 
 
+def complete_steps(workdir: str) -> List[int]:
+  return sorted((int(n[5:]) for n in os.listdir(workdir) if n.startswith("ckpt-")), reverse=True)
+
+
+def step_signature(workdir: str, step: int):
+  st = os.stat(os.path.join(workdir, f"ckpt-{step}"))
+  return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def load_scorer(workdir: str, step: Optional[int] = None) -> LinearScorer:
   step = newest_step(workdir) if step is None else step
   with open(os.path.join(workdir, f"ckpt-{step}")) as f:

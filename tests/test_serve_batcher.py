@@ -7,6 +7,7 @@ in another order, fails.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -147,16 +148,20 @@ def test_a_failing_predict_fails_its_batch_and_the_next_is_answered():
   assert b.stats()["failed_batches"] == 1
 
 
+def _holder(w, load=F.load_scorer):
+  return ModelHolder(w, load, F.newest_step, steps=F.complete_steps, signature=F.step_signature)
+
+
 def test_holder_needs_a_checkpoint_and_skips_a_failing_load(tmp_path):
   w = str(tmp_path)
   with pytest.raises(NoModel, match="no checkpoint"):
-    ModelHolder(w, F.load_scorer, F.newest_step)
+    _holder(w)
   F.publish(w, 100)
-  h = ModelHolder(w, F.load_scorer, F.newest_step)
+  h = _holder(w)
   assert h.version == "step-100" and not h.check()
   F.publish(w, 200, broken=True)
-  assert not h.check() and h.check() is False  # tried again at each poll, still failing
-  assert h.version == "step-100" and h.failures == 2 and "step 200" in h.last_error
+  assert not h.check() and h.check() is False  # tried once, then skipped until its file changes
+  assert h.version == "step-100" and h.failures == 1 and "step 200" in h.last_error and 200 in h.skipped
   F.publish(w, 300)
   assert h.check() and h.version == "step-300" and h.last_error is None
   # Versions only move forward: when the newest step is an older one (a run restarted), it is not loaded.
@@ -164,6 +169,44 @@ def test_holder_needs_a_checkpoint_and_skips_a_failing_load(tmp_path):
     os.remove(os.path.join(w, f"ckpt-{step}"))
   assert F.newest_step(w) == 100
   assert not h.check() and h.version == "step-300"
+
+
+def test_a_damaged_newest_step_is_skipped_at_start_and_newer_intact_ones_are_served(tmp_path):
+  w = str(tmp_path)
+  F.publish(w, 600)
+  F.publish(w, 100000, broken=True)
+  h = _holder(w)  # the newest intact one, not an error
+  assert h.version == "step-600" and list(h.skipped) == [100000] and "broken" in h.skipped[100000]
+  for _ in range(5):  # not tried again while its file is the same
+    assert not h.check()
+  assert h.failures == 1
+  F.publish(w, 700)  # an intact step below the damaged one appears: served
+  assert h.check() and h.version == "step-700"
+  F.publish(w, 100000)  # the damaged one replaced by an intact one: tried again, served
+  assert h.check() and h.version == "step-100000" and not h.skipped
+  with pytest.raises(NoModel, match="step 5: ValueError: checkpoint 5 is broken"):
+    w2 = str(tmp_path / "only_broken")
+    os.makedirs(w2)
+    F.publish(w2, 5, broken=True)
+    _holder(w2)
+
+
+def test_a_load_that_loses_the_race_with_rotation_loads_the_then_newest_step(tmp_path):
+  w = str(tmp_path)
+  F.publish(w, 100)
+  rotated = []
+
+  def load(workdir, step):
+    if step == 200 and not rotated:  # the trainer saves 300 and rotates 200 away while 200 loads
+      F.publish(workdir, 300)
+      os.remove(os.path.join(workdir, "ckpt-200"))
+      rotated.append(step)
+      raise ValueError("checkpoint 200: meta cannot be read")
+    return F.load_scorer(workdir, step)
+
+  h = _holder(w, load)
+  F.publish(w, 200)
+  assert h.check() and h.version == "step-300" and not h.skipped and rotated == [200]
 
 
 def test_reload_during_a_storm_of_requests(tmp_path):
@@ -262,6 +305,11 @@ def test_a_version_whose_snapshot_was_deleted_gives_way_to_the_newest(tmp_path, 
   recs = F.records(5)
   with pytest.raises(SnapshotGone):  # no newer checkpoint to go to: the batch fails, once, no loop
     b.predict(recs, timeout=30)
+  from recsys_jax.serving.front import Front, FrontError
+
+  with pytest.raises(FrontError, match="PS snapshot deleted") as e:  # a 503 naming why, never a 500 or a score
+    Front(h, b).predict(json.dumps({"records": recs}))
+  assert e.value.http_status == 503 and e.value.grpc_code == "UNAVAILABLE"
   F.publish(w, 200)
   answers = _together(6, lambda i: b.predict(recs[: i % 5 + 1], timeout=30))
   for i, a in enumerate(answers):
@@ -272,4 +320,4 @@ def test_a_version_whose_snapshot_was_deleted_gives_way_to_the_newest(tmp_path, 
   _check(b.predict(recs, timeout=30), recs)
   assert h.version == "step-300"
   b.close()
-  assert b.stats()["failed_batches"] == 1
+  assert b.stats()["failed_batches"] == 2

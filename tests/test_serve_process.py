@@ -89,9 +89,10 @@ def test_bad_flags_get_one_error_line(tmp_path):
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--tls_cert=/x"), "--tls_key")
   F.publish(str(empty), 5)
   _one_error_line(_run(f"--workdir={empty}", FAKE, "--step=7"), "cannot load step 7", "FileNotFoundError")
-  F.publish(str(empty), 6, broken=True)
-  _one_error_line(_run(f"--workdir={empty}", FAKE), "cannot load the newest checkpoint", "checkpoint 6 is broken")
-  F.publish(str(empty), 6)
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  F.publish(str(broken), 6, broken=True)
+  _one_error_line(_run(f"--workdir={broken}", FAKE), "no checkpoint", "loads", "checkpoint 6 is broken")
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -118,6 +119,31 @@ def test_serves_with_a_token_and_stops_on_sigterm(tmp_path):
     _stop(p)
 
 
+def test_a_damaged_newest_checkpoint_at_start_serves_the_newest_intact_one(tmp_path):
+  w = str(tmp_path)
+  F.publish(w, 600)
+  F.publish(w, 100000, broken=True)
+  p, hp, _, version = _start(w, "--reload_every_s=0.1")
+  try:
+    assert version == "step-600"
+    c = HttpClient("127.0.0.1", hp)
+    assert c.model()["skipped"] == {"100000": "ValueError: checkpoint 100000 is broken"}
+    time.sleep(1.0)  # ten polls: the damaged step is not tried again
+    F.publish(w, 700)
+    end = time.monotonic() + 30
+    while c.model()["version"] != "step-700" and time.monotonic() < end:
+      time.sleep(0.05)
+    model = c.model()
+    assert model["version"] == "step-700" and model["failed_loads"] == 1, model
+    recs = F.records(4)
+    assert c.predict(recs)["scores"] == pytest.approx([F.reference(700, r) for r in recs], rel=1e-5)
+  finally:
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+  named = [line for line in err.splitlines() if "100000" in line]
+  assert len(named) == 1 and "cannot be served" in named[0] and "skipping it" in named[0], err[-3000:]
+
+
 def _load_test(tmp_path, seconds):
   w = str(tmp_path / "w")
   os.makedirs(w)
@@ -142,7 +168,7 @@ def _load_test(tmp_path, seconds):
     model = HttpClient("127.0.0.1", hp).model()
   finally:
     _stop(p)
-  assert model["version"] == "step-400" and model["loads"] == 4, model
+  assert model["version"] == "step-400" and model["loads"] == 4 and model["failed_loads"] == 1, model
   seen = set()
   total = 0
   for c in range(2):

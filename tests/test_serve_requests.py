@@ -66,6 +66,7 @@ BAD = {
   "records not a list": (json.dumps({"records": GOOD}), 400, "records", None),
   "records empty": (json.dumps({"records": []}), 400, "records", None),
   "a record not an object": (json.dumps({"records": [GOOD, [1, 2]]}), 400, "records", 1),
+  "deeply nested": ('{"records": ' + "[" * 1900 + "]" * 1900 + "}", 400, None, None),  # past the recursion limit
 }
 
 
@@ -192,3 +193,35 @@ def test_tls_on_both_sides(tmp_path, self_signed_cert):
     assert e.value.status == "UNAVAILABLE"
   finally:
     s.stop()
+
+
+def test_a_burst_of_idle_connections_does_not_delay_a_request(tmp_path):
+  """300 connections opened at once and left idle: every connect and the next request are prompt
+  (with socketserver's backlog of 5, connects past it waited a SYN retransmit, about 1 s)."""
+  import time
+
+  F.publish(str(tmp_path), 100)
+  s = Serving(str(tmp_path), F.load_scorer, F.newest_step, reload_every_s=0, grpc_port=None)
+  socks = []
+  try:
+    for _ in range(300):
+      so = socket.socket()
+      so.setblocking(False)
+      so.connect_ex(("127.0.0.1", s.http_port))
+      socks.append(so)
+    t0 = time.monotonic()
+    pending = list(socks)
+    import select
+
+    while pending and time.monotonic() - t0 < 10:
+      _, w, _ = select.select([], pending, [], 1.0)
+      pending = [p for p in pending if p not in w]
+    connect_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    _good_answered(HttpClient("127.0.0.1", s.http_port))
+    request_s = time.monotonic() - t0
+  finally:
+    for so in socks:
+      so.close()
+    s.stop()
+  assert not pending and connect_s < 0.5 and request_s < 0.5, (len(pending), connect_s, request_s)

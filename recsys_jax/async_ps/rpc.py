@@ -45,7 +45,7 @@ from recsys_jax.async_ps.rpc_rows import RowsRPC
 from recsys_jax.async_ps.service import MAX_WAIT_S, STEP_WINDOW, Grads, ServiceError, ShardService
 from recsys_jax.async_ps.staging import MAX_CHUNKS
 
-_RESERVED_META = ("format", "parts", "incremental")  # keys of snapshot.save's own manifest
+_RESERVED_META = ("format", "parts", "incremental", "all_chunks")  # keys of snapshot.save's own manifest
 _C = grpc.StatusCode
 _MAX_STEP = 2**62  # steps go into int64 arrays (a row's last step), with room for arithmetic
 _FREE_THREADS = 2  # RPC threads no wait for pushes may take: one for pushes, one for Health

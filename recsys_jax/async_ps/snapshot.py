@@ -52,6 +52,9 @@ def _write_array(path: str, arr: np.ndarray) -> "ts.Future":
     },
     create=True,
     delete_existing=True,
+    # Every chunk is written, zeros too: then a chunk that is missing is an error to a reader that
+    # asks (``open_array``), never a fill value it cannot tell from data.
+    store_data_equal_to_fill_value=True,
   )
   store = ts.open(spec).result()
   return store.write(arr)
@@ -101,7 +104,7 @@ class _Writer:
     self.bounds[table] = entries
 
   def finish(self, incremental: bool, meta: Optional[Dict[str, Any]]) -> None:
-    manifest = {"format": 2, "parts": self.parts, "incremental": incremental, **(meta or {})}
+    manifest = {"format": 2, "parts": self.parts, "incremental": incremental, **(meta or {}), "all_chunks": True}
     if self.bounds:
       manifest["bounds"] = self.bounds
     with open(os.path.join(self.tmp, MANIFEST), "w") as f:
@@ -168,6 +171,25 @@ def _manifest(directory: str) -> Dict[str, Any]:
   if not isinstance(manifest.get("incremental"), bool):
     raise ValueError(f"PS snapshot {directory}: {MANIFEST}: 'incremental' is not true or false")
   return manifest
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+  """A snapshot directory's manifest, checked (``ValueError`` naming the directory)."""
+  return _manifest(directory)
+
+
+def open_array(path: str, all_chunks: bool) -> "ts.TensorStore":
+  """One array of a snapshot, to read rows of. ``all_chunks`` (the manifest's, for snapshots that
+  wrote every chunk): a missing chunk then fails the read instead of reading as zeros."""
+  spec = _spec(path)
+  if all_chunks:
+    spec["fill_missing_data_reads"] = False
+  return ts.open(spec).result()
+
+
+def read_checked(directory: str, arrays: Mapping[str, Tuple[str, Mapping[str, Any]]]) -> Dict[str, np.ndarray]:
+  """Arrays ``{label: (path in directory, manifest info)}``, each checked against its shape and CRC32."""
+  return _read_checked(directory, arrays)
 
 
 def _is_int(x: Any) -> bool:

@@ -5,18 +5,24 @@ records are checked (every field present, no unknown field, each value of the ty
 holds, finite numbers) and then handed to the reader's own parser, so the hashing, log1p and
 multi-hot padding cannot drift from what the model was trained on:
 
-- ``criteo``: ``I1``..``I13`` an int or a decimal string (``""`` or null: missing), ``C1``..``C26``
-  a hex string (``""``: missing); each record becomes one TSV line (label 0) parsed by
+A JSON ``null`` is a missing value, for every field of a format whose files can leave one empty: it
+is scored exactly as the reader scores the empty field (``tests/test_serving_encode.py`` compares
+the two record by record).
+
+- ``criteo``: ``I1``..``I13`` an int or a decimal string, ``C1``..``C26`` a hex string (``""`` or
+  null: missing); each record becomes one TSV line (label 0) parsed by
   :class:`recsys_jax.data.criteo.CriteoFormat`.
 - ``avazu``: every column of the file but ``id`` and ``click``, strings (ints accepted and
-  written in decimal); one CSV line each, parsed by :class:`recsys_jax.data.avazu.AvazuFormat`.
+  written in decimal; null: the empty field); one CSV line each, parsed by
+  :class:`recsys_jax.data.avazu.AvazuFormat`.
 - ``csv`` / ``parquet``: the declared dense columns (number, numeric string, or null), categorical
-  columns (string or int) and bag columns (a list of strings/ints, or one string holding the
-  separator as in the CSV); the records become an Arrow table parsed by the same
+  columns (string or int, or null) and bag columns (a list of strings/ints, or one string holding
+  the separator as in the CSV, or null: an empty bag); the records become an Arrow table parsed by the same
   :class:`recsys_jax.data.tabular.TabularFormat` (its Parquet path: a CSV value and the same value
   in Parquet give one id, so both file types are served the same way).
 - ``synthetic``: ``dense_00``.. floats (the model's inputs as the generator makes them) and
-  ``cat_00``.. uint64 ids (an int, or a list of 1..max_len ints for a multi-hot field).
+  ``cat_00``.. uint64 ids (an int, or a list of 1..max_len ints for a multi-hot field); the
+  generator has no missing values, so null is refused naming the field.
 - ``movielens`` is refused: its features (the user's earlier ratings) are built from the
   whole ratings history, not from one record.
 
@@ -43,6 +49,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _number(v: Any, name: str, i: int) -> float:
+  if v is None:
+    raise RequestError("null: this format has no missing values for this field", name, i)
   if isinstance(v, bool) or not isinstance(v, (int, float)):
     raise RequestError(f"expected a number, got {type(v).__name__} {v!r:.40}", name, i)
   try:
@@ -55,7 +63,10 @@ def _number(v: Any, name: str, i: int) -> float:
 
 
 def _text(v: Any, name: str, i: int, ints: bool, forbidden: str) -> str:
-  """A string value (an int written in decimal where ``ints``), free of the line format's separators."""
+  """A string value (an int written in decimal where ``ints``; null: the empty field), free of the
+  line format's separators."""
+  if v is None:
+    return ""
   if _is_int(v) and ints:
     return str(v)
   if not isinstance(v, str):
@@ -231,6 +242,8 @@ class Encoder:
       vals = v
     else:
       vals = [v]
+    if v is None:
+      raise RequestError("null: the synthetic generator has no missing values", name, i)
     for x in vals:
       if not _is_int(x) or not 0 <= x <= _UINT64_MAX:
         raise RequestError(f"expected an integer id in [0, 2**64), got {type(x).__name__} {x!r:.40}", name, i)
@@ -278,10 +291,15 @@ class Encoder:
       bags = []
       for i, r in enumerate(records):
         v = r[b.column]
+        if v is None:  # the empty field: an empty bag
+          v = []
         if isinstance(v, str):
           v = v.split(b.separator)
         elif not isinstance(v, list):
           raise RequestError(f"expected a list of strings (or one {b.separator!r}-separated string)", b.column, i)
+        for t in v:
+          if t is None:  # null is a missing field, not a missing token within one
+            raise RequestError("expected a string in the list, got null", b.column, i)
         bags.append([_text(t, b.column, i, ints=True, forbidden="") for t in v])
       cols[b.column] = pa.array(bags, pa.list_(pa.string()))
     return pa.table(cols)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Union
 
 from absl import logging
 
-from recsys_jax.serving.api import RequestError
+from recsys_jax.serving.api import RequestError, SnapshotGone
 from recsys_jax.serving.batcher import Batcher, Overloaded
 from recsys_jax.serving.reload import ModelHolder
 
@@ -67,6 +67,8 @@ def parse_request(body: Union[bytes, str], max_records: int) -> list:
     req = json.loads(body, parse_constant=_no_constant)
   except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
     raise FrontError("bad_request", f"malformed JSON: {e}") from None
+  except RecursionError:  # arrays or objects nested past Python's recursion limit (~1000 deep)
+    raise FrontError("bad_request", "malformed JSON: nested too deeply (a predict request is 3 levels deep)") from None
   if not isinstance(req, dict):
     raise FrontError("bad_request", f'the body must be a JSON object {{"records": [...]}}, got {type(req).__name__}')
   for key in req:
@@ -117,7 +119,7 @@ class Front:
       answer = self.batcher.submit(records).result(self.timeout_s)
     except RequestError as e:
       raise FrontError("bad_request", e.reason, e.field, e.record) from None
-    except Overloaded as e:
+    except (Overloaded, SnapshotGone) as e:  # SnapshotGone: no version that can read its rows; no score
       raise FrontError("unavailable", str(e)) from None
     except concurrent.futures.TimeoutError:
       raise FrontError("unavailable", f"not scored within {self.timeout_s:g} s; the server is overloaded") from None
@@ -137,6 +139,7 @@ class Front:
       "loads": self.holder.loads,
       "failed_loads": self.holder.failures,
       "last_load_error": self.holder.last_error,
+      "skipped": {str(k): v for k, v in sorted(self.holder.skipped.items())},
       "batching": {k: v for k, v in self.batcher.stats().items() if k != "batch_sizes"},
     }
 

@@ -29,6 +29,9 @@ _MAX_SKIP = 64 << 20  # bodies of refused requests up to this are read and dropp
 _ROUTES = {"/v1/predict": "POST", "/v1/model": "GET", "/v1/health": "GET"}
 
 
+DEFAULT_BACKLOG = 1024
+
+
 class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
   front: Front
@@ -38,9 +41,11 @@ class _Server(http.server.ThreadingHTTPServer):
     # A client that breaks off (or speaks plaintext to TLS) is one log line, not a traceback per connection.
     logging.warning("HTTP connection from %s failed: %s", client_address, sys.exc_info()[1])
 
-  def __init__(self, address: Tuple[str, int], handler):
+  def __init__(self, address: Tuple[str, int], handler, backlog: int):
     if ":" in address[0]:
       self.address_family = socket.AF_INET6
+    # socketserver's default of 5 pending connections made a burst of connects wait a SYN retransmit (1 s).
+    self.request_queue_size = backlog
     super().__init__(address, handler)
 
 
@@ -149,6 +154,7 @@ def serve_http(
   max_body_bytes: int = 16 << 20,
   tls_cert: Optional[str] = None,
   tls_key: Optional[str] = None,
+  backlog: int = DEFAULT_BACKLOG,
 ) -> Tuple[http.server.ThreadingHTTPServer, int, threading.Thread]:
   """Starts the HTTP server in a daemon thread.
 
@@ -157,6 +163,7 @@ def serve_http(
     host, port: where to listen (port 0: a free one).
     max_body_bytes: larger bodies are refused with 413 before they are read.
     tls_cert, tls_key: paths of a PEM certificate chain and its key: serve HTTPS (both or neither).
+    backlog: connections the kernel queues before they are accepted (capped by its somaxconn).
 
   Returns:
     The server (stop it with ``.shutdown()`` then ``.server_close()``), its port, its thread.
@@ -167,7 +174,7 @@ def serve_http(
   if (tls_cert is None) != (tls_key is None):
     raise ValueError("TLS needs both a certificate and a key")
   try:
-    server = _Server((host, port), _Handler)
+    server = _Server((host, port), _Handler, backlog)
   except OSError as e:
     raise RuntimeError(f"cannot listen on {host}:{port} (HTTP): {e}") from None
   server.front, server.max_body_bytes = front, max_body_bytes

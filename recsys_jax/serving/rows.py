@@ -20,20 +20,29 @@ few rows cannot check a whole-array CRC, so the whole array is checked once; sna
 never rewritten, so what was checked is what later reads get). ``verify=False`` skips the
 weights pass (the load then reads only the ids).
 
-A snapshot deleted while a scorer reads it (the trainer keeps only the chains of its last
-``max_checkpoints`` checkpoints) makes a read fail with an error naming the snapshot: load the
-newest checkpoint again.
+A served version holds on to what it reads: the scorer hard-links (:func:`hold`; a copy where the
+filesystem cannot link) every file of its checkpoint and PS chain into a directory of its own
+before anything is read, so the trainer's rotation deleting ``ps_snapshots/<name>`` frees nothing
+the version reads, and the load's checks (CRC32 of every array) run on the held files, the ones
+later reads get. The held directory goes when the version is dropped (``owns``). A read that
+still fails (someone deleted the held files, or a chunk of a snapshot that stores every chunk is
+missing: tensorstore would read it as zeros) raises ``SnapshotGone`` naming the snapshot, never a
+fill value.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import socket
 import threading
+import uuid
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
-import tensorstore as ts
 
 from recsys_jax.async_ps import snapshot, snapshot_chain
 from recsys_jax.async_ps.hashing import name_seed
@@ -120,10 +129,76 @@ class RowCache:
 
 
 class _Part:
-  __slots__ = ("directory", "path", "info", "store")
+  __slots__ = ("directory", "path", "info", "store", "all_chunks")
 
-  def __init__(self, directory: str, path: str, info: Dict[str, Any]):
+  def __init__(self, directory: str, path: str, info: Dict[str, Any], all_chunks: bool = False):
     self.directory, self.path, self.info, self.store = directory, path, info, None
+    self.all_chunks = all_chunks  # every chunk is stored: a missing one is an error, not zeros
+
+
+HELD = "serving_held"  # <workdir>/serving_held/<host>-<pid>/<version>-<random>/<snapshot>: what versions hold
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def hold_root(workdir: str) -> str:
+  """This process's directory of held chains under ``workdir``; removes those of dead processes
+  of this host first (a server that was killed cannot remove its own)."""
+  root = os.path.join(os.path.abspath(workdir), HELD)
+  host = socket.gethostname()
+  for name in os.listdir(root) if os.path.isdir(root) else []:
+    h, _, pid = name.rpartition("-")
+    if h == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  return os.path.join(root, f"{host}-{os.getpid()}")
+
+
+def hold(sources: Sequence[Tuple[str, str]], root: str, label: str) -> str:
+  """Hard-links (or copies, across filesystems) every file of the directories ``sources``
+  (``(directory, path under the new one)`` pairs) into a new directory under ``root``, in order;
+  returns the new directory. Nothing under the sources is changed.
+
+  Raises:
+    FileNotFoundError: naming the directory, if one is gone (the trainer rotated it away mid-way);
+      then nothing is left held.
+  """
+  dest = os.path.join(root, f"{label}-{uuid.uuid4().hex[:12]}")
+  try:
+    for d, rel_dest in sources:
+      d = os.path.abspath(d)
+      if not os.path.isdir(d):
+        raise FileNotFoundError(f"{d} does not exist (rotated away?)")
+      to = os.path.join(dest, rel_dest)
+      for top, _dirs, files in os.walk(d, onerror=_raise):
+        rel = os.path.relpath(top, d)
+        os.makedirs(os.path.join(to, rel), exist_ok=True)
+        for f in files:
+          _link(os.path.join(top, f), os.path.join(to, rel, f))
+  except BaseException:
+    shutil.rmtree(dest, ignore_errors=True)
+    raise
+  return dest
+
+
+def _raise(e: OSError) -> None:
+  raise e
+
+
+def _link(src: str, dst: str) -> None:
+  try:
+    os.link(src, dst)
+  except OSError as e:
+    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+      raise
+    shutil.copy2(src, dst)  # a filesystem without hard links: the version keeps a copy
 
 
 class TableRows:
@@ -188,7 +263,7 @@ class TableRows:
     part = self.parts[p]
     try:
       if part.store is None:
-        part.store = ts.open(snapshot._spec(os.path.join(part.directory, part.path, "weights"))).result()
+        part.store = snapshot.open_array(os.path.join(part.directory, part.path, "weights"), part.all_chunks)
       order = np.argsort(rows)
       got = np.empty((rows.shape[0], self.dim), np.float32)
       got[order] = np.asarray(part.store[rows[order].astype(np.int64)].read().result(), np.float32)
@@ -212,19 +287,32 @@ class SnapshotRows:
     cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
       in the chain x its row bytes (a table never gets more slots than it has rows).
     verify: read every weights array once at load and check its CRC32.
+    owns: a directory of held files (:func:`hold`) the chain lies in, removed when this object
+      goes (the version is dropped) or at exit.
   """
 
   def __init__(
-    self, chain: Sequence[str], tables: Mapping[str, Mapping[str, Any]], seed: int, cache_bytes: int, verify=True
+    self,
+    chain: Sequence[str],
+    tables: Mapping[str, Mapping[str, Any]],
+    seed: int,
+    cache_bytes: int,
+    verify=True,
+    owns: Optional[str] = None,
   ):
     self.chain = [os.path.abspath(d) for d in chain]
+    self.held_dir = owns
+    if owns is not None:
+      # Removed when the version is dropped (the last batch that took it finished), or at exit.
+      weakref.finalize(self, shutil.rmtree, owns, True)
     links = snapshot_chain.snapshot_parts(self.chain)
     snapshot_chain.check_links(links)
     entries: Dict[str, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {t: [] for t in tables}
     parts: Dict[str, List[_Part]] = {t: [] for t in tables}
     for link in links:
       for d in link:
-        manifest = snapshot._manifest(d)
+        manifest = snapshot.read_manifest(d)
+        all_chunks = bool(manifest.get("all_chunks", False))
         for table, infos in manifest["parts"].items():
           if table not in tables:
             raise ValueError(f"PS snapshot {d} holds table {table!r}, which the model does not read")
@@ -236,10 +324,10 @@ class SnapshotRows:
             weights = os.path.join(path, "weights")
             if verify:  # read once, checked, dropped: rows are read on demand later
               checked[weights] = (weights, info["weights"])
-            got = snapshot._read_checked(d, checked)
+            got = snapshot.read_checked(d, checked)
             got.pop(weights, None)
             k = len(parts[table])
-            parts[table].append(_Part(d, path, info["weights"]))
+            parts[table].append(_Part(d, path, info["weights"], all_chunks))
             n = got["ids"].shape[0]
             if "deleted" in got:
               m = got["deleted"].shape[0]

@@ -4,9 +4,11 @@
 reader schema, table and feature specs, the model), restores the dense parameters of a
 checkpoint through orbax (checked against their CRC32s, :meth:`Checkpointer.read_dense`), and
 serves the tables from the checkpoint's PS snapshot chain on demand
-(:class:`recsys_jax.serving.rows.SnapshotRows`). The forward is the training eval step
+(:class:`recsys_jax.serving.rows.SnapshotRows`), from files the version holds for as long as it
+lives (hard links under ``<workdir>/serving_held``: the trainer's rotation deleting the chain
+changes nothing it reads). The forward is the training eval step
 (:func:`recsys_jax.training.steps.make_eval_step`), jitted, so scores cannot drift from the
-trainer's evaluation. Nothing in the workdir is written, moved or deleted.
+trainer's evaluation. Nothing the trainer wrote is changed, moved or deleted.
 
 ``newest_step(workdir)`` is cheap (a directory listing and a few small JSON files): the front
 polls it to reload.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 from absl import logging
@@ -67,13 +71,25 @@ def chain_paths(workdir: str, meta: Dict[str, Any]) -> List[str]:
   return [os.path.join(os.path.abspath(workdir), "ps_snapshots", n) for n in meta["ps_chain"]]
 
 
-def newest_step(workdir: str) -> Optional[int]:
-  """The newest checkpoint of ``workdir`` that is complete (a committed orbax step whose meta
-  reads back and matches its CRC32, with every snapshot of its PS chain whole), or None.
+def complete_steps(workdir: str) -> List[int]:
+  """The checkpoints of ``workdir`` that are complete (a committed orbax step whose meta reads back
+  and matches its CRC32, with every snapshot of its PS chain there), newest first.
 
   The dense arrays' CRC32s are checked by ``load_scorer``, which falls back to an older step
-  if they fail (with ``step=None``).
+  if they fail (with ``step=None``); the server's reload skips such a step (``step_signature``).
   """
+  out = []
+  for step in _step_dirs(workdir):
+    try:
+      read_meta(workdir, step)
+    except checkpoint_lib.CheckpointError:
+      continue
+    out.append(step)
+  return out
+
+
+def newest_step(workdir: str) -> Optional[int]:
+  """The newest complete checkpoint of ``workdir`` (``complete_steps``), or None."""
   for step in _step_dirs(workdir):
     try:
       read_meta(workdir, step)
@@ -81,6 +97,18 @@ def newest_step(workdir: str) -> Optional[int]:
       continue
     return step
   return None
+
+
+def step_signature(workdir: str, step: int) -> Tuple[Tuple[str, int, int], ...]:
+  """What changes when checkpoint ``step``'s files change (each file's path, size and mtime): a
+  step that failed to load is tried again only then."""
+  top = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  out = []
+  for d, _, files in os.walk(top):
+    for f in files:
+      st = os.stat(os.path.join(d, f))
+      out.append((os.path.relpath(os.path.join(d, f), top), st.st_size, st.st_mtime_ns))
+  return tuple(sorted(out))
 
 
 class _Model:
@@ -111,6 +139,26 @@ class _Model:
     self.group_features = group_features(self.features, by_name)
     self.traces: Dict[str, int] = {}
     self.eval_step = make_eval_step(self.model, self.group_features, self.traces)
+
+
+_BUILT: Dict[str, Any] = {}  # workdir -> ((config as JSON, max_batch), _Model): the newest load's, for the next
+_BUILT_LOCK = threading.Lock()
+
+
+def _built(workdir: str, config, max_batch: int) -> "_Model":
+  """The model ``config`` builds, the one the last load of ``workdir`` built if the config is the
+  same: a reload then compiles nothing (the forward takes the parameters as an argument; building
+  and compiling per version took most of a 4-9 s reload beside a running trainer)."""
+  key = (config.to_json_best_effort(sort_keys=True), max_batch)  # max_batch: its traces count its shapes
+  with _BUILT_LOCK:
+    got = _BUILT.get(workdir)
+    if got is not None and got[0] == key:
+      return got[1]
+  built = _Model(config)
+  built.step_fn = jax.jit(built.eval_step)
+  with _BUILT_LOCK:
+    _BUILT[workdir] = (key, built)
+  return built
 
 
 def load_scorer(
@@ -148,32 +196,47 @@ def load_scorer(
       raise FileNotFoundError(f"{workdir} holds no checkpoint (checkpoints/<step>)")
   else:
     steps = [int(step)]
-  built = _Model(config)
-  ckpt = checkpoint_lib.Checkpointer(workdir)
-  errors = []
-  try:
-    for s in steps:
-      try:
-        meta = read_meta(workdir, s)
-        state, _ = ckpt.read_dense(s, built.template)
-      except checkpoint_lib.CheckpointError as e:
-        if step is not None:
-          raise
-        logging.warning("serving: skipping checkpoint %d: %s", s, e)
-        errors.append(str(e))
-        continue
-      break
-    else:
-      raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
-  finally:
-    ckpt.close()
+  built = _built(workdir, config, max_batch)
   if cache_bytes is None:
     width = max(t.dim for t in built.tables) * 4
     cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
   tables = {t.name: rows_lib.table_info(t) for t in built.tables}
-  snap = rows_lib.SnapshotRows(chain_paths(workdir, meta), tables, int(config.seed), cache_bytes, verify=verify)
+  errors = []
+  for s in steps:
+    held = None
+    try:
+      names = read_meta(workdir, s)["ps_chain"]
+      # Everything the version reads (its checkpoint and PS chain) is held (hard-linked) first
+      # and read from there: a rotation after this point cannot touch it, one before fails here.
+      held = rows_lib.hold(
+        [(os.path.join(workdir, "checkpoints", str(s)), os.path.join("checkpoints", str(s)))]
+        + [(p, os.path.join("ps_snapshots", os.path.basename(p))) for p in chain_paths(workdir, {"ps_chain": names})],
+        rows_lib.hold_root(workdir),
+        f"step-{s}",
+      )
+      snap = rows_lib.SnapshotRows(
+        chain_paths(held, read_meta(held, s)), tables, int(config.seed), cache_bytes, verify=verify, owns=held
+      )
+      ckpt = checkpoint_lib.Checkpointer(held)
+      try:
+        state, _ = ckpt.read_dense(s, built.template)
+      finally:
+        ckpt.close()
+    except (checkpoint_lib.CheckpointError, OSError, ValueError) as e:
+      if held is not None:
+        shutil.rmtree(held, ignore_errors=True)
+      if not isinstance(e, checkpoint_lib.CheckpointError):
+        e = checkpoint_lib.CheckpointError(f"checkpoint {s} of {workdir}: its PS snapshot chain: {e}")
+      if step is not None:
+        raise e from None
+      logging.warning("serving: skipping checkpoint %d: %s", s, e)
+      errors.append(str(e))
+      continue
+    break
+  else:
+    raise checkpoint_lib.CheckpointError(f"no checkpoint in {workdir} is intact: " + "; ".join(errors))
   params = jax.device_get(state.params)
-  step_fn = jax.jit(built.eval_step)
+  step_fn = built.step_fn
 
   def forward(rows, batch):
     return step_fn(params, rows, batch)["logits"]
@@ -188,7 +251,12 @@ def load_scorer(
     forward,
     max_batch,
   )
-  scorer.step, scorer.workdir, scorer.chain, scorer.params = s, workdir, snap.chain, params
+  scorer.step, scorer.workdir, scorer.chain, scorer.params = (
+    s,
+    workdir,
+    chain_paths(workdir, {"ps_chain": names}),
+    params,
+  )
   scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
   scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
   scorer.encoder_data = run_config.to_dict(config.data)

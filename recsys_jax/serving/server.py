@@ -21,6 +21,8 @@ class Serving:
   Args:
     workdir: the training run's directory.
     load, newest: ``serving.scorer.load_scorer`` and ``newest_step`` (or a test's own).
+    steps, signature: ``serving.scorer.complete_steps`` and ``step_signature`` (``reload.ModelHolder``).
+    backlog: the HTTP listener's queue of connections not yet accepted.
     host: the address both sides bind (default loopback only).
     http_port, grpc_port: 0 picks a free port; None leaves that side off.
     token: if set, every request must carry ``authorization: Bearer <token>``.
@@ -55,10 +57,13 @@ class Serving:
     threads: int = 32,
     max_body_bytes: int = 16 << 20,
     timeout_s: float = 30.0,
+    steps=None,
+    signature=None,
+    backlog: int = 1024,
   ):
     if (tls_cert is None) != (tls_key is None):
       raise ValueError("TLS needs both --tls_cert and --tls_key")
-    self.holder = ModelHolder(workdir, load, newest, step)
+    self.holder = ModelHolder(workdir, load, newest, step, steps=steps, signature=signature)
     self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers, on_gone=self.holder.check)
     if warm_reload:
       self.holder.warm = self.batcher.warm
@@ -67,7 +72,9 @@ class Serving:
     self.http_port = self.grpc_port = None
     try:
       if http_port is not None:
-        self.http, self.http_port, _ = serve_http(self.front, host, http_port, max_body_bytes, tls_cert, tls_key)
+        self.http, self.http_port, _ = serve_http(
+          self.front, host, http_port, max_body_bytes, tls_cert, tls_key, backlog
+        )
       if grpc_port is not None:
         cert = key = None
         if tls_cert is not None:
