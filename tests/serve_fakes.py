@@ -84,6 +84,8 @@ class LinearScorer:
     return np.concatenate([e[0] for e in encoded]), np.concatenate([e[1] for e in encoded])
 
   def predict(self, encoded) -> np.ndarray:
+    if isinstance(encoded, list):  # raw records, as the Scorer protocol allows
+      encoded = self.encode(encoded)
     self.predict_calls += 1
     self.predicted.append(len(encoded[0]))
     if self.delay_s:

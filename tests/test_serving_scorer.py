@@ -214,6 +214,13 @@ def test_padding_changes_no_score_and_each_bucket_compiles_once(runs):
   for size in (1, 2, 3, 4, 5, 6, 7, 8):
     sc.predict(sc.encode(recs[:size]))
   assert sc.traces["eval"] == traces  # nothing new compiled for sizes already seen
+  # Raw records score through the Python API as they are, any number of them (21 > max_batch 8).
+  encoded = sc.concat([sc.encode(recs[a : a + 8]) for a in range(0, len(recs), 8)])
+  np.testing.assert_array_equal(sc.predict(recs), sc.predict(encoded))
+  with pytest.raises(RequestError, match="cat_00"):
+    sc.predict(recs[:3] + [{k: v for k, v in recs[3].items() if k != "cat_00"}])
+  with pytest.raises(TypeError, match="predict takes records"):
+    sc.predict({"records": recs})
 
 
 def test_bounded_cache_serves_a_table_four_times_larger_with_the_same_scores(runs, refs):

@@ -55,5 +55,9 @@ class Scorer(Protocol):
     ...
 
   def predict(self, encoded: Any) -> np.ndarray:
-    """Click probabilities, float32 [number of records], in the records' order."""
+    """Click probabilities, float32 [number of records], in the records' order.
+
+    ``encoded``: what ``encode`` returned, or the raw records themselves (a list of dicts, any
+    number: they are encoded here, and a bad one raises ``RequestError`` as ``encode`` does).
+    """
     ...

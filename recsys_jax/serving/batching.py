@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Dict, Mapping, Sequence
+from typing import Any, Callable, Dict, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -105,7 +105,16 @@ class BatchScorer:
       raise ValueError("nothing to concatenate")
     return Encoded(base.concat_columns([e.cols for e in encoded]))
 
-  def predict(self, encoded: Encoded) -> np.ndarray:
+  def predict(self, encoded: Union[Encoded, Sequence[Mapping[str, Any]]]) -> np.ndarray:
+    if not isinstance(encoded, Encoded):  # raw records (a notebook's list of dicts): any number of them
+      if not isinstance(encoded, (list, tuple)):
+        raise TypeError(
+          f"predict takes records (a list of dicts) or encode(records)'s result, not {type(encoded).__name__}"
+        )
+      parts = [self.encode(encoded[a : a + self.max_batch]) for a in range(0, len(encoded), self.max_batch)]
+      if not parts:
+        return np.zeros(0, np.float32)
+      encoded = self.concat(parts)
     n = len(encoded)
     out = np.empty(n, np.float32)
     for a in range(0, n, self.max_batch):
