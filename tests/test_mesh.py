@@ -119,12 +119,12 @@ def _sgd(c):
   return c
 
 
-def _rows(c, workdir, ps=None):
-  """Every row of the run's final PS snapshot (in-process or remote PS servers'), by (table, id),
-  read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
+def _rows(c, workdir, ps=None, step=STEPS):
+  """Every row of the PS snapshot of checkpoint ``step`` (in-process or remote PS servers'), by
+  (table, id), read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
   from recsys_jax.async_ps import snapshot_chain
 
-  with open(os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")) as f:
+  with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
     chain = json.load(f)["ps_chain"]
   job = None if ps is not None else train.build_job(c, workdir + "-probe")
   ps = ps if job is None else job.ps
