@@ -21,7 +21,7 @@ import grpc
 import jax
 import numpy as np
 import pytest
-from launcher_job import LauncherJob, running
+from launcher_job import RESTART, LauncherJob, running
 
 from recsys_jax import train
 
@@ -94,8 +94,14 @@ def in_process(tmp_path_factory):
   return train.train_and_evaluate(tiny.get_config(), str(tmp_path_factory.mktemp("in_process")))
 
 
-def test_two_servers_two_trainers_match_the_in_process_run(in_process, tmp_path):
-  """Through the launcher: real servers and trainers, log lines prefixed, exit 0."""
+CHECKPOINT_EVERY = ("--config.checkpoint_every=20",)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  """A launcher job (2 servers, 2 trainers, tiny config, a checkpoint every 20 steps) run to its
+  end: its stdout and summary."""
+  workdir = tmp_path_factory.mktemp("launched") / "run"
   out = subprocess.run(
     [
       sys.executable,
@@ -104,7 +110,8 @@ def test_two_servers_two_trainers_match_the_in_process_run(in_process, tmp_path)
       "--config=configs/tiny.py",
       "--num_ps=2",
       "--num_workers=2",
-      f"--workdir={tmp_path / 'run'}",
+      f"--workdir={workdir}",
+      *CHECKPOINT_EVERY,
     ],
     cwd=ROOT,
     capture_output=True,
@@ -112,14 +119,49 @@ def test_two_servers_two_trainers_match_the_in_process_run(in_process, tmp_path)
     timeout=300,
   )
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-  lines = out.stdout.splitlines()
+  return out.stdout, json.load(open(workdir / "summary.json"))
+
+
+def test_two_servers_two_trainers_match_the_in_process_run(in_process, launched):
+  """Through the launcher: real servers and trainers, log lines prefixed, exit 0."""
+  stdout, s = launched
+  lines = stdout.splitlines()
   for name in ("ps-0", "ps-1", "worker-0", "worker-1"):
     assert any(line.startswith(f"[{name}] ") for line in lines), name
-  s = json.load(open(tmp_path / "run" / "summary.json"))
   assert s["steps"] == in_process["steps"] and s["devices"] == 2
   assert s["eval_samples"] == in_process["eval_samples"]
   assert abs(s["auc"] - in_process["auc"]) <= 0.005, (s["auc"], in_process["auc"])
   assert s["ps_rows"] > 0
+
+
+def test_a_server_sigkilled_between_checkpoints_restarts_and_ends_like_no_kill(launched, tmp_path):
+  """The default suite's form of tests/test_chaos.py: the same launcher job with one restart
+  allowed; PS server 1 is SIGKILLed between checkpoints (once checkpoint 20 and both trainers'
+  hot-set files are written). One restart, naming it; the job resumes from the newest checkpoint
+  left and ends with the auc, logloss and steps (==) of the uninterrupted job."""
+  from test_chaos import _checkpoints, _new_checkpoint, _started_in, _wait
+
+  workdir = str(tmp_path / "run")
+  job = LauncherJob(workdir, *CHECKPOINT_EVERY, "--max_restarts=1", num_steps=None)
+  try:
+    pid = _wait(lambda: _started_in(job, "ps-1", 0), job, "ps-1 of attempt 0")
+    step = _new_checkpoint(job, 0)
+    hot = [os.path.join(workdir, "checkpoints", str(step), f"hot_rows_p{i}.npz") for i in range(2)]
+    _wait(lambda: all(map(os.path.exists, hot)), job, f"the hot-set files of checkpoint {step}")
+    landed = running(pid)
+    os.kill(pid, signal.SIGKILL)
+    left = _checkpoints(workdir)
+    restart = job.wait_for(RESTART.pattern)
+    assert job.proc.wait(300) == 0, job.tail()
+  finally:
+    job.end()
+  ref = launched[1]
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert landed and job.restarts() == [(restart[1], 1, 1)], job.restarts()
+  assert restart[1].startswith("ps-1 ") and "signal SIGKILL" in restart[1], restart[1]
+  assert summary["resumed_from"] in left and summary["resumed_from"] >= step, (summary["resumed_from"], left)
+  assert ref["resumed_from"] is None and ref["steps"] == summary["steps"] == 120
+  assert {m: summary[m] for m in ("auc", "logloss", "steps")} == {m: ref[m] for m in ("auc", "logloss", "steps")}
 
 
 def _config_flags(c, fields):
