@@ -300,3 +300,21 @@ def test_stop_and_resume_with_bounded_tables_equals_uninterrupted(tiny_config, t
   again = train.train_and_evaluate(c, preempted_dir)
   assert again["resumed_from"] == half.num_steps
   _assert_same_run(full, again, full_dir, preempted_dir, f"{bound}, preempted")
+
+
+def test_resume_with_an_lru_bound_expiry_and_a_tier_in_a_short_run(tiny_config, tmp_path):
+  """The default suite's form of the slow cases above that ``combined`` does not cover: LRU
+  eviction, expiry and a RAM tier together, on a 40-step run preempted after its checkpoint at 20
+  (a chain: full at 10, incremental at 20) and resumed, against the run that never stopped."""
+  c = tiny_config
+  c.num_steps, c.checkpoint_every, c.max_checkpoints = 40, 10, 10
+  c.eval_samples = c.eval_batch_size = 4096
+  c.embeddings.capacity, c.embeddings.eviction, c.embeddings.expire_after = 150, "lru", 15
+  c.ps.tier = "memory"
+  full_dir, preempted_dir = str(tmp_path / "full"), str(tmp_path / "preempted")
+  full = train.train_and_evaluate(c, full_dir)
+  assert full["ps_tier_rows"] > 0  # rows went to the tier (the bound was reached)
+  _preempted_copy(full_dir, preempted_dir, 20)
+  again = train.train_and_evaluate(c, preempted_dir)
+  assert again["resumed_from"] == 20
+  _assert_same_run(full, again, full_dir, preempted_dir, "lru, expiry and tier, preempted")

@@ -17,7 +17,8 @@ uninterrupted launcher run, and resume its last attempt from the newest checkpoi
 last kill landed.
 
 ``config.ps.timeout_s`` stays at its default: the launcher sees a dead child as its exit, not
-through the trainers' deadlines (tests/test_cluster.py times those).
+through the trainers' deadlines (tests/test_cluster.py times those). The default suite's form of
+this test, one kill between checkpoints, is in tests/test_cluster.py.
 """
 
 import functools

@@ -588,10 +588,7 @@ def test_manifests_parse():
 @pytest.mark.parametrize("container", [SERVER, TRAINER_C], ids=["ps", "trainer"])
 def test_container_modules_exist(container):
   module = _module(_words(container))
-  if importlib.util.find_spec(module) is None:
-    if module == launch.PS_MODULE:
-      pytest.xfail(f"{module} is being written in parallel and is not in the repository yet")
-    pytest.fail(f"{module} (run by the manifests) is not in the repository")
+  assert importlib.util.find_spec(module) is not None, f"{module} (run by the manifests) is not in the repository"
 
 
 def _defined_flags(module):
@@ -603,8 +600,6 @@ def _defined_flags(module):
 def test_container_flags_are_defined():
   containers = [SERVER, TRAINER_C]
   modules = [_module(_words(c)) for c in containers]
-  if importlib.util.find_spec(launch.PS_MODULE) is None:
-    pytest.xfail(f"{launch.PS_MODULE} is not in the repository yet")
   for container, module in zip(containers, modules):
     words = _words(container)
     passed = {w[2:].split("=", 1)[0].split(".", 1)[0] for w in words[words.index("-m") + 2 :]}

@@ -119,12 +119,12 @@ def _sgd(c):
   return c
 
 
-def _rows(c, workdir, ps=None):
-  """Every row of the run's final PS snapshot (in-process or remote PS servers'), by (table, id),
-  read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
+def _rows(c, workdir, ps=None, step=STEPS):
+  """Every row of the PS snapshot of checkpoint ``step`` (in-process or remote PS servers'), by
+  (table, id), read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
   from recsys_jax.async_ps import snapshot_chain
 
-  with open(os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")) as f:
+  with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
     chain = json.load(f)["ps_chain"]
   job = None if ps is not None else train.build_job(c, workdir + "-probe")
   ps = ps if job is None else job.ps
@@ -135,31 +135,49 @@ def _rows(c, workdir, ps=None):
   return {(t, int(i)): w for t, s in snap.items() for i, w in zip(s["ids"], s["weights"])}
 
 
+HOT_STEPS = 14
+
+
+def _hot(c):
+  """Hot rows chosen at step 2 and re-chosen every 3 steps (256 rows of the tiny tables), over
+  HOT_STEPS steps."""
+  c.num_steps = HOT_STEPS
+  c.hot_rows_bytes, c.hot_warmup_steps, c.hot_every, c.hot_min_count = 1 << 13, 2, 3, 1
+  return c
+
+
 _SGD_RUN = r"""
-import sys
+import json, sys
 from configs import tiny
 from recsys_jax import train
 sys.path.insert(0, "tests")
 import numpy as np
-from test_mesh import _dense_params, _sgd
-c = _sgd(tiny.get_config())
+from test_mesh import HOT_STEPS, _dense_params, _hot, _sgd
+c = _hot(_sgd(tiny.get_config()))
 c.mesh.replica, c.mesh.fsdp, c.micro_steps = 2, 4, 2
-train.train_and_evaluate(c, sys.argv[1])
-np.savez(sys.argv[1] + ".npz", **_dense_params(sys.argv[1]))  # orbax reads it back on its own topology only
+s = train.train_and_evaluate(c, sys.argv[1])
+np.savez(sys.argv[1] + ".npz", **_dense_params(sys.argv[1], HOT_STEPS))  # orbax reads it back on its own topology only
+json.dump(s["hot"], open(sys.argv[1] + ".hot.json", "w"))
 """
 
 
 def test_rows_and_dense_weights_on_8_devices_match_one_device_with_sgd(tiny_config, tmp_path):
-  """2 groups x 4 devices x 2 micro-steps against one device: every dense weight and every row."""
-  c = _sgd(tiny_config)
+  """2 groups x 4 devices x 2 micro-steps with hot rows (chosen and re-chosen: their update, the
+  gradient summed over the devices, is checked) against one device without: every dense weight
+  and every row."""
+  c = _hot(_sgd(tiny_config))
+  c.hot_rows_bytes = 0
   train.train_and_evaluate(c, str(tmp_path / "single"))
   out = _on_8_devices(_SGD_RUN, str(tmp_path / "mesh"))
   assert out.returncode == 0, out.stderr[-3000:]
-  ref, got = _dense_params(str(tmp_path / "single")), dict(np.load(tmp_path / "mesh.npz"))
+  hot = json.load(open(tmp_path / "mesh.hot.json"))
+  assert [x["step"] for x in hot["choices"]] == [2, 5, 8, 11] and hot["hot_hit_rate"] > 0.5, hot
+  ref, got = _dense_params(str(tmp_path / "single"), HOT_STEPS), dict(np.load(tmp_path / "mesh.npz"))
   assert got.keys() == ref.keys()
   for k in ref:
     np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  ref_rows, got_rows = _rows(c, str(tmp_path / "single")), _rows(c, str(tmp_path / "mesh"))
+  ref_rows = _rows(c, str(tmp_path / "single"), step=HOT_STEPS)
+  got_rows = _rows(c, str(tmp_path / "mesh"), step=HOT_STEPS)
   assert got_rows.keys() == ref_rows.keys() and len(ref_rows) > 500
   for key, w in ref_rows.items():
     np.testing.assert_allclose(got_rows[key], w, rtol=1e-4, atol=1e-6, err_msg=str(key))

@@ -6,6 +6,7 @@
 - ``recsys_jax.async_ps`` imports no jax (the PS runs on hosts without accelerators and in
   server processes that must start fast), neither directly nor through what it imports.
 - No module is over 450 lines, and ``train.train_and_evaluate`` fits on a screen.
+- No test turns a project module that fails to import into a skip (``importorskip`` and the like).
 """
 
 from __future__ import annotations
@@ -173,3 +174,58 @@ def test_the_graph_sees_real_imports():
   assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.ps"]
   assert "jax" in external["recsys_jax.train"] or "jax" in external["recsys_jax.training.steps"]
   assert os.path.basename(__file__) == "test_structure.py"
+
+
+_OURS = ("recsys_jax", "configs", "experiments")
+_SKIPS = ("skip", "xfail", "importorskip")
+
+
+def _is_ours(module) -> bool:
+  return isinstance(module, str) and module.split(".")[0] in _OURS + tuple(
+    p.stem for p in (ROOT / "tests").glob("*.py")
+  )
+
+
+def _skips_on_missing_project_modules(tree: ast.AST) -> list[int]:
+  """Lines where a test file turns a project module that fails to import into a skip or xfail:
+  ``pytest.importorskip("recsys_jax...")``, a ``try`` importing one with an ``except ImportError``,
+  or an ``if ...find_spec(...)`` that skips."""
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "importorskip":
+      if node.args and _is_ours(getattr(node.args[0], "value", None)):
+        lines.append(node.lineno)
+    elif isinstance(node, ast.Try):
+      caught = {ast.unparse(h.type) for h in node.handlers if h.type is not None}
+      imports = [n for s in node.body for n in ast.walk(s) if isinstance(n, (ast.Import, ast.ImportFrom))]
+      names = [a.name for n in imports if isinstance(n, ast.Import) for a in n.names]
+      names += [n.module for n in imports if isinstance(n, ast.ImportFrom) and not n.level]
+      if caught & {"ImportError", "ModuleNotFoundError", "Exception"} and any(map(_is_ours, names)):
+        lines.append(node.lineno)
+    elif isinstance(node, ast.If) and "find_spec" in ast.unparse(node.test):
+      called = {getattr(n.func, "attr", "") for s in node.body for n in ast.walk(s) if isinstance(n, ast.Call)}
+      if called & set(_SKIPS):
+        lines.append(node.lineno)
+  return lines
+
+
+def test_no_test_skips_a_project_module_that_fails_to_import():
+  """A broken import in the project must fail the suite, not skip the tests that would show it."""
+  found = {}
+  for path in sorted((ROOT / "tests").glob("*.py")):
+    lines = _skips_on_missing_project_modules(ast.parse(path.read_text(), str(path)))
+    if lines:
+      found[path.name] = lines
+  assert not found, f"skips on a project module's import (file: lines): {found}"
+
+
+def test_the_skip_finder_sees_each_form():
+  forms = [
+    'scorer = pytest.importorskip("recsys_jax.serving.scorer")',
+    "try:\n  from recsys_jax.serving import scorer\nexcept ImportError:\n  pytest.skip('no scorer')",
+    "if importlib.util.find_spec('recsys_jax.async_ps.server') is None:\n  pytest.xfail('not yet')",
+  ]
+  for src in forms:
+    assert _skips_on_missing_project_modules(ast.parse(src)) == [1], src
+  fine = 'np = pytest.importorskip("numpy")\ntry:\n  import tqdm\nexcept ImportError:\n  tqdm = None'
+  assert _skips_on_missing_project_modules(ast.parse(fine)) == []
