@@ -75,11 +75,39 @@ def load(path: Optional[str]) -> ml_collections.ConfigDict:
   return module.get_config()
 
 
+def model_argument_docs(model: str) -> Dict[str, str]:
+  """A model's constructor arguments (``config.model.kwargs``) -> the docstring under each in its class, with
+  its default: the models' own text, so a model's fields mean the same in --helpconfig as in its code."""
+  import dataclasses
+  import inspect
+  import textwrap
+
+  from recsys_jax.models import MODELS
+
+  cls = MODELS.get(model)
+  if cls is None:
+    return {}
+  body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+  texts = {}
+  for node, after in zip(body, body[1:]):
+    doc = getattr(after, "value", None)
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Constant):
+      texts[node.target.id] = " ".join(str(doc.value).split())
+  defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+  return {
+    k: f"{texts.get(k, '(undocumented)')} ({model}'s argument; its default {defaults[k]!r})"
+    for k in texts.keys() | defaults.keys()
+    if k not in ("parent", "name")
+  }
+
+
 def describe(path: Optional[str] = None) -> str:
   """Every field of the config at ``path`` (default.py for None): ``--config.<field>=<value>`` and its meaning,
   in default.py's order, each section headed by its own text."""
   docs = field_docs()
   config = load(path)
+  for k, text in model_argument_docs(config.model.name).items():
+    docs.setdefault(f"model.kwargs.{k}", (docs.get("model.kwargs", (1 << 30, ""))[0], text))
   fields = sorted(leaves(config), key=lambda kv: (docs.get(kv[0], (1 << 30, ""))[0], kv[0]))
   lines = [f"Config fields ({path or 'configs/default.py'}; set any with --config.<field>=<value>):"]
   section = None

@@ -107,12 +107,39 @@ def _load_config():
   return config
 
 
+def _model_kwargs_follow_the_model(config) -> None:
+  """``--config.model.name`` switches the model; the config file's ``model.kwargs`` were written for
+  its own model, so those the new model does not take give way to its defaults (one line names
+  them). Without the flag, an argument the model does not take stays an error (a typo in a config
+  file), and so does one given on the command line."""
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  if "model.name" not in overrides:
+    return
+  from recsys_jax.training.validation import model_arguments  # a bad name is refused there, naming it
+
+  takes = model_arguments(config.model.name)
+  if takes is None:
+    return
+  kwargs = config.model.kwargs
+  drop = [k for k in kwargs if k not in takes and f"model.kwargs.{k}" not in overrides]
+  if drop:
+    with config.unlocked():
+      for k in drop:
+        del kwargs[k]
+    print(
+      f"model {config.model.name!r} (--config.model.name): the config's model.kwargs {', '.join(drop)} are not its "
+      f"arguments and were dropped; it takes {', '.join(sorted(takes))} (its defaults unless set)",
+      file=sys.stderr,
+    )
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=EXIT_CONFIG)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   config = _load_config()  # before joining the job: a config error needs no coordinator
+  _model_kwargs_follow_the_model(config)
   if _NUM_PROCESSES.value > 1:
     if not _COORDINATOR.value:
       raise app.UsageError(

@@ -89,3 +89,40 @@ def test_a_bad_config_flag_is_one_error_line(flag, line, tmp_path):
   assert r.returncode == 2
   assert r.stderr.splitlines() == [line]
   assert os.listdir(tmp_path) == []  # nothing started
+
+
+def test_model_specific_fields_carry_their_meaning_from_the_model():
+  r = main("--config=configs/dcn_v2.py", "--helpconfig")
+  assert r.returncode == 0, r.stderr
+  assert (
+    "  --config.model.kwargs.num_cross=2\n      Number of cross layers. (dcn_v2's argument; its default 3)" in r.stdout
+  )
+  assert "(not in configs/default.py)" not in r.stdout
+
+
+def test_one_flag_switches_the_model_and_its_kwargs_follow(tmp_path):
+  """configs/tiny.py's DLRM kwargs (bottom, top) give way to DCN-v2's defaults, said in one line; an argument
+  given on the command line that the model does not take stays an error."""
+  r = main(
+    "--config=configs/tiny.py",
+    "--config.model.name=dcn_v2",
+    "--config.num_steps=2",
+    "--config.eval_samples=512",
+    "--config.eval_batch_size=512",
+    f"--workdir={tmp_path / 'a'}",
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  dropped = [line for line in r.stderr.splitlines() if line.startswith("model 'dcn_v2'")]
+  assert dropped == [
+    "model 'dcn_v2' (--config.model.name): the config's model.kwargs bottom, top are not its arguments and were "
+    "dropped; it takes deep, low_rank, num_cross, structure (its defaults unless set)"
+  ]
+  assert "dcn_v2" in r.stdout
+  r = main(
+    "--config=configs/tiny.py",
+    "--config.model.name=dcn_v2",
+    "--config.model.kwargs.top=(8,)",
+    f"--workdir={tmp_path}/b",
+  )
+  assert r.returncode == 2
+  assert r.stderr.splitlines()[-1].startswith("error: config.model.kwargs.top: model 'dcn_v2' takes no such argument")

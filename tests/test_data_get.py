@@ -84,11 +84,11 @@ def test_a_changed_file_or_a_wrong_archive_checksum_leaves_nothing(movielens_dir
   dest = tmp_path / "data"
   with pytest.raises(get.DataNotFound, match=r"ratings.csv has sha256 [0-9a-f]{64}, expected aa289ca8"):
     get.get_movielens(str(dest), bad.as_uri(), say=lambda m: None)
-  assert os.listdir(dest) == []
+  assert not dest.exists()  # nothing left behind, not even the folder it made
   good = make_zip(tmp_path / "good.zip", movielens_dir)
   with pytest.raises(get.DataNotFound, match="the archive has sha256"):
     get.get_movielens(str(dest), good.as_uri(), archive_sha256="0" * 64, say=lambda m: None)
-  assert os.listdir(dest) == []
+  assert not dest.exists()  # nothing left behind, not even the folder it made
   right = get.sha256_of(str(good))
   assert os.path.isdir(get.get_movielens(str(dest), good.as_uri(), archive_sha256=right, say=lambda m: None))
 
@@ -110,6 +110,19 @@ def test_cli_failure_is_one_error_line(tmp_path):
   assert r.returncode == 2
   lines = r.stderr.splitlines()
   assert len(lines) == 1 and lines[0].startswith(f"error: could not download {(tmp_path / 'no.zip').as_uri()}: "), lines
+  assert "--url=file:///" in lines[0] and "--config.data.path" in lines[0], lines  # the next step offline
+
+
+def test_a_failed_download_leaves_no_folder_behind(tmp_path):
+  """Offline, the data folder the command would have made is not left behind empty."""
+  dest = tmp_path / "new" / "data"
+  with pytest.raises(get.DataNotFound, match="could not download"):
+    get.get_movielens(str(dest), (tmp_path / "no.zip").as_uri(), say=lambda m: None)
+  assert os.listdir(tmp_path) == []
+  (tmp_path / "kept").mkdir()  # a folder that was there before stays
+  with pytest.raises(get.DataNotFound):
+    get.get_movielens(str(tmp_path / "kept"), (tmp_path / "no.zip").as_uri(), say=lambda m: None)
+  assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == []
 
 
 def test_nothing_found_names_every_place_tried_and_the_command(tmp_path, monkeypatch):

@@ -124,6 +124,16 @@ def _unpack(archive: str, into: str, expected: Dict[str, str]) -> None:
       )
 
 
+def _missing_parents(path: str) -> List[str]:
+  """The folders ``os.makedirs(path)`` would create, deepest first."""
+  out = []
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    out.append(path)
+    path = os.path.dirname(path)
+  return out
+
+
 def get_movielens(
   dest: str, url: str = MOVIELENS_URL, archive_sha256: Optional[str] = None, say: Callable[[str], None] = print
 ) -> str:
@@ -146,8 +156,10 @@ def get_movielens(
     return final
   if os.path.exists(final):
     raise DataNotFound(f"{final} exists but is not the expected ml-latest-small: move it away first")
+  created = _missing_parents(dest)
   os.makedirs(dest, exist_ok=True)
   work = tempfile.mkdtemp(prefix=f".{MOVIELENS_DIR}.", dir=dest)
+  done = False
   try:
     archive = os.path.join(work, "archive.zip")
     say(f"downloading {url}")
@@ -155,15 +167,26 @@ def get_movielens(
       with urllib.request.urlopen(url, timeout=60) as r, open(archive, "wb") as f:
         shutil.copyfileobj(r, f)
     except (urllib.error.URLError, OSError, ValueError) as e:
-      raise DataNotFound(f"could not download {url}: {getattr(e, 'reason', e)}") from None
+      raise DataNotFound(
+        f"could not download {url}: {getattr(e, 'reason', e)}; on a machine without internet, fetch "
+        f"{os.path.basename(MOVIELENS_URL)} elsewhere and run: python -m recsys_jax.data.get movielens "
+        "--url=file:///path/to/it.zip (or unzip it and pass --config.data.path=DIR)"
+      ) from None
     if archive_sha256 is not None and sha256_of(archive) != archive_sha256.lower():
       raise DataNotFound(f"{url}: the archive has sha256 {sha256_of(archive)}, expected {archive_sha256}")
     unpacked = os.path.join(work, MOVIELENS_DIR)
     os.mkdir(unpacked)
     _unpack(archive, unpacked, MOVIELENS_SHA256)
     os.replace(unpacked, final)
+    done = True
   finally:
     shutil.rmtree(work, ignore_errors=True)
+    if not done:  # the folders this call made, if they stayed empty: a failure leaves nothing behind
+      for d in created:
+        try:
+          os.rmdir(d)
+        except OSError:
+          break
   try:
     found = os.path.abspath(find_movielens("")) == os.path.abspath(final)
   except DataNotFound:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import ml_collections
 import optax
@@ -175,10 +175,17 @@ _KWARG_TYPES = {
 }
 
 
+def model_arguments(name: str) -> Optional[Dict[str, Any]]:
+  """The constructor arguments of model ``name`` (argument -> annotation), or None for no such model."""
+  cls = MODELS.get(name)
+  if cls is None:
+    return None
+  return {f.name: f.type for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")}
+
+
 def _check_model_kwargs(config) -> None:
   """Every ``config.model.kwargs`` entry is an argument of the model, of its type."""
-  cls = MODELS[config.model.name]
-  fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")}
+  fields = model_arguments(config.model.name)
   for k, v in dict(config.model.kwargs).items():
     if k not in fields:
       raise ValueError(
