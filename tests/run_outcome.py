@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -42,3 +43,14 @@ def outcome(c, workdir):
   params, rows = checkpoint_contents(c, workdir, c.num_steps)
   keep = ("auc", "logloss", "eval_samples", "bad_records_skipped", "bad_record_examples", "ps_rows")
   return {k: s[k] for k in keep}, losses, params, rows
+
+
+def preempted_copy(src, dst, step):
+  """A copy of a finished run's workdir as a run preempted just after its checkpoint at ``step``."""
+  shutil.copytree(src, dst)
+  for name in os.listdir(os.path.join(dst, "checkpoints")):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(os.path.join(dst, "checkpoints", name))
+  for name in os.listdir(os.path.join(dst, "ps_snapshots")):
+    if int(name.split("-")[0]) > step:
+      shutil.rmtree(os.path.join(dst, "ps_snapshots", name))

@@ -9,7 +9,6 @@ tiny config and compare the resumed run with an uninterrupted one at staleness 0
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from recsys_jax import train
 from recsys_jax.async_ps import snapshot
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from tests.run_outcome import preempted_copy
 
 # -- the parameter server ---------------------------------------------------------------
 
@@ -242,17 +242,6 @@ def _final_rows(workdir, step=None):
   return out
 
 
-def _preempted_copy(src, dst, step):
-  """A copy of a finished run's workdir as a run preempted just after its checkpoint at ``step``."""
-  shutil.copytree(src, dst)
-  for name in os.listdir(os.path.join(dst, "checkpoints")):
-    if name.isdigit() and int(name) > step:
-      shutil.rmtree(os.path.join(dst, "checkpoints", name))
-  for name in os.listdir(os.path.join(dst, "ps_snapshots")):
-    if int(name.split("-")[0]) > step:
-      shutil.rmtree(os.path.join(dst, "ps_snapshots", name))
-
-
 def _assert_same_run(full, resumed, full_dir, resumed_dir, what):
   print(f"{what}: AUC uninterrupted {full['auc']:.6f} resumed {resumed['auc']:.6f}")
   assert resumed["auc"] == full["auc"], what
@@ -296,7 +285,7 @@ def test_stop_and_resume_with_bounded_tables_equals_uninterrupted(tiny_config, t
   for table in a:
     for key in a[table]:
       np.testing.assert_array_equal(b[table][key], a[table][key], err_msg=f"{bound} at 60: {table}/{key}")
-  _preempted_copy(full_dir, preempted_dir, half.num_steps)
+  preempted_copy(full_dir, preempted_dir, half.num_steps)
   again = train.train_and_evaluate(c, preempted_dir)
   assert again["resumed_from"] == half.num_steps
   _assert_same_run(full, again, full_dir, preempted_dir, f"{bound}, preempted")
