@@ -8,6 +8,8 @@ import shutil
 
 import numpy as np
 
+from recsys_jax.async_ps import snapshot
+
 
 def checkpoint_contents(c, workdir, step):
   """(dense parameters, every PS row sorted by id) of the checkpoint after ``step``, restored into a
@@ -54,3 +56,26 @@ def preempted_copy(src, dst, step):
   for name in os.listdir(os.path.join(dst, "ps_snapshots")):
     if int(name.split("-")[0]) > step:
       shutil.rmtree(os.path.join(dst, "ps_snapshots", name))
+
+
+def snapshot_rows(workdir, step=None):
+  """Every table's rows at the last checkpoint (or at ``step``), folded from its PS snapshot
+  chain (the last full snapshot and the incremental ones after it), sorted by id."""
+  names = sorted(os.listdir(os.path.join(workdir, "ps_snapshots")))
+  if step is not None:
+    names = [n for n in names if int(n.split("-")[0]) <= step]
+  last_full = max(i for i, n in enumerate(names) if n.endswith("-full"))
+  tables = {}
+  for name in names[last_full:]:
+    for table, arrays in snapshot.read(os.path.join(workdir, "ps_snapshots", name)).items():
+      rows = tables.setdefault(table, {})
+      for i in arrays.get("deleted", []):
+        rows.pop(int(i), None)
+      for j, i in enumerate(arrays["ids"]):
+        rows[int(i)] = {k: v[j] for k, v in arrays.items() if k not in ("ids", "deleted")}
+  out = {}
+  for table, rows in tables.items():
+    ids = np.array(sorted(rows), np.uint64)
+    keys = sorted({k for r in rows.values() for k in r})
+    out[table] = {"ids": ids, **{k: np.stack([rows[int(i)][k] for i in ids]) for k in keys}}
+  return out

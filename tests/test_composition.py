@@ -31,7 +31,9 @@ import numpy as np
 import pytest
 
 from recsys_jax import train
-from tests.run_outcome import preempted_copy
+from recsys_jax.async_ps import snapshot
+from recsys_jax.async_ps.snapshot_chain import load_into
+from tests.run_outcome import preempted_copy, snapshot_rows
 
 OPTIONS = {
   "hot": ("off", "on"),
@@ -43,6 +45,28 @@ OPTIONS = {
 }
 N = 8  # stop after N steps, resume to 2N
 CAPACITY = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_once(tmp_path_factory):
+  """A persistent compilation cache for this module's runs: each case trains three or four jobs
+  whose steps compile to the same programs, and compiling is most of a case's time."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  keys = {
+    "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache")),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
+  before = {k: getattr(jax.config, k) for k in keys}
+  for k, v in keys.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
+  yield
+  for k, v in before.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
 
 
 def valid(case) -> bool:
@@ -104,7 +128,7 @@ def _config(tiny_config, case, tmp_path, addresses):
   c = tiny_config
   c.num_steps = 2 * N
   c.batch_size = 64
-  c.checkpoint_every = 3  # 3, 6, 9, ...: none at N in the uninterrupted run
+  c.checkpoint_every = 5  # 5, 10, 15 and the end: none at N in the uninterrupted run
   c.max_checkpoints = 10
   c.checkpoint_full_every = 2  # full and incremental PS snapshots on both sides of the stop
   c.log_every = N
@@ -168,8 +192,13 @@ def _checkpoint(c, workdir, step):
 
   job = train.build_job(_probe(c), os.path.join(workdir, f"probe_{step}"))
   ckpt = checkpoint_lib.Checkpointer(workdir)
-  state, _ = ckpt.restore(step, job.state, job.ps)
+  state, meta = ckpt.read_dense(step, job.state)
   ckpt.close()
+  chain = [os.path.join(workdir, "ps_snapshots", n) for n in meta["ps_chain"]]
+  if os.path.exists(os.path.join(chain[0], "remote.json")):
+    load_into(job.ps, chain)  # written by PS servers, one directory each
+  else:
+    snapshot.load(job.ps, chain)
   params = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
   rows = {}
   for t, part in job.ps.snapshot().items():
@@ -241,8 +270,8 @@ def _run_case(case, tiny_config, tmp_path, servers):
       assert train.train_and_evaluate(c, d)["resumed_from"] == N
     want = _what_is_compared(c, stop_dir, 2 * N, 4)
     got = _what_is_compared(c, again_dir, 2 * N, 4)
-  if case["hot"] == "on":
-    assert want["hot"], "the hot-rows run saved no hot set"
+  # A bounded table is never hot (hot_rows.bounded), and the bounds are the config's, for every table.
+  assert bool(want["hot"]) == (case["hot"] == "on" and case["bound"] == "none"), sorted(want["hot"])
   _assert_equal(want, got, _id(case))
   print(f"{_id(case)}: {time.perf_counter() - t0:.1f} s")
 
@@ -259,3 +288,58 @@ _PAIRWISE = [_id(c) for c in pairwise()]
 @pytest.mark.parametrize("case", [c for c in _all_cases() if _id(c) not in _PAIRWISE], ids=_id)
 def test_stop_and_resume_equals_no_stop_every_combination(case, tiny_config, tmp_path, servers):
   _run_case(case, tiny_config, tmp_path, servers)
+
+
+# -- hot rows and each bound -------------------------------------------------------------
+
+_HOT_BOUNDS = {
+  "lru": {"capacity": CAPACITY, "eviction": "lru"},
+  "lfu": {"capacity": CAPACITY, "eviction": "lfu"},
+  "expire": {"expire_after": 3},
+  "admit": {"admit_after": 2},
+  "combined": {"capacity": CAPACITY, "eviction": "lfu", "expire_after": 4, "admit_after": 2},
+}
+
+
+@pytest.mark.parametrize(
+  "bound", [b if b in ("lru", "combined") else pytest.param(b, marks=pytest.mark.slow) for b in _HOT_BOUNDS]
+)
+def test_each_bound_means_the_same_with_hot_rows_and_a_capacity_is_never_passed(tiny_config, tmp_path, bound):
+  """With hot rows on (a budget, re-choices every few steps, checkpoints on both sides of a stop),
+  a bounded table holds at most its capacity at every checkpoint, and it evicts, expires and
+  admits exactly as without hot rows: at every checkpoint the same ids, each with the same
+  last-seen step and use count, the same table step, expiry cadence and admission sketch, and
+  (k = 0) the same values. A hot row's uses are uses because a bounded table is never hot
+  (``hot_rows.bounded``): its rows are looked up on the PS at every step."""
+  base = _config(
+    tiny_config, {"hot": "on", "bound": "none", "tier": "off", "ps": "local", "data": "synthetic", "k": 0}, tmp_path, []
+  )
+  for k, v in _HOT_BOUNDS[bound].items():
+    setattr(base.embeddings, k, v)
+  runs = {}
+  for name, budget in (("hot", base.hot_rows_bytes), ("cold", 0)):
+    c = base.copy_and_resolve_references()
+    c.hot_rows_bytes = budget
+    half = c.copy_and_resolve_references()
+    half.num_steps = N
+    workdir = str(tmp_path / name)
+    train.train_and_evaluate(half, workdir)  # stopped at N ...
+    train.train_and_evaluate(c, workdir)  # ... and resumed to 2N
+    runs[name] = workdir
+  steps = sorted(int(s) for s in os.listdir(os.path.join(runs["hot"], "checkpoints")) if s.isdigit())
+  assert len(steps) >= 3, steps
+  cap = _HOT_BOUNDS[bound].get("capacity", 0)
+  if cap:  # each checkpoint's snapshot is taken right after the hot rows are written back
+    held = {(step, t): r["ids"].shape[0] for step in steps for t, r in snapshot_rows(runs["hot"], step).items()}
+    over = {k: n for k, n in held.items() if n > cap}
+    assert not over, f"{bound}: (step, table) -> rows held past the capacity {cap}: {over}"
+  for step in steps:
+    hot, cold = snapshot_rows(runs["hot"], step), snapshot_rows(runs["cold"], step)
+    for t in cold:
+      for key in cold[t]:
+        np.testing.assert_array_equal(hot[t][key], cold[t][key], err_msg=f"{bound} at {step}: {t}/{key}")
+    assert sorted(hot) == sorted(cold)
+  c = base.copy_and_resolve_references()
+  _, _, hot_bounds = _checkpoint(c, runs["hot"], 2 * N)
+  _, _, cold_bounds = _checkpoint(c, runs["cold"], 2 * N)
+  _assert_equal(cold_bounds, hot_bounds, f"{bound}: bounds state")
