@@ -43,7 +43,7 @@ OPTIONS = {
   "data": ("synthetic", "csv"),
   "k": (0, 4),
 }
-N = 8  # stop after N steps, resume to 2N
+N = 6  # stop after N steps, resume to 2N
 CAPACITY = 60
 
 
@@ -128,7 +128,7 @@ def _config(tiny_config, case, tmp_path, addresses):
   c = tiny_config
   c.num_steps = 2 * N
   c.batch_size = 64
-  c.checkpoint_every = 5  # 5, 10, 15 and the end: none at N in the uninterrupted run
+  c.checkpoint_every = 4  # 4, 8 and the end: none at N in the uninterrupted run
   c.max_checkpoints = 10
   c.checkpoint_full_every = 2  # full and incremental PS snapshots on both sides of the stop
   c.log_every = N
@@ -182,31 +182,33 @@ def _hot_set(workdir, step):
   return out
 
 
-def _checkpoint(c, workdir, step):
-  """(dense parameters, every PS row sorted by id, each table's bounds states) of the checkpoint
-  after ``step``, read into an in-process PS whichever PS wrote it (``checkpoint_contents`` plus
-  the bounds states, in one job)."""
+def _checkpoints(c, workdirs, step):
+  """Per workdir, (dense parameters, every PS row sorted by id, each table's bounds states) of its
+  checkpoint after ``step``, read into one in-process PS whichever PS wrote it (as
+  ``checkpoint_contents`` does, plus the bounds states; each load replaces the last)."""
   import jax
 
   from recsys_jax import checkpoint as checkpoint_lib
 
-  job = train.build_job(_probe(c), os.path.join(workdir, f"probe_{step}"))
-  ckpt = checkpoint_lib.Checkpointer(workdir)
-  state, meta = ckpt.read_dense(step, job.state)
-  ckpt.close()
-  chain = [os.path.join(workdir, "ps_snapshots", n) for n in meta["ps_chain"]]
-  if os.path.exists(os.path.join(chain[0], "remote.json")):
-    load_into(job.ps, chain)  # written by PS servers, one directory each
-  else:
-    snapshot.load(job.ps, chain)
-  params = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
-  rows = {}
-  for t, part in job.ps.snapshot().items():
-    order = np.argsort(part["ids"])
-    rows[t] = {k: v[order] for k, v in part.items()}
-  states = job.ps.bounds_states()
+  job = train.build_job(_probe(c), os.path.join(workdirs[0], f"probe_{step}"))
+  out = []
+  for workdir in workdirs:
+    ckpt = checkpoint_lib.Checkpointer(workdir)
+    state, meta = ckpt.read_dense(step, job.state)
+    ckpt.close()
+    chain = [os.path.join(workdir, "ps_snapshots", n) for n in meta["ps_chain"]]
+    if os.path.exists(os.path.join(chain[0], "remote.json")):
+      load_into(job.ps, chain)  # written by PS servers, one directory each
+    else:
+      snapshot.load(job.ps, chain)
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    rows = {}
+    for t, part in job.ps.snapshot().items():
+      order = np.argsort(part["ids"])
+      rows[t] = {k: v[order] for k, v in part.items()}
+    out.append(({jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}, rows, job.ps.bounds_states()))
   job.ps.close()
-  return params, rows, states
+  return out
 
 
 def _probe(c):
@@ -236,15 +238,17 @@ def _assert_equal(a, b, what, values=True):
 _ID_KEYS = ("ids", "last_seen", "freq", "spilled")
 
 
-def _what_is_compared(c, workdir, step, k):
-  params, rows, bounds = _checkpoint(c, workdir, step)
-  hot = _hot_set(workdir, step)
-  out = {"rows": rows, "bounds": bounds, "hot": hot}
-  if k == 0:
-    out["params"] = params
-  else:  # only what follows from the ids (see the module docstring)
-    out["rows"] = {t: {key: v for key, v in r.items() if key in _ID_KEYS} for t, r in rows.items()}
-    out["hot"] = {key: v for key, v in hot.items() if "hot_ids" in key or "steps" in key or "capacity" in key}
+def _what_is_compared(c, workdirs, step, k):
+  out = []
+  for workdir, (params, rows, bounds) in zip(workdirs, _checkpoints(c, workdirs, step)):
+    hot = _hot_set(workdir, step)
+    got = {"rows": rows, "bounds": bounds, "hot": hot}
+    if k == 0:
+      got["params"] = params
+    else:  # only what follows from the ids (see the module docstring)
+      got["rows"] = {t: {key: v for key, v in r.items() if key in _ID_KEYS} for t, r in rows.items()}
+      got["hot"] = {key: v for key, v in hot.items() if "hot_ids" in key or "steps" in key or "capacity" in key}
+    out.append(got)
   return out
 
 
@@ -262,17 +266,15 @@ def _run_case(case, tiny_config, tmp_path, servers):
       full.ps.addresses = ",".join(a for a, _ in servers.start(2))
     train.train_and_evaluate(full, full_dir)
     assert train.train_and_evaluate(c, stop_dir)["resumed_from"] == N
-    want = _what_is_compared(c, full_dir, 2 * N, 0)
-    got = _what_is_compared(c, stop_dir, 2 * N, 0)
+    want, got = _what_is_compared(c, [full_dir, stop_dir], 2 * N, 0)
   else:
     preempted_copy(stop_dir, again_dir, N)
     for d in (stop_dir, again_dir):
       assert train.train_and_evaluate(c, d)["resumed_from"] == N
-    want = _what_is_compared(c, stop_dir, 2 * N, 4)
-    got = _what_is_compared(c, again_dir, 2 * N, 4)
+    want, got = _what_is_compared(c, [stop_dir, again_dir], 2 * N, 4)
+  _assert_equal(want, got, _id(case))
   # A bounded table is never hot (hot_rows.bounded), and the bounds are the config's, for every table.
   assert bool(want["hot"]) == (case["hot"] == "on" and case["bound"] == "none"), sorted(want["hot"])
-  _assert_equal(want, got, _id(case))
   print(f"{_id(case)}: {time.perf_counter() - t0:.1f} s")
 
 
@@ -351,6 +353,5 @@ def test_each_bound_means_the_same_with_hot_rows_and_a_capacity_is_never_passed(
         np.testing.assert_array_equal(hot[t][key], cold[t][key], err_msg=f"{bound} at {step}: {t}/{key}")
     assert sorted(hot) == sorted(cold)
   c = base.copy_and_resolve_references()
-  _, _, hot_bounds = _checkpoint(c, runs["hot"], 2 * N)
-  _, _, cold_bounds = _checkpoint(c, runs["cold"], 2 * N)
+  (_, _, hot_bounds), (_, _, cold_bounds) = _checkpoints(c, [runs["hot"], runs["cold"]], 2 * N)
   _assert_equal(cold_bounds, hot_bounds, f"{bound}: bounds state")
