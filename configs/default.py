@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Hot rows on the device (recsys_jax/training/hot_rows.py): the most frequent ids of every table
   # live on the accelerator with their optimizer state and train synchronously in the step; the
   # rest go through the PS with staleness k. Device bytes for them (rows and slots; split across
-  # row widths by lookups per record, across tables by measured frequency); 0 = none.
+  # row widths by lookups per record, across tables by measured frequency); 0 = none. Bounded tables
+  # (embeddings.capacity, expire_after, admit_*) are never hot: their bounds see every use.
   c.hot_rows_bytes = 4 << 20  # 32k rows of width 16 with Adagrad: raise it on an accelerator.
   # Steps counted before the first choice. Short: the first steps, with the largest updates, are
   # the ones staleness hurts most (20 steps here cost 0.4% AUC at k = 4 on the synthetic data).

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
+
+from recsys_jax.async_ps import snapshot
 
 
 def checkpoint_contents(c, workdir, step):
@@ -42,3 +45,37 @@ def outcome(c, workdir):
   params, rows = checkpoint_contents(c, workdir, c.num_steps)
   keep = ("auc", "logloss", "eval_samples", "bad_records_skipped", "bad_record_examples", "ps_rows")
   return {k: s[k] for k in keep}, losses, params, rows
+
+
+def preempted_copy(src, dst, step):
+  """A copy of a finished run's workdir as a run preempted just after its checkpoint at ``step``."""
+  shutil.copytree(src, dst)
+  for name in os.listdir(os.path.join(dst, "checkpoints")):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(os.path.join(dst, "checkpoints", name))
+  for name in os.listdir(os.path.join(dst, "ps_snapshots")):
+    if int(name.split("-")[0]) > step:
+      shutil.rmtree(os.path.join(dst, "ps_snapshots", name))
+
+
+def snapshot_rows(workdir, step=None):
+  """Every table's rows at the last checkpoint (or at ``step``), folded from its PS snapshot
+  chain (the last full snapshot and the incremental ones after it), sorted by id."""
+  names = sorted(os.listdir(os.path.join(workdir, "ps_snapshots")))
+  if step is not None:
+    names = [n for n in names if int(n.split("-")[0]) <= step]
+  last_full = max(i for i, n in enumerate(names) if n.endswith("-full"))
+  tables = {}
+  for name in names[last_full:]:
+    for table, arrays in snapshot.read(os.path.join(workdir, "ps_snapshots", name)).items():
+      rows = tables.setdefault(table, {})
+      for i in arrays.get("deleted", []):
+        rows.pop(int(i), None)
+      for j, i in enumerate(arrays["ids"]):
+        rows[int(i)] = {k: v[j] for k, v in arrays.items() if k not in ("ids", "deleted")}
+  out = {}
+  for table, rows in tables.items():
+    ids = np.array(sorted(rows), np.uint64)
+    keys = sorted({k for r in rows.values() for k in r})
+    out[table] = {"ids": ids, **{k: np.stack([rows[int(i)][k] for i in ids]) for k in keys}}
+  return out

@@ -9,7 +9,6 @@ tiny config and compare the resumed run with an uninterrupted one at staleness 0
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from recsys_jax import train
 from recsys_jax.async_ps import snapshot
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from tests.run_outcome import preempted_copy, snapshot_rows
 
 # -- the parameter server ---------------------------------------------------------------
 
@@ -219,47 +219,13 @@ _BOUNDS = {
 }
 
 
-def _final_rows(workdir, step=None):
-  """Every table's rows at the last checkpoint (or at ``step``), folded from its PS snapshot
-  chain (the last full snapshot and the incremental ones after it), sorted by id."""
-  names = sorted(os.listdir(os.path.join(workdir, "ps_snapshots")))
-  if step is not None:
-    names = [n for n in names if int(n.split("-")[0]) <= step]
-  last_full = max(i for i, n in enumerate(names) if n.endswith("-full"))
-  tables = {}
-  for name in names[last_full:]:
-    for table, arrays in snapshot.read(os.path.join(workdir, "ps_snapshots", name)).items():
-      rows = tables.setdefault(table, {})
-      for i in arrays.get("deleted", []):
-        rows.pop(int(i), None)
-      for j, i in enumerate(arrays["ids"]):
-        rows[int(i)] = {k: v[j] for k, v in arrays.items() if k not in ("ids", "deleted")}
-  out = {}
-  for table, rows in tables.items():
-    ids = np.array(sorted(rows), np.uint64)
-    keys = sorted({k for r in rows.values() for k in r})
-    out[table] = {"ids": ids, **{k: np.stack([rows[int(i)][k] for i in ids]) for k in keys}}
-  return out
-
-
-def _preempted_copy(src, dst, step):
-  """A copy of a finished run's workdir as a run preempted just after its checkpoint at ``step``."""
-  shutil.copytree(src, dst)
-  for name in os.listdir(os.path.join(dst, "checkpoints")):
-    if name.isdigit() and int(name) > step:
-      shutil.rmtree(os.path.join(dst, "checkpoints", name))
-  for name in os.listdir(os.path.join(dst, "ps_snapshots")):
-    if int(name.split("-")[0]) > step:
-      shutil.rmtree(os.path.join(dst, "ps_snapshots", name))
-
-
 def _assert_same_run(full, resumed, full_dir, resumed_dir, what):
   print(f"{what}: AUC uninterrupted {full['auc']:.6f} resumed {resumed['auc']:.6f}")
   assert resumed["auc"] == full["auc"], what
   assert resumed["logloss"] == full["logloss"], what
   assert resumed["ps_rows"] == full["ps_rows"], what
   assert resumed["ps_tier_rows"] == full["ps_tier_rows"], what
-  a, b = _final_rows(full_dir), _final_rows(resumed_dir)
+  a, b = snapshot_rows(full_dir), snapshot_rows(resumed_dir)
   assert sorted(a) == sorted(b)
   for table in a:
     assert sorted(a[table]) == sorted(b[table])
@@ -292,11 +258,11 @@ def test_stop_and_resume_with_bounded_tables_equals_uninterrupted(tiny_config, t
   assert resumed["resumed_from"] == half.num_steps
   _assert_same_run(full, resumed, full_dir, stopped_dir, f"{bound}, stopped")
   # The uninterrupted run's checkpoint at 60 is the stopped run's: no lookup of step 60 got in.
-  a, b = _final_rows(full_dir, half.num_steps), _final_rows(stopped_dir, half.num_steps)
+  a, b = snapshot_rows(full_dir, half.num_steps), snapshot_rows(stopped_dir, half.num_steps)
   for table in a:
     for key in a[table]:
       np.testing.assert_array_equal(b[table][key], a[table][key], err_msg=f"{bound} at 60: {table}/{key}")
-  _preempted_copy(full_dir, preempted_dir, half.num_steps)
+  preempted_copy(full_dir, preempted_dir, half.num_steps)
   again = train.train_and_evaluate(c, preempted_dir)
   assert again["resumed_from"] == half.num_steps
   _assert_same_run(full, again, full_dir, preempted_dir, f"{bound}, preempted")

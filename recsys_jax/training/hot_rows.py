@@ -56,6 +56,20 @@ def row_bytes(opt, dim: int) -> int:
   return 4 * (dim + sum(dim if full else 1 for full in opt.slot_widths.values()))
 
 
+def bounded(spec: TableSpec) -> bool:
+  """Whether a table has bounds (a capacity, expiry or selective admission): such a table is never hot.
+
+  Its bounds decide from every lookup of its rows (last-seen step, use count, the admission
+  sketch), and a hot row is not looked up; a hot row is also a second copy, which a write-back
+  puts into the PS whatever it evicted meanwhile (so a checkpoint changed what the run did next,
+  and a table held more rows than its capacity: issue 24). Kept on the PS, a bounded table's
+  rows, evictions, expiries and admissions are those of a run without hot rows, and its capacity
+  bounds the rows in RAM. Today the bounds are the config's for every table (``embeddings.capacity``
+  etc.), so a bounded run has no hot rows; a row width without a bounded table would keep them.
+  """
+  return bool(spec.capacity or spec.expire_after or spec.admit_after > 1 or spec.admit_probability < 1.0)
+
+
 class HotRows:
   """The hot rows of a run (``enabled`` is False when the budget buys no slot).
 
@@ -74,8 +88,13 @@ class HotRows:
   def __init__(self, config, tables_by_name: Mapping[str, TableSpec], features: Sequence[FeatureSpec], mesh):
     groups: Dict[int, list] = {}
     lookups: Dict[int, int] = {}
+    # A row width with a bounded table stays on the PS whole: a step splits a width's tables
+    # together, and a bounded table's rows must not be hot (``bounded``).
+    kept_out = {tables_by_name[f.table].dim for f in features if bounded(tables_by_name[f.table])}
     for f in features:
       spec = tables_by_name[f.table]
+      if spec.dim in kept_out:
+        continue
       lookups[spec.dim] = lookups.get(spec.dim, 0) + f.max_len
       if f.table not in groups.setdefault(spec.dim, []):
         groups[spec.dim].append(f.table)
