@@ -280,7 +280,7 @@ def test_resume_with_an_lru_bound_expiry_and_a_tier_in_a_short_run(tiny_config, 
   full_dir, preempted_dir = str(tmp_path / "full"), str(tmp_path / "preempted")
   full = train.train_and_evaluate(c, full_dir)
   assert full["ps_tier_rows"] > 0  # rows went to the tier (the bound was reached)
-  _preempted_copy(full_dir, preempted_dir, 20)
+  preempted_copy(full_dir, preempted_dir, 20)
   again = train.train_and_evaluate(c, preempted_dir)
   assert again["resumed_from"] == 20
   _assert_same_run(full, again, full_dir, preempted_dir, "lru, expiry and tier, preempted")
