@@ -100,7 +100,7 @@ def train_and_evaluate(
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
-        progress.log_train(done, pre, ps, hot)
+        progress.log_train(done, pre, ps, hot, host.times)
       if _due(config.eval_every, done, n):
         pusher.flush(t)
         hot.write_back(hot_state, ps)  # evaluation reads the PS: the hot rows' current values go there
@@ -111,8 +111,11 @@ def train_and_evaluate(
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
-    if n > start:
+    if n > start and config.get("final_checkpoint", True):
       ckpts.save(n, state, ps, pusher, (hot, hot_state))
+    elif n > start:  # no checkpoint: the final evaluation still reads every push and hot row from the PS
+      pusher.flush(n - 1)
+      hot.write_back(hot_state, ps)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
