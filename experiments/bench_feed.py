@@ -115,7 +115,7 @@ SMOKE = {
   "batch_sizes": ["1024"],
   "workers": ["1"],
   "records": 8192,
-  "samples": 2048,
+  "samples": 8192,
   "min_steps": 4,
 }
 
@@ -429,7 +429,7 @@ def schedule(records: int, batch: int) -> Dict[str, int]:
   row exists) and at least ``--warmup_steps``; both it and the run end on a train record (every
   ``log_every`` steps), whose intervals time the steps after it."""
   one_pass = max(_WARMUP.value, -(-records // batch))
-  every = max(1, min(10, one_pass))
+  every = max(1, min(10, one_pass // 2))  # two intervals at least: the first (which compiles) is not timed
   warmup = -(-one_pass // every) * every
   timed = max(-(-_SAMPLES.value // batch), _MIN_STEPS.value - warmup, 1)
   return {"warmup": warmup, "steps": warmup + -(-timed // every) * every, "log_every": every}

@@ -5,7 +5,8 @@ stream, the prefetcher), and every train record of metrics.jsonl carries them as
 step since the last record (``host_<stage>_ms`` and ``host_<stage>_cpu_ms``), so a benchmark
 (``experiments/bench_feed.py``) or a person reading TensorBoard sees the same figures without
 wrapping anything. Stages run on different threads and overlap, so their sum exceeds the wall
-time of a step. CPU is ``time.thread_time`` of the thread doing the stage.
+time of a step; a record holds what ran since the last one (the host works a few steps ahead of
+the loop), divided by the steps trained in that interval. CPU is ``time.thread_time`` of the thread doing the stage.
 
 - ``read``: drawing the reader's next batch (with host workers: the feeder thread cutting files,
   gathering the batch's records and waiting for parses; without, the parsing too);
