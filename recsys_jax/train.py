@@ -56,6 +56,16 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
+def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows) -> None:
+  """After the last step: its checkpoint, or with ``config.final_checkpoint`` False none, but every
+  push applied and the hot rows back in the PS, which the final evaluation reads."""
+  if config.get("final_checkpoint", True):
+    ckpts.save(config.num_steps, state, ps, pusher, hot_rows)
+  else:
+    pusher.flush(config.num_steps - 1)
+    hot_rows[0].write_back(hot_rows[1], ps)
+
+
 def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
 ) -> Dict[str, Any]:
@@ -111,11 +121,8 @@ def train_and_evaluate(
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
-    if n > start and config.get("final_checkpoint", True):
-      ckpts.save(n, state, ps, pusher, (hot, hot_state))
-    elif n > start:  # no checkpoint: the final evaluation still reads every push and hot row from the PS
-      pusher.flush(n - 1)
-      hot.write_back(hot_state, ps)
+    if n > start:
+      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
