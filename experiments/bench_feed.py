@@ -1,19 +1,22 @@
 """The host half of the main job, fed to a no-op (or tiny) device step: how many samples/s it can feed.
 
-    python experiments/bench_feed.py [--sources=tsv,cache,memory] [--batch_sizes=2048,8192,65536]
+    python experiments/bench_feed.py [--sources=tsv,cache,synthetic] [--batch_sizes=2048,8192,65536]
         [--workers=1,2] [--step=noop] [--step=tiny] [--records=400000] [--baseline=/path/to/checkout]
-        [--json_out=FILE]
+        [--json_out=FILE] [--smoke]
 
 Run from the repository root. Every setting (source x batch x workers) is one run of the main job,
-``recsys_jax.train.train_and_evaluate``, in a fresh subprocess, built by the job's own
-``build_job`` from ``configs/dlrm.py`` (Criteo's shape: 13 dense and 26 categorical fields, rows
-of dim 16, Adagrad rows, the in-process PS) with two things swapped in after it is built:
+``recsys_jax.train.train_and_evaluate`` of ``configs/dlrm.py`` (Criteo's shape: 13 dense and 26
+categorical fields, rows of dim 16, Adagrad rows, the in-process PS), in a fresh subprocess and a
+fresh workdir (under ``--data_dir``, removed after it), set through the config's public fields:
 
-- ``--step=noop``: the jitted train step returns zero row gradients of the rows' shapes and the
-  state unchanged, so the run measures only the host half: read -> parse -> dedup -> PS lookup ->
-  placement on the device -> pull of the row gradients -> push (Adagrad on the PS). ``tiny``
-  keeps the real step, with bottom and top MLPs of width 16.
-- the final checkpoint only waits for the pushes (it is written after the timed steps anyway).
+- ``--step=noop``: ``config.device_step = 'none'``: the jitted step returns zero row gradients of
+  the rows' shapes and the state unchanged, so the run measures only the host half: read -> parse
+  -> dedup -> PS lookup -> placement on the device -> pull of the row gradients -> push (Adagrad
+  on the PS). ``tiny`` keeps the real step, with bottom and top MLPs of width 16.
+- ``config.final_checkpoint = False``: no PS snapshot at the end (written after the timed steps,
+  it would only cost time and disk).
+- ``config.log_every``: the train records of metrics.jsonl fall at the end of the warm-up and of
+  the run; their figures are what this script reports.
 
 Sources:
 
@@ -21,22 +24,28 @@ Sources:
   records in files of 100k, kept under ``--data_dir``), read by the ``criteo`` reader.
 - ``cache``: the same files through the preprocessed binary cache (``config.data.cache_dir``),
   warmed by one pass first; skipped, with the reason, where the checkout has no cache.
-- ``memory``: synthetic Criteo-like batches (``recsys_jax/data/synthetic.py``) generated before
-  the run and held in memory: no reading or parsing, everything after it.
+- ``synthetic``: the synthetic reader (``recsys_jax/data/synthetic.py``), each batch generated on
+  the host workers as the run goes: no files or parsing, the generator in their place.
 
 Samples/s counts the steps after one pass over the ``--records`` (at least ``--warmup_steps``:
-compiles, worker start, first window) to the last, timed where the pusher finishes each step:
-the first pass creates every row of the PS (its lookups and pushes took about 3x the CPU of
-later passes' on the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far
-more data than this does far less often; ``first_pass_samples_per_s``
-reports that pass (from step ``--warmup_steps`` on) too. Per-stage times are milliseconds per batch,
-wall and CPU (``thread_time`` of the thread doing the stage), measured by wrapping the job's
-own methods: ``read`` (the reader's iterator: with host workers, the feeder thread cutting
-files, gathering batches and waiting for parses; without, the parsing too), ``parse`` (the
-format's parse of a chunk, or its read from the cache), ``prepare`` (dedup), ``lookup``,
-``place``, ``get`` (the pull of the row gradients in ``push_step``), ``push``, and ``wait``
-(the training loop waiting for its next batch: the time a device would sit idle). Stages
-overlap (they run on different threads), so their sum exceeds the wall time per batch.
+compiles, worker start, first window) to the last: the train records' intervals (``train_s``,
+timed by the loop once every push of the interval is in) after the warm-up. The first pass
+creates every row of the PS (its lookups and pushes took about 3x the CPU of later passes' on
+the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far more data than
+this does far less often; ``first_pass_samples_per_s`` reports that pass (after its first record,
+which compiles). Per-stage times are milliseconds per batch, wall and CPU (``thread_time`` of the
+thread doing the stage), recorded by the pipeline itself (``recsys_jax/training/stage_times.py``,
+the train records' ``host_<stage>_ms``): ``read`` (the reader's iterator: with host workers, the
+feeder thread cutting files, gathering batches and waiting for parses; without, the parsing too),
+``parse`` (the format's parse of a chunk, or its read from the cache), ``prepare`` (dedup),
+``lookup``, ``place``, ``get`` (the pull of the row gradients), ``push``, and ``wait`` (the
+training loop waiting for its next batch: the time a device would sit idle). Stages overlap (they
+run on different threads), so their sum exceeds the wall time per batch.
+
+A setting that fails prints one line naming it and why (its whole output goes to a log file the
+line names); the others still run and print, and the script exits 1. ``--smoke`` is the test
+suite's tiny sweep (one cached file of 8192 records, batch 1024): it checks that the script runs
+and measures nothing.
 
 The floor: the bytes a batch must move, read plus written, at this machine's memcpy rate
 (``bench_ps.memcpy_bandwidth``, one thread, measured in the same run): the source bytes read
@@ -429,7 +438,7 @@ def schedule(records: int, batch: int) -> Dict[str, int]:
   row exists) and at least ``--warmup_steps``; both it and the run end on a train record (every
   ``log_every`` steps), whose intervals time the steps after it."""
   one_pass = max(_WARMUP.value, -(-records // batch))
-  every = max(1, min(10, one_pass // 2))  # two intervals at least: the first (which compiles) is not timed
+  every = max(1, -(-one_pass // 2))  # two records a pass (few: each flushes the pushes); the first compiles, untimed
   warmup = -(-one_pass // every) * every
   timed = max(-(-_SAMPLES.value // batch), _MIN_STEPS.value - warmup, 1)
   return {"warmup": warmup, "steps": warmup + -(-timed // every) * every, "log_every": every}

@@ -52,7 +52,9 @@ _HOT = flags.DEFINE_integer(
 )
 _OUT = flags.DEFINE_string("out", outputs.default("persia_convergence"), "Output path without extension.")
 _SMOKE = flags.DEFINE_bool(
-  "smoke", False, "A tiny run that checks the script works (the test suite's): synthetic data only, 8 steps of 256."
+  "smoke",
+  False,
+  "A tiny run that checks the script works (the test suite's): synthetic data, 8 steps of 256, k = 0 and 2.",
 )
 
 
@@ -176,7 +178,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   if _SMOKE.value:
-    for name, value in (("staleness", ["0", "1"]), ("async_k", 1)):
+    for name, value in (("staleness", ["0", "2"]), ("async_k", 0)):  # sync, hybrid and hybrid + hot
       if not flags.FLAGS[name].present:
         flags.FLAGS[name].value = value
   ks = [int(k) for k in _STALENESS.value]
