@@ -36,7 +36,7 @@ SMOKE = {
   ),
   "bench_distributed.py": (
     ["--smoke", "--out={tmp}/bench_distributed.json"],
-    ["in_process_samples_per_sec", "1x1"],
+    ["1x1"],
   ),
   "bench_ps.py": (
     ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"],
