@@ -46,7 +46,8 @@ SMOKE = {
   "bench_readers.py": (["--lines=2000", "--chunk_records=512", "--repeats=1"], []),
   "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
   "bench_train.py": (
-    ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"],
+    ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"]
+    + ["--config.eval_batch_size=256", "--config.eval_samples=256"],
     ["samples_per_sec_ps", "hot_hit_rate"],
   ),
   "capacity.py": (
