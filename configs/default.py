@@ -35,12 +35,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.hot_rows_per_table = ml_collections.ConfigDict()  # table -> rows it gets first (0: never hot).
   c.log_every = 50  # Steps between train-metric records (metrics.jsonl, TensorBoard).
   c.checkpoint_every = 0  # Steps between checkpoints (0: only at the end of the run).
+  # Write a checkpoint at the end of the run. False: none there (a benchmark's run, whose PS
+  # snapshot would only cost time and disk; checkpoint_every still saves during the run).
+  c.final_checkpoint = True
   c.max_checkpoints = 2  # Checkpoints kept in <workdir>/checkpoints.
   c.checkpoint_full_every = 4  # Every 4th PS snapshot is full, the others incremental (1: all full).
   c.eval_every = 0  # Steps between evaluations during training (0: only at the end).
   c.eval_samples = 131072  # Eval examples (synthetic: the split size; files: at most this many; 0: all).
   c.eval_batch_size = 16384  # Examples per eval step.
   c.progress_bar = True  # tqdm bar with samples/s and loss on stderr.
+  # The jitted device step: 'model' trains the model; 'none' returns zero row gradients and leaves
+  # the dense state and hot rows as they are, so a run measures the host pipeline alone (reading,
+  # dedup, PS lookups and pushes, copies to and from the device: experiments/bench_feed.py).
+  c.device_step = "model"
 
   # Input data (recsys_jax/data/readers.py): 'synthetic' (Criteo-like schema, known oracle AUC),
   # 'criteo' (Kaggle/Terabyte TSV), 'avazu' (CSV), 'csv' or 'parquet' (columns declared below),

@@ -29,7 +29,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = flags.DEFINE_string("config", "configs/dlrm.py", "The config every run uses.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps per run.")
 _OUT = flags.DEFINE_string("out", outputs.default("bench_distributed.json"), "Where to write the results.")
+_SMOKE = flags.DEFINE_bool(
+  "smoke",
+  False,
+  "A tiny run that checks the script works (the test suite's): configs/tiny.py, 3 steps, 1 trainer x 1 server.",
+)
 SETTINGS = ((1, 0), (1, 1), (1, 2), (2, 1), (2, 2))  # (trainers, PS servers); 0 servers: in-process
+SMOKE_SETTINGS = ((1, 1),)  # the remote path; persia_throughput's smoke runs the in-process one
+
+
+def smoke_flags() -> None:
+  """With --smoke: the tiny config and 3 steps, unless given on the command line."""
+  if _SMOKE.value:
+    for name, value in (("config", "configs/tiny.py"), ("steps", 3)):
+      if not flags.FLAGS[name].present:
+        flags.FLAGS[name].value = value
 
 
 def run(workers: int, servers: int, workdir: str, extra=()) -> dict:
@@ -44,7 +58,7 @@ def run(workers: int, servers: int, workdir: str, extra=()) -> dict:
     f"--workdir={workdir}",
     f"--config.num_steps={_STEPS.value}",
     "--config.progress_bar=False",
-    "--config.eval_samples=16384",
+    f"--config.eval_samples={4096 if _SMOKE.value else 16384}",
     *extra,
   ]
   t0 = time.perf_counter()
@@ -67,8 +81,9 @@ def run(workers: int, servers: int, workdir: str, extra=()) -> dict:
 
 def main(argv):
   del argv
+  smoke_flags()
   rows = []
-  for workers, servers in SETTINGS:
+  for workers, servers in SMOKE_SETTINGS if _SMOKE.value else SETTINGS:
     with tempfile.TemporaryDirectory() as d:
       print(f"{workers} trainer(s), {servers or 'in-process'} PS ...", flush=True)
       rows.append(run(workers, servers, os.path.join(d, "run")))
@@ -87,7 +102,7 @@ def main(argv):
   print(
     json.dumps(
       {f"{r['trainers']}x{r['ps_servers']}": round(r["samples_per_sec"]) for r in rows}
-      | {"in_process_samples_per_sec": round(base)}
+      | ({"in_process_samples_per_sec": round(base)} if rows[0]["ps_servers"] == 0 else {})
     )
   )
 

@@ -1,19 +1,22 @@
 """The host half of the main job, fed to a no-op (or tiny) device step: how many samples/s it can feed.
 
-    python experiments/bench_feed.py [--sources=tsv,cache,memory] [--batch_sizes=2048,8192,65536]
+    python experiments/bench_feed.py [--sources=tsv,cache,synthetic] [--batch_sizes=2048,8192,65536]
         [--workers=1,2] [--step=noop] [--step=tiny] [--records=400000] [--baseline=/path/to/checkout]
-        [--json_out=FILE]
+        [--json_out=FILE] [--smoke]
 
 Run from the repository root. Every setting (source x batch x workers) is one run of the main job,
-``recsys_jax.train.train_and_evaluate``, in a fresh subprocess, built by the job's own
-``build_job`` from ``configs/dlrm.py`` (Criteo's shape: 13 dense and 26 categorical fields, rows
-of dim 16, Adagrad rows, the in-process PS) with two things swapped in after it is built:
+``recsys_jax.train.train_and_evaluate`` of ``configs/dlrm.py`` (Criteo's shape: 13 dense and 26
+categorical fields, rows of dim 16, Adagrad rows, the in-process PS), in a fresh subprocess and a
+fresh workdir (under ``--data_dir``, removed after it), set through the config's public fields:
 
-- ``--step=noop``: the jitted train step returns zero row gradients of the rows' shapes and the
-  state unchanged, so the run measures only the host half: read -> parse -> dedup -> PS lookup ->
-  placement on the device -> pull of the row gradients -> push (Adagrad on the PS). ``tiny``
-  keeps the real step, with bottom and top MLPs of width 16.
-- the final checkpoint only waits for the pushes (it is written after the timed steps anyway).
+- ``--step=noop``: ``config.device_step = 'none'``: the jitted step returns zero row gradients of
+  the rows' shapes and the state unchanged, so the run measures only the host half: read -> parse
+  -> dedup -> PS lookup -> placement on the device -> pull of the row gradients -> push (Adagrad
+  on the PS). ``tiny`` keeps the real step, with bottom and top MLPs of width 16.
+- ``config.final_checkpoint = False``: no PS snapshot at the end (written after the timed steps,
+  it would only cost time and disk).
+- ``config.log_every``: the train records of metrics.jsonl fall at the end of the warm-up and of
+  the run; their figures are what this script reports.
 
 Sources:
 
@@ -21,22 +24,28 @@ Sources:
   records in files of 100k, kept under ``--data_dir``), read by the ``criteo`` reader.
 - ``cache``: the same files through the preprocessed binary cache (``config.data.cache_dir``),
   warmed by one pass first; skipped, with the reason, where the checkout has no cache.
-- ``memory``: synthetic Criteo-like batches (``recsys_jax/data/synthetic.py``) generated before
-  the run and held in memory: no reading or parsing, everything after it.
+- ``synthetic``: the synthetic reader (``recsys_jax/data/synthetic.py``), each batch generated on
+  the host workers as the run goes: no files or parsing, the generator in their place.
 
 Samples/s counts the steps after one pass over the ``--records`` (at least ``--warmup_steps``:
-compiles, worker start, first window) to the last, timed where the pusher finishes each step:
-the first pass creates every row of the PS (its lookups and pushes took about 3x the CPU of
-later passes' on the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far
-more data than this does far less often; ``first_pass_samples_per_s``
-reports that pass (from step ``--warmup_steps`` on) too. Per-stage times are milliseconds per batch,
-wall and CPU (``thread_time`` of the thread doing the stage), measured by wrapping the job's
-own methods: ``read`` (the reader's iterator: with host workers, the feeder thread cutting
-files, gathering batches and waiting for parses; without, the parsing too), ``parse`` (the
-format's parse of a chunk, or its read from the cache), ``prepare`` (dedup), ``lookup``,
-``place``, ``get`` (the pull of the row gradients in ``push_step``), ``push``, and ``wait``
-(the training loop waiting for its next batch: the time a device would sit idle). Stages
-overlap (they run on different threads), so their sum exceeds the wall time per batch.
+compiles, worker start, first window) to the last: the train records' intervals (``train_s``,
+timed by the loop once every push of the interval is in) after the warm-up. The first pass
+creates every row of the PS (its lookups and pushes took about 3x the CPU of later passes' on
+the TSV data at batch 8192: 20 ms a batch against 6), which a long run over far more data than
+this does far less often; ``first_pass_samples_per_s`` reports that pass (after its first record,
+which compiles). Per-stage times are milliseconds per batch, wall and CPU (``thread_time`` of the
+thread doing the stage), recorded by the pipeline itself (``recsys_jax/training/stage_times.py``,
+the train records' ``host_<stage>_ms``): ``read`` (the reader's iterator: with host workers, the
+feeder thread cutting files, gathering batches and waiting for parses; without, the parsing too),
+``parse`` (the format's parse of a chunk, or its read from the cache), ``prepare`` (dedup),
+``lookup``, ``place``, ``get`` (the pull of the row gradients), ``push``, and ``wait`` (the
+training loop waiting for its next batch: the time a device would sit idle). Stages overlap (they
+run on different threads), so their sum exceeds the wall time per batch.
+
+A setting that fails prints one line naming it and why (its whole output goes to a log file the
+line names); the others still run and print, and the script exits 1. ``--smoke`` is the test
+suite's tiny sweep (one cached file of 8192 records, batch 1024): it checks that the script runs
+and measures nothing.
 
 The floor: the bytes a batch must move, read plus written, at this machine's memcpy rate
 (``bench_ps.memcpy_bandwidth``, one thread, measured in the same run): the source bytes read
@@ -71,12 +80,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,18 +95,21 @@ from absl import app, flags
 
 sys.path.insert(0, _HERE)
 from bench_ps import memcpy_bandwidth  # noqa: I001 - defines its flags before ours
+import outputs  # experiments/outputs.py: where results go
 
-_SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "memory"], "Sources: tsv, cache, memory.")
+_SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "synthetic"], "Sources: tsv, cache, synthetic.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["2048", "8192", "65536"], "Batch sizes.")
 _WORKERS = flags.DEFINE_list("workers", None, "Host worker counts (default: 1 and the core count).")
 _STEP = flags.DEFINE_multi_enum(
   "step", ["noop"], ["noop", "tiny"], "Device steps (repeat the flag for both): none, or DLRM with MLPs of width 16."
 )
-_RECORDS = flags.DEFINE_integer("records", 400_000, "Records of the generated TSV files and of the memory source.")
+_RECORDS = flags.DEFINE_integer("records", 400_000, "Records of the generated TSV files (one pass: the warm-up).")
 _SAMPLES = flags.DEFINE_integer("samples", 600_000, "Samples per setting (at least --min_steps steps).")
 _MIN_STEPS = flags.DEFINE_integer("min_steps", 12, "Steps per setting at least, warmup included.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Steps not timed.")
-_DATA_DIR = flags.DEFINE_string("data_dir", "/tmp/bench_feed_data", "Where the generated files are kept.")
+_DATA_DIR = flags.DEFINE_string(
+  "data_dir", outputs.default("bench_feed_data"), "Where the generated files and the cache are kept."
+)
 _BASELINE = flags.DEFINE_string("baseline", None, "A checkout to run with one worker for comparison.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to this file.", allow_override=True)
 _TRANSFER = flags.DEFINE_bool(
@@ -105,6 +117,16 @@ _TRANSFER = flags.DEFINE_bool(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported; of 2, the faster).")
 _SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "A tiny sweep that checks the script runs (the test suite's; no figure).")
+
+SMOKE = {
+  "sources": ["cache"],
+  "batch_sizes": ["1024"],
+  "workers": ["1"],
+  "records": 8192,
+  "samples": 8192,
+  "min_steps": 4,
+}
 
 FILE_RECORDS = 100_000
 EVAL_RECORDS = 4096
@@ -146,184 +168,73 @@ def criteo_files(data_dir: str, records: int, seed: int = 0) -> Dict[str, Any]:
 # -- one setting, in a child process -------------------------------------------------------------
 
 
-class StageTimes:
-  """Wall and thread-CPU seconds per stage, summed over the timed steps (thread-safe)."""
-
-  def __init__(self):
-    self.lock = threading.Lock()
-    self.wall: Dict[str, float] = {}
-    self.cpu: Dict[str, float] = {}
-    self.on = False
-
-  def add(self, stage: str, wall: float, cpu: float) -> None:
-    if self.on:
-      with self.lock:
-        self.wall[stage] = self.wall.get(stage, 0.0) + wall
-        self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu
-
-  def wrap(self, stage: str, fn: Callable) -> Callable:
-    def timed(*args, **kw):
-      w, c = time.perf_counter(), time.thread_time()
-      try:
-        return fn(*args, **kw)
-      finally:
-        self.add(stage, time.perf_counter() - w, time.thread_time() - c)
-
-    return timed
-
-  def wrap_iter(self, stage: str, it):
-    while True:
-      w, c = time.perf_counter(), time.thread_time()
-      try:
-        item = next(it)
-      except StopIteration:
-        return
-      self.add(stage, time.perf_counter() - w, time.thread_time() - c)
-      yield item
-
-
-def memory_batches(config, records: int):
-  """``records`` synthetic records generated now and kept in memory, as one set of columns."""
-  from recsys_jax.data import base, synthetic
-
-  data = synthetic.build({k: v for k, v in dict(config.data).items() if k in synthetic.FIELDS})
-  step = 16384
-  parts = [data.batch(synthetic.TRAIN, i, step) for i in range(-(-records // step))]
-  return base.take_columns(base.concat_columns(parts), slice(0, records))
+def interval_steps(records: List[Dict[str, Any]], after: int, upto: int) -> List[Tuple[int, Dict[str, Any]]]:
+  """(steps in the interval, record) of the train records whose interval lies in (after, upto]."""
+  out, prev = [], 0
+  for r in records:
+    if after <= prev and r["step"] <= upto:
+      out.append((r["step"] - prev, r))
+    prev = r["step"]
+  return out
 
 
 def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   """Runs the main job for one setting; returns its figures (see the module docstring)."""
   sys.path.insert(0, s["code_root"])
   import jax
-  import jax.numpy as jnp
   from absl import logging
 
   from configs import dlrm
   from recsys_jax import train
-  from recsys_jax.data import base
+  from recsys_jax.async_ps.pipeline import StalenessGate
+  from recsys_jax.data import readers
 
   logging.set_verbosity(logging.WARNING)
-  B, n = s["batch"], s["steps"]
+  B, n, L = s["batch"], s["steps"], s["log_every"]
   c = dlrm.get_config()
+  for field in ("device_step", "final_checkpoint"):
+    if field not in c:
+      raise ValueError(f"this checkout has no config.{field}: bench_feed measures through it")
   c.batch_size, c.num_steps = B, n
   c.checkpoint_every = c.eval_every = 0
-  c.log_every = 1 << 30
+  c.final_checkpoint = False  # the PS snapshot would only cost time and disk
+  c.log_every = L  # each train record times its interval and the host's stages in it
   c.progress_bar = False
   c.eval_batch_size = EVAL_RECORDS
   c.eval_samples = EVAL_RECORDS
-  if "host_workers" in c:
-    c.host_workers = s["workers"]
-  elif s["workers"] != 1:
-    raise ValueError("this checkout has no config.host_workers: run it with one worker")
+  c.host_workers = s["workers"]
+  c.device_step = "none" if s["step"] == "noop" else "model"
   if s["step"] == "tiny":
     c.model.kwargs.bottom, c.model.kwargs.top = (16,), (16,)
   if s["source"] in ("tsv", "cache"):
     c.data.name = "criteo"
     c.data.train_files, c.data.eval_files = tuple(s["files"]["train"]), (s["files"]["eval"],)
-    if "cache_dir" in c.data:
-      c.data.cache_dir = s["cache_dir"] if s["source"] == "cache" else "none"
-  workdir = tempfile.mkdtemp(prefix="bench_feed_")
-  job = train.build_job(c, workdir)
-  times = StageTimes()
-  host = job.host
-
-  if s["source"] == "memory":
-    cols = memory_batches(c, s["records"])
-    total = base.num_records(cols)
-
-    def memory_train(position=None, **_):  # no reading to do ahead
-      t = int((position or {}).get("batch", 0))
-      while True:
-        a = (t * B) % (total - B + 1)
-        yield base.take_columns(cols, slice(a, a + B)), {"batch": t + 1}
-        t += 1
-
-    host.reader.train = memory_train
-  elif s["source"] == "cache":  # warm the cache: one pass over every file (quick once an earlier setting did it)
-    for _, pos in host.reader.train():
+    c.data.cache_dir = s["cache_dir"] if s["source"] == "cache" else "none"
+  workdir = s["workdir"]
+  if s["source"] == "cache":  # warm the cache: one pass over every file (quick once an earlier setting did it)
+    for _, pos in readers.build_reader(c, workdir=workdir).train():
       if pos["epoch"] >= 1:  # every file read to its end: its manifest and every chunk written
         break
-
-  if s["step"] == "noop":
-
-    def noop(state, hot, rows, batch):
-      return state, hot, jax.tree.map(jnp.zeros_like, rows["cold"]), {"loss": jnp.zeros((), jnp.float32)}
-
-    job.train_step = jax.jit(noop, donate_argnums=(0, 1))
-
-  reader_train = host.reader.train
-  host.reader.train = lambda *a, **k: times.wrap_iter("read", iter(reader_train(*a, **k)))
-  if hasattr(host.reader, "fmt"):  # files: parsing (or reading the cache) runs inside the reader, maybe on workers
-    host.reader.fmt.parse = times.wrap("parse", host.reader.fmt.parse)
-  for stage in ("prepare", "lookup", "place", "push"):
-    setattr(host, stage, times.wrap(stage, getattr(host, stage)))
-  distinct = []
-  lookup = host.lookup
-
-  def counted_lookup(p, create):
-    if create:
-      distinct.append([(g.num_rows, g.bucket) for g in p.groups.values()])
-    return lookup(p, create)
-
-  host.lookup = counted_lookup
-  placed = []
-  place = host.place
-
-  def kept_place(p):
-    out = place(p)
-    if p.n_valid is None:
-      placed[:] = [out]  # the last training batch placed, to time the step alone afterwards
-    return out
-
-  host.place = kept_place
-  done_at: Dict[int, float] = {}
-  push_step, push = host.push_step, host.push
-
-  def timed_push_step(step, payload):
-    t0, c0 = time.perf_counter(), time.thread_time()
-
-    def timed_push(*a, **k):  # push_step pulls the gradients first, then calls push
-      times.add("get", time.perf_counter() - t0, time.thread_time() - c0)
-      return push(*a, **k)
-
-    host.push = timed_push
-    loss = push_step(step, payload)
-    done_at[step] = time.perf_counter()
-    if step + 1 == s["warmup"]:
-      times.on = True  # stages of later steps count
-    return loss
-
-  host.push_step = timed_push_step
-  prefetcher = host.train_prefetcher
-
-  def timed_prefetcher(*a, **k):
-    pre = prefetcher(*a, **k)
-    pre.get = times.wrap("wait", pre.get)
-    return pre
-
-  host.train_prefetcher = timed_prefetcher
-
-  class FinalSaveWaitsOnly(train.RunCheckpoints):
-    def save(self, step, state, ps, pusher):
-      pusher.flush(step - 1)
-
-  build_job = train.build_job
-  train.build_job = lambda config, workdir, restore=True: job
-  train.RunCheckpoints = FinalSaveWaitsOnly
   load0 = os.getloadavg()[0]
   summary = train.train_and_evaluate(c, workdir)
+  recs = train.read_metrics(workdir, "train")
   w, w0 = s["warmup"], s["first_timed"]
-  timed = n - w
-  elapsed = done_at[n - 1] - done_at[w - 1]
-  first_pass = (w - w0) * B / (done_at[w - 1] - done_at[w0 - 1]) if w > w0 else float("nan")
-  per = lambda v: 1e3 * v / timed  # noqa: E731 - ms per timed batch
-  dims = sorted(t.dim for t in job.tables)
-  dim, F = dims[0], len(job.features)
-  rows = np.mean([sum(r for r, _ in d) for d in distinct[w:]])
-  bucket = np.mean([sum(b for _, b in d) for d in distinct[w:]])
+  timed = interval_steps(recs, w, n)  # warmup and n are multiples of L: whole intervals
+  steps_timed = sum(k for k, _ in timed)
+  if steps_timed != n - w:
+    raise RuntimeError(f"train records cover {steps_timed} of the {n - w} timed steps: {[r['step'] for r in recs]}")
+  elapsed = sum(r["train_s"] for _, r in timed)
+  first = interval_steps(recs, w0, w)  # the first pass, after the interval that compiled
+  first_pass = sum(k for k, _ in first) * B / sum(r["train_s"] for _, r in first) if first else float("nan")
+
+  def mean(key: str) -> float:  # per step over the timed steps (NaN: the code records no such metric)
+    return sum(k * r.get(key, float("nan")) for k, r in timed) / steps_timed
+
+  tables, features, _ = train.build_specs(c, readers.build_reader(c, workdir=workdir).schema)
+  dim, F = min(t.dim for t in tables), len(features)
+  rows, bucket = mean("rows_per_step"), mean("bucket_rows_per_step")
   col_bytes = 4 + 4 * c.data.num_dense + 8 * F
-  source_bytes = {"tsv": (s["files"] or {}).get("bytes_per_record"), "cache": col_bytes, "memory": 0.0}[s["source"]]
+  source_bytes = {"tsv": (s["files"] or {}).get("bytes_per_record"), "cache": col_bytes, "synthetic": 0.0}[s["source"]]
   row = 4 * dim
   per_batch = {
     "parse": B * (source_bytes + col_bytes),  # source read, columns written
@@ -334,7 +245,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     "push": rows * row * (1 + 2 + 2),  # gradients read; rows and Adagrad accumulators read + written
   }
   floor_s = sum(per_batch.values()) / s["memcpy_bytes_per_s"]
-  sps = timed * B / elapsed
+  sps = steps_timed * B / elapsed
   out = {
     "feed_samples_per_s": sps,
     "source": s["source"],
@@ -343,32 +254,36 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     "cores": cores(),
     "step": s["step"],
     "code": s["code_root"],
-    "steps_timed": timed,
+    "steps_timed": steps_timed,
     "first_pass_samples_per_s": first_pass,
     "job_samples_per_s": summary["samples_per_sec"],
-    "distinct_rows_per_batch": float(rows),
+    "distinct_rows_per_batch": rows,
     "bytes_per_batch": float(sum(per_batch.values())),
     "floor_samples_per_s": B / floor_s,
     "floor_ratio": sps / (B / floor_s),
-    "loop_wait_fraction": times.wall.get("wait", 0.0) / elapsed,  # the loop waiting for its next batch
+    "loop_wait_fraction": mean("host_wait_ms") * steps_timed / 1e3 / elapsed,  # the loop waiting for its next batch
     "load_avg": [load0, os.getloadavg()[0]],
   }
-  if s["step"] == "tiny":  # the step alone on the last batch, in a fresh job: how long the device is busy
-    fresh = build_job(c, os.path.join(workdir, "alone"))
-    state, hot, (_, rows, batch) = fresh.state, fresh.hot_state, placed[0]
+  for stage in STAGES:
+    out[f"{stage}_ms"] = mean(f"host_{stage}_ms")
+    out[f"{stage}_cpu_ms"] = mean(f"host_{stage}_cpu_ms")
+  if s["step"] == "tiny":  # the step alone on a batch of a fresh job: how long the device is busy
+    fresh = train.build_job(c, os.path.join(workdir, "alone"), restore=False)
+    pre = fresh.host.train_prefetcher(0, c, StalenessGate(last_applied=-1))
+    try:
+      _, (_, rows_in, batch) = pre.get()
+    finally:
+      pre.close()
+    state, hot = fresh.state, fresh.hot_state
     alone = []
     for _ in range(13):
       t0 = time.perf_counter()
-      state, hot, g, _ = fresh.train_step(state, hot, rows, batch)
+      state, hot, g, _ = fresh.train_step(state, hot, rows_in, batch)
       jax.block_until_ready(g)
       alone.append(time.perf_counter() - t0)
     out["step_alone_ms"] = 1e3 * float(np.median(alone[3:]))
-    out["device_idle_fraction"] = max(0.0, 1.0 - float(np.median(alone[3:])) * timed / elapsed)
+    out["device_idle_fraction"] = max(0.0, 1.0 - float(np.median(alone[3:])) * steps_timed / elapsed)
     fresh.ps.close()
-  for k in sorted(times.wall):
-    out[f"{k}_ms"] = per(times.wall[k])
-    out[f"{k}_cpu_ms"] = per(times.cpu[k])
-  job.ps.close()
   return out
 
 
@@ -467,15 +382,31 @@ def transfer_costs(path: str, chunks: int = 8) -> Dict[str, float]:
 # -- the sweep ---------------------------------------------------------------------------------
 
 
-def child(setting: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-  """Runs one setting in a fresh process (the code of ``setting['code_root']``)."""
+def setting_name(s: Dict[str, Any]) -> str:
+  return f"{s['label']} {s['source']} batch {s['batch']} workers {s['workers']} step {s['step']} (run {s['rep'] + 1})"
+
+
+def child(setting: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
+  """Runs one setting in a fresh process (the code of ``setting['code_root']``), in its own
+  workdir, removed after; -> (its figures, '') or (None, why it failed, in one line)."""
   env = dict(os.environ, PYTHONPATH=setting["code_root"], MALLOC_ARENA_MAX="2")
   cmd = [sys.executable, os.path.abspath(__file__), f"--setting={json.dumps(setting)}"]
-  p = subprocess.run(cmd, env=env, cwd=setting["code_root"], capture_output=True, text=True)
-  if p.returncode != 0:
-    print(f"setting {setting['source']} B={setting['batch']} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
-    return None
-  return json.loads(p.stdout.strip().splitlines()[-1])
+  try:
+    p = subprocess.run(cmd, env=env, cwd=setting["code_root"], capture_output=True, text=True)
+  finally:
+    shutil.rmtree(setting["workdir"], ignore_errors=True)
+  if p.returncode == 0:
+    try:
+      return json.loads(p.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+      why = "printed no JSON line"
+  else:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    why = f"exit {p.returncode}: {lines[-1].strip() if lines else 'no output'}"
+  log = setting["workdir"] + ".log"  # the whole output, for the traceback
+  with open(log, "w") as f:
+    f.write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+  return None, f"{why} (output: {log})"
 
 
 def has_cache(code_root: str) -> bool:
@@ -486,20 +417,31 @@ STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
 
 
 def print_table(results: List[Dict[str, Any]]) -> None:
-  head = f"{'source':7}{'batch':>7}{'wk':>4}{'step':>5}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
+  head = f"{'source':9}{'batch':>7}{'wk':>4}{'step':>5}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
   head += f"{'ratio':>7}{'idle':>6}"
   head += "".join(f"{s:>9}" for s in STAGES) + "   (ms per batch; CPU ms in brackets below)"
   print(head)
   for r in results:
     spread = "-".join(f"{x / 1e3:.0f}" for x in (r["runs_samples_per_s"][0], r["runs_samples_per_s"][-1]))
     line = (
-      f"{r['source']:7}{r['batch']:>7}{r['workers']:>4}{r['step']:>5}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
+      f"{r['source']:9}{r['batch']:>7}{r['workers']:>4}{r['step']:>5}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
     )
     line += f"{spread:>16}{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}"
     line += f"{r['floor_ratio']:>7.3f}{r.get('device_idle_fraction', 1.0):>6.2f}"
     line += "".join(f"{r.get(f'{s}_ms', float('nan')):>9.2f}" for s in STAGES)
     print(line)
-    print(" " * 88 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+    print(" " * 90 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+
+
+def schedule(records: int, batch: int) -> Dict[str, int]:
+  """Steps, warm-up and log interval of a setting: the warm-up is one pass over ``records`` (every
+  row exists) and at least ``--warmup_steps``; both it and the run end on a train record (every
+  ``log_every`` steps), whose intervals time the steps after it."""
+  one_pass = max(_WARMUP.value, -(-records // batch))
+  every = max(1, -(-one_pass // 2))  # two records a pass (few: each flushes the pushes); the first compiles, untimed
+  warmup = -(-one_pass // every) * every
+  timed = max(-(-_SAMPLES.value // batch), _MIN_STEPS.value - warmup, 1)
+  return {"warmup": warmup, "steps": warmup + -(-timed // every) * every, "log_every": every}
 
 
 def main(argv):
@@ -508,49 +450,62 @@ def main(argv):
   if _SETTING.value:
     print(json.dumps(run_setting(json.loads(_SETTING.value))), flush=True)
     return
+  if _SMOKE.value:  # a tiny sweep (the test suite's): flags given on the command line still win
+    for name, value in SMOKE.items():
+      if not flags.FLAGS[name].present:
+        flags.FLAGS[name].value = value
+  data_dir = os.path.abspath(_DATA_DIR.value)
   if _TRANSFER.value:
-    files = criteo_files(_DATA_DIR.value, _RECORDS.value)
+    files = criteo_files(data_dir, _RECORDS.value)
     costs = transfer_costs(files["train"][0])
     print(", ".join(f"{k} {v:.2f}" for k, v in costs.items()), f"(us per record; load {os.getloadavg()})")
     print(json.dumps({"transfer": costs, "cores": cores(), "load_avg": os.getloadavg()[0]}))
     return
   bw = memcpy_bandwidth(1)
   workers = [int(w) for w in (_WORKERS.value or sorted({1, cores()}))]
-  files = criteo_files(_DATA_DIR.value, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
+  files = criteo_files(data_dir, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
   codes = [("new", _ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
   print(f"{cores()} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}", file=sys.stderr)
   runs: Dict[tuple, List[Dict[str, Any]]] = {}
-  for source in _SOURCES.value:
-    for batch in (int(b) for b in _BATCHES.value):
-      for rep in range(_REPEATS.value):  # interleaved, so that every setting sees the same load over time
-        for label, root in codes[::-1]:  # the baseline first, then this checkout's worker counts
-          if source == "cache" and not has_cache(root):
-            if rep == 0:
-              print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py in that checkout", file=sys.stderr)
-            continue
-          for w, step in itertools.product([1] if label == "base" else workers, _STEP.value):
-            warmup = max(_WARMUP.value, -(-_RECORDS.value // batch))  # one pass: every row exists
-            setting = {
-              "source": source,
-              "batch": batch,
-              "workers": w,
-              "step": step,
-              "steps": max(_MIN_STEPS.value, warmup + -(-_SAMPLES.value // batch)),
-              "warmup": warmup,
-              "first_timed": _WARMUP.value,
-              "records": _RECORDS.value,
-              "files": files,
-              "cache_dir": os.path.join(_DATA_DIR.value, "cache"),
-              "code_root": root,
-              "memcpy_bytes_per_s": bw,
-            }
-            print(
-              f"{label}: {source} batch {batch} workers {w} {step} (run {rep + 1}) ...", file=sys.stderr, flush=True
-            )
-            r = child(setting)
-            if r is not None:
+  failed: List[str] = []
+  work = tempfile.mkdtemp(prefix="work_", dir=data_dir)  # each setting's workdir, removed after it
+  try:
+    for source in _SOURCES.value:
+      for batch in (int(b) for b in _BATCHES.value):
+        for rep in range(_REPEATS.value):  # interleaved, so that every setting sees the same load over time
+          for label, root in codes[::-1]:  # the baseline first, then this checkout's worker counts
+            if source == "cache" and not has_cache(root):
+              if rep == 0:
+                print(f"source cache: skipped for {root}: no recsys_jax/data/cache.py there", file=sys.stderr)
+              continue
+            for w, step in itertools.product([1] if label == "base" else workers, _STEP.value):
+              setting = {
+                "label": label,
+                "rep": rep,
+                "source": source,
+                "batch": batch,
+                "workers": w,
+                "step": step,
+                **schedule(_RECORDS.value, batch),
+                "first_timed": _WARMUP.value,
+                "records": _RECORDS.value,
+                "files": files,
+                "cache_dir": os.path.join(data_dir, "cache"),
+                "code_root": root,
+                "memcpy_bytes_per_s": bw,
+              }
+              setting["workdir"] = os.path.join(work, f"{len(failed) + sum(map(len, runs.values()))}")
+              print(f"{setting_name(setting)} ...", file=sys.stderr, flush=True)
+              r, why = child(setting)
+              if r is None:
+                failed.append(f"setting {setting_name(setting)} failed: {why}")
+                print(failed[-1], file=sys.stderr, flush=True)
+                continue
               r["label"] = label
               runs.setdefault((source, batch, label, w, step), []).append(r)
+  finally:
+    if not os.listdir(work):  # logs of failed settings stay beside their names
+      os.rmdir(work)
   results = []
   for (source, batch, label, _, step), rs in runs.items():
     rs = sorted(rs, key=lambda r: r["feed_samples_per_s"])
@@ -570,6 +525,10 @@ def main(argv):
       f.write("\n".join(lines) + "\n")
   for line in lines:
     print(line)
+  for line in failed:  # again at the end, where a reader of the table looks
+    print(line)
+  if failed:
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--workdir", default="")
   ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--num_steps", type=int, default=0, help="Training steps of configs/tiny.py (0: the config's).")
   a = ap.parse_args()
   from recsys_jax.serving import artifact, scorer
 
@@ -33,6 +34,8 @@ def main():
     from recsys_jax import train
 
     c = tiny.get_config()
+    c.num_steps = a.num_steps or c.num_steps
+    c.progress_bar = False
     t = time.perf_counter()
     train.train_and_evaluate(c, workdir)
     print(f"trained configs/tiny.py in {time.perf_counter() - t:.1f} s -> {workdir}")

@@ -51,6 +51,11 @@ _HOT = flags.DEFINE_integer(
   "hot_bytes", -1, "Hot-row budget of the hybrid + hot runs, bytes (-1: the config's hot_rows_bytes; 0: no hot runs)."
 )
 _OUT = flags.DEFINE_string("out", outputs.default("persia_convergence"), "Output path without extension.")
+_SMOKE = flags.DEFINE_bool(
+  "smoke",
+  False,
+  "A tiny run that checks the script works (the test suite's): synthetic data, 8 steps of 256, k = 0 and 2.",
+)
 
 
 def _datasets():
@@ -61,6 +66,11 @@ def _datasets():
   syn.checkpoint_every = 0
   ml = movielens.get_config()
   ml.eval_every = 35
+  if _SMOKE.value:  # every kind of run, on a few small steps (MovieLens runs in zoo_movielens.py's smoke)
+    syn.num_steps, syn.eval_every, syn.batch_size = 8, 4, 256
+    syn.eval_samples = syn.eval_batch_size = 1024
+    syn.hot_warmup_steps, syn.hot_every = 2, 4
+    return {"synthetic": syn}
   return {"synthetic": syn, "movielens": ml}
 
 
@@ -167,6 +177,10 @@ def _row(name: str, r: dict, sync: dict) -> tuple:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if _SMOKE.value:
+    for name, value in (("staleness", ["0", "2"]), ("async_k", 0)):  # sync, hybrid and hybrid + hot
+      if not flags.FLAGS[name].present:
+        flags.FLAGS[name].value = value
   ks = [int(k) for k in _STALENESS.value]
   if 0 not in ks:
     raise app.UsageError("--staleness must include 0: the synchronous run is the reference")

@@ -43,8 +43,10 @@ def main(argv):
   del argv
   if _FULL.value:
     flags.FLAGS.steps = 2000
+  bench_distributed.smoke_flags()  # --smoke (bench_distributed's flag): the tiny config, 3 steps, in-process k=0 and 4
+  settings = [(0, 1, 0), (4, 1, 0)] if bench_distributed._SMOKE.value else SETTINGS  # its smoke runs a server
   rows = []
-  for k, workers, servers in SETTINGS:
+  for k, workers, servers in settings:
     with tempfile.TemporaryDirectory() as d:
       print(f"k={k}, {workers} trainer(s), {servers or 'in-process'} PS ...", flush=True)
       rows.append(bench_distributed.run(workers, servers, os.path.join(d, "run"), [f"--config.staleness={k}"]))
@@ -59,7 +61,7 @@ def main(argv):
     ps = "in-process" if r["ps_servers"] == 0 else str(r["ps_servers"])
     print(f"| {mode} | {r['trainers']} | {ps} | {r['samples_per_sec']:,.0f} | {r['samples_per_sec'] / base:.2f} |")
   os.makedirs(os.path.dirname(_OUT_T.value) or ".", exist_ok=True)
-  labels = ["in-process" if s == 0 else f"{w} tr x {s} PS" for k, w, s in SETTINGS if k == 0]
+  labels = ["in-process" if s == 0 else f"{w} tr x {s} PS" for k, w, s in settings if k == 0]
   fig, ax = plt.subplots(figsize=(8, 4))
   for j, k in enumerate((0, 4)):
     ys = [r["samples_per_sec"] for r in rows if r["staleness"] == k]

@@ -9,7 +9,7 @@ sent. The processes take turns (the order reversed every round) and a 256 MiB me
 every 4 rounds, so the load of the machine, which moves whole-run figures by 20-40% and more
 here, falls on every checkout alike. Prints, per checkout, the median per-batch lookup and
 apply rates (wall and thread CPU time) and the fraction of the median memcpy (bytes as
-``bench_ps.py`` counts them), after 3 untimed rounds. Issue 14 bisected bench_ps's drop with it.
+``bench_ps.py`` counts them), after 3 untimed rounds, and last one JSON line of them. Issue 14 bisected bench_ps's drop with it.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def main(argv) -> None:
       raise SystemExit(f"expected name=path or --rounds=N, got {a!r}")
   if not trees:
     raise SystemExit(__doc__)
+  if rounds <= 3:
+    raise SystemExit(f"--rounds={rounds}: the first 3 rounds are not timed; give more")
   kids = {}
   for name, tree in trees:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
@@ -100,18 +102,26 @@ def main(argv) -> None:
     k.wait()
   bw = statistics.median(copies)
   print(f"memcpy median {bw / 1e9:.1f} GB/s, max {max(copies) / 1e9:.1f} (n={len(copies)}), load {os.getloadavg()}")
+
+  def frac(lookup, apply):
+    return _ROW_BYTES / (1 / lookup + 1 / apply) / bw
+
+  line = {"memcpy_bytes_per_s": bw, "load_avg": os.getloadavg()[0]}
   for n, v in res.items():
     v = v[3:]
     med = {k: statistics.median(x["rows"] / x[k] for x in v) for k in ("lw", "aw", "lc", "ac")}
-
-    def frac(lookup, apply):
-      return _ROW_BYTES / (1 / lookup + 1 / apply) / bw
+    line[n] = {
+      "lookup_rows_per_s": med["lw"],
+      "apply_rows_per_s": med["aw"],
+      "memcpy_fraction": frac(med["lw"], med["aw"]),
+    }
 
     print(
       f"{n:12s} wall: lookup {med['lw'] / 1e6:5.2f}M apply {med['aw'] / 1e6:5.2f}M rows/s, "
       f"{frac(med['lw'], med['aw']):.3f} of memcpy | thread CPU: lookup {med['lc'] / 1e6:5.2f}M "
       f"apply {med['ac'] / 1e6:5.2f}M"
     )
+  print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,16 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
+def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows) -> None:
+  """After the last step: its checkpoint, or with ``config.final_checkpoint`` False none, but every
+  push applied and the hot rows back in the PS, which the final evaluation reads."""
+  if config.get("final_checkpoint", True):
+    ckpts.save(config.num_steps, state, ps, pusher, hot_rows)
+  else:
+    pusher.flush(config.num_steps - 1)
+    hot_rows[0].write_back(hot_rows[1], ps)
+
+
 def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
 ) -> Dict[str, Any]:
@@ -100,7 +110,7 @@ def train_and_evaluate(
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
-        progress.log_train(done, pre, ps, hot)
+        progress.log_train(done, pre, ps, hot, host.times)
       if _due(config.eval_every, done, n):
         pusher.flush(t)
         hot.write_back(hot_state, ps)  # evaluation reads the PS: the hot rows' current values go there
@@ -112,7 +122,7 @@ def train_and_evaluate(
         finally:
           gate.release()
     if n > start:
-      ckpts.save(n, state, ps, pusher, (hot, hot_state))
+      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 
@@ -89,6 +90,8 @@ class Prefetcher:
     depth: how many placed steps may wait in the queue.
     on_close: called by ``close`` before it waits for the thread (e.g. to stop the workers
       ``prepare`` waits on).
+    times: something with ``add(stage, wall_s, cpu_s)`` (the trainer's ``StageTimes``): ``get``
+      adds the time the consumer waited as ``wait``; None: not timed.
   """
 
   def __init__(
@@ -102,6 +105,7 @@ class Prefetcher:
     staleness: int,
     depth: int = 2,
     on_close: Optional[Callable[[], None]] = None,
+    times: Any = None,
   ):
     if staleness < 0:
       raise ValueError(f"staleness must be >= 0, got {staleness}")
@@ -109,6 +113,7 @@ class Prefetcher:
     self._gate = gate
     self._k = staleness
     self._on_close = on_close
+    self._times = times
     self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
     self._stop = threading.Event()
     self.stale_sum = self.stale_max = self.stale_n = 0
@@ -141,7 +146,10 @@ class Prefetcher:
 
   def get(self, timeout: Optional[float] = None):
     """Returns (step, placed item) in step order; re-raises a failure of the thread."""
+    w, c = time.perf_counter(), time.thread_time()
     t, item, err = self._queue.get(timeout=timeout)
+    if self._times is not None:
+      self._times.add("wait", time.perf_counter() - w, time.thread_time() - c)
     if err is not None:
       raise err
     return t, item

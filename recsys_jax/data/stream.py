@@ -61,6 +61,8 @@ class Stream:
     epochs: epochs to read (None: forever); the last batch of the last epoch may be short.
     executor: a ``concurrent.futures`` executor to parse chunks ahead on (None: parse each
       window when it is reached, on the reading thread).
+    times: a :class:`recsys_jax.training.stage_times.StageTimes` (or anything with its
+      ``time(stage)``) that times each chunk's parse as ``parse``; None: not timed.
   """
 
   def __init__(
@@ -79,6 +81,7 @@ class Stream:
     position: Optional[Dict[str, int]] = None,
     epochs: Optional[int] = None,
     executor: Any = None,
+    times: Any = None,
   ):
     if not sources:
       raise ValueError("data: no sources to read (check config.data.train_files / eval_files)")
@@ -95,6 +98,7 @@ class Stream:
     self.bad = bad if bad is not None else base.BadRecords("error")
     self.epochs = epochs
     self.executor = executor
+    self.times = times
     pos = dict(initial_position() if position is None else position)
     missing = set(initial_position()) - set(pos)
     if missing:
@@ -133,7 +137,7 @@ class Stream:
     runs ahead on it (one window's worth of chunks)."""
     if self.executor is None:
       for epoch, chunk in chunks:
-        yield epoch, None if chunk is None else functools.partial(self.fmt.parse, chunk, self.bad)
+        yield epoch, None if chunk is None else functools.partial(self._parse, chunk, self.bad)
       return
 
     def parse(item):
@@ -141,7 +145,7 @@ class Stream:
       if chunk is None:
         return None
       rec = base.Recorder()
-      return self.fmt.parse(chunk, rec), rec
+      return self._parse(chunk, rec), rec
 
     def collect(future, path):
       cols, rec = future.result()
@@ -150,6 +154,12 @@ class Stream:
 
     for (epoch, chunk), future in base.run_ahead(self.executor, parse, chunks, self.window_chunks):
       yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path)
+
+  def _parse(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
+    if self.times is None:
+      return self.fmt.parse(chunk, bad)
+    with self.times.time("parse"):
+      return self.fmt.parse(chunk, bad)
 
   # -- batches ----------------------------------------------------------------------------------
   def _batches(self) -> Iterator[Tuple[base.Columns, Dict[str, int]]]:

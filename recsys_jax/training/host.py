@@ -19,6 +19,7 @@ from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training.feed import Feed
+from recsys_jax.training.stage_times import StageTimes
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -67,6 +68,8 @@ class HostPipeline:
     self.local_devices = jax.local_device_count()
     self.hot = None
     """The run's :class:`recsys_jax.training.hot_rows.HotRows`, if it keeps hot rows on the device."""
+    self.times = StageTimes()
+    """Where a training step's host time goes (stage_times.py): recorded here, written with each train record."""
 
   def _min_bucket(self, n_records: int, training: bool):
     """The smallest bucket of a group: with several processes, a training batch's worst case, so
@@ -105,6 +108,9 @@ class HostPipeline:
         wanted[name], out[name] = ids, rows[off : off + ids.shape[0]]
       p.rows[dim] = rows
     self.ps.lookup_many(wanted, create=create, step=p.step if create else None, out=out)
+    if create:
+      self.times.count("rows", sum(g.num_rows for g in p.groups.values()))
+      self.times.count("bucket_rows", sum(g.bucket for g in p.groups.values()))
     return p
 
   def push(self, groups: Dict[int, dedup_lib.Group], grads: Dict[str, np.ndarray], step: Optional[int] = None) -> None:
@@ -167,38 +173,57 @@ class HostPipeline:
       NonFiniteLossError: if the loss is NaN or infinite (nothing is pushed).
     """
     groups, g_rows, m = payload
-    if self.multi_process:  # this process's rows: the sum of its devices' gradients
-      g_rows = {k: sum(np.asarray(sh.data) for sh in v.addressable_shards) for k, v in g_rows.items()}
-      m = {k: v.addressable_data(0) for k, v in m.items()}
-    m, g_rows = jax.device_get((m, g_rows))  # waits for the step to finish on the device
+    with self.times.time("get"):
+      if self.multi_process:  # this process's rows: the sum of its devices' gradients
+        g_rows = {k: sum(np.asarray(sh.data) for sh in v.addressable_shards) for k, v in g_rows.items()}
+        m = {k: v.addressable_data(0) for k, v in m.items()}
+      m, g_rows = jax.device_get((m, g_rows))  # waits for the step to finish on the device
     loss = float(m["loss"])
     if not math.isfinite(loss):
       raise NonFiniteLossError(f"training loss is {loss} at step {step}")
-    self.push(groups, g_rows, step)
+    with self.times.time("push"):
+      self.push(groups, g_rows, step)
     return loss
 
   def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
-    """Prepares training steps [start, config.num_steps) from the reader's ``position`` on."""
+    """Prepares training steps [start, config.num_steps) from the reader's ``position`` on; each
+    stage's time goes to ``self.times``."""
     feed = Feed(self.workers)
-    batches = self.reader.train(position, executor=feed.pool, ahead=max(1, self.workers))
+    times = self.times
+    batches = self.reader.train(position, executor=feed.pool, ahead=max(1, self.workers), times=times)
+    batches = times.timed_iter("read", batches)
+
+    def prepare_one(item) -> Prepared:
+      with times.time("prepare"):
+        return self.prepare(item[0], *item[1])
+
     # range first: zip stops before drawing a batch past the last step
-    feed.start(zip(range(start, config.num_steps), batches), lambda item: self.prepare(item[0], *item[1]))
+    feed.start(zip(range(start, config.num_steps), batches), prepare_one)
 
     def prepare(t: int) -> Prepared:
       p = next(feed)
       assert p.step == t, (p.step, t)  # the feed hands batches over in step order
       return p
 
+    def lookup(p: Prepared) -> Prepared:
+      with times.time("lookup"):
+        return self.lookup(p, create=True, gate=gate)
+
+    def place(p: Prepared):
+      with times.time("place"):
+        return self.place(p)
+
     return Prefetcher(
       start,
       config.num_steps,
       prepare=prepare,
-      lookup=lambda p: self.lookup(p, create=True, gate=gate),
-      place=self.place,
+      lookup=lookup,
+      place=place,
       gate=gate,
       staleness=config.staleness,
       depth=config.prefetch_depth,
       on_close=lambda: (feed.close(), self.hot and self.hot.close()),
+      times=times,
     )
 
   def eval_prefetcher(self, depth: int) -> Prefetcher:

@@ -112,6 +112,10 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
     donate_argnums=(0, 1),
     out_shardings=(state_shardings, repl, rows_out, repl),
   )
+  if config.get("device_step", "model") == "none":  # the host pipeline alone (configs/default.py)
+    train_step = jax.jit(
+      steps_lib.no_train_step, donate_argnums=(0, 1), out_shardings=(state_shardings, repl, rows_out, repl)
+    )
   eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
   job = Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)
   ckpt_dir = None if workdir is None else os.path.join(workdir, "checkpoints")

@@ -187,6 +187,13 @@ def make_train_step(
   return train_step
 
 
+def no_train_step(state, hot, rows, batch):
+  """The step of ``config.device_step = 'none'``: zero row gradients of the cold rows' shapes, the
+  state and hot rows unchanged, loss 0; a run with it measures the host pipeline alone."""
+  del batch
+  return state, hot, jax.tree.map(jnp.zeros_like, rows["cold"]), {"loss": jnp.zeros((), jnp.float32)}
+
+
 def group_features(features, tables_by_name) -> Dict[str, tuple]:
   """Row width -> the (name, kind, max_len) of its features, in dedup's order (the inverse's F axis)."""
   out: Dict[str, list] = {}

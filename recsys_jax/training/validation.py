@@ -32,10 +32,10 @@ _FLOATS = (
   "embeddings.clip embeddings.admit_probability ps.timeout_s ps.snapshot_timeout_s data.eval_fraction data.zipf_alpha "
   "data.bias data.dense_scale data.id_scale data.pair_scale"
 ).split()
-_BOOLS = "progress_bar data.shuffle".split()
+_BOOLS = "progress_bar final_checkpoint data.shuffle".split()
 _MAX_DENSE_STALENESS = 1024
 _STRS = (
-  "data.name data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
+  "device_step data.name data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
   "embeddings.optimizer embeddings.initializer embeddings.combiner embeddings.storage_dtype embeddings.eviction "
   "ps.tier ps.kind ps.addresses ps.token_file ps.tls_ca ps.wire_dtype model.name optimizer.name optimizer.state_memory"
 ).split()
@@ -134,6 +134,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   need(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
   if config.data.name == "synthetic":
     need(config.eval_samples >= config.eval_batch_size, "eval_samples", "must be >= eval_batch_size")
+  if _has(config, "device_step"):
+    need(
+      config.device_step in ("model", "none"),
+      "device_step",
+      "choose 'model' or 'none' (no training: zero row gradients)",
+    )
   need(config.model.name in MODELS, "model.name", f"unknown model; choose one of {sorted(MODELS)}")
   _check_model_kwargs(config)
   need(config.data.name in readers.NAMES, "data.name", f"unknown data source; choose one of {readers.NAMES}")

@@ -50,7 +50,7 @@ class TrainStats:
 
 MetricsCallback = Callable[[int, str, Dict[str, Any]], None]
 """``on_metrics(step, kind, values)``: called with every record written to metrics.jsonl (kind
-"train": loss, samples/s, staleness, hot rows; "eval": AUC, logloss; "ps": rows, memory, hit rate),
+"train": loss, samples/s, the interval's seconds, staleness, hot rows, host time per stage; "eval": AUC, logloss; "ps": rows, memory, hit rate),
 e.g. to draw live plots in a notebook. An exception it raises stops the run like any other error
 (the last checkpoint is kept)."""
 
@@ -152,14 +152,17 @@ class Progress:
   def log_due(self, done: int) -> bool:
     return done % self.config.log_every == 0 or done == self.config.num_steps
 
-  def log_train(self, done: int, pre, ps, hot=None) -> None:
-    """Writes the mean loss and samples/s since the last log, the staleness seen and the PS's metrics."""
+  def log_train(self, done: int, pre, ps, hot=None, times=None) -> None:
+    """Writes the mean loss and samples/s since the last log, the staleness seen, the host's time
+    per stage (``times``: the pipeline's ``StageTimes``, ms per step since the last log) and the PS's metrics."""
     now = time.perf_counter()
     sps = (done - self.log_step) * self.config.batch_size / (now - self.log_t)
     loss = self.stats.take_mean_loss()
     staleness = {"staleness_mean": pre.stale_sum / max(1, pre.stale_n), "staleness_max": pre.stale_max}
     hot_metrics = hot.metrics() if hot is not None and hot.enabled else {}
-    self.writers.write(done, "train", {"loss": loss, "samples_per_sec": sps, **staleness, **hot_metrics})
+    stages = times.take(done - self.log_step) if times is not None else {}
+    record = {"loss": loss, "samples_per_sec": sps, "train_s": now - self.log_t, **staleness, **hot_metrics, **stages}
+    self.writers.write(done, "train", record)
     self.writers.write_ps(done, ps.stats())
     self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}", refresh=False)
     self.log_t, self.log_step = now, done

@@ -1,0 +1,91 @@
+"""Where the host's time goes: wall and CPU seconds per stage of the training pipeline.
+
+The pipeline records them itself (:class:`recsys_jax.training.host.HostPipeline`, the reader's
+stream, the prefetcher), and every train record of metrics.jsonl carries them as milliseconds per
+step since the last record (``host_<stage>_ms`` and ``host_<stage>_cpu_ms``), so a benchmark
+(``experiments/bench_feed.py``) or a person reading TensorBoard sees the same figures without
+wrapping anything. Stages run on different threads and overlap, so their sum exceeds the wall
+time of a step; a record holds what ran since the last one (the host works a few steps ahead of
+the loop), divided by the steps trained in that interval. CPU is ``time.thread_time`` of the thread doing the stage.
+
+- ``read``: drawing the reader's next batch (with host workers: the feeder thread cutting files,
+  gathering the batch's records and waiting for parses; without, the parsing too);
+- ``parse``: the format's parse of a chunk, or its read from the preprocessed cache (synthetic
+  data: generating a batch), wherever it runs;
+- ``prepare`` (dedup), ``lookup`` (the PS read of the cold rows), ``place`` (the copy to the
+  devices): the host workers' and the prefetcher's work on a training batch;
+- ``wait``: the training loop waiting for its next placed batch (the time a device sits idle);
+- ``get``: the pusher waiting for the step's row gradients and copying them to the host;
+- ``push``: the PS update with them.
+
+``rows_per_step`` and ``bucket_rows_per_step`` count the cold rows a training batch looks up
+(distinct rows, and with their bucket's padding: what goes to the device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Dict, Iterator
+
+STAGES = ("read", "parse", "prepare", "lookup", "place", "wait", "get", "push")
+COUNTS = ("rows", "bucket_rows")
+
+
+class StageTimes:
+  """Wall and thread-CPU seconds per stage and counts, summed since the last ``take`` (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._wall: Dict[str, float] = {}
+    self._cpu: Dict[str, float] = {}
+    self._counts: Dict[str, float] = {}
+
+  def add(self, stage: str, wall_s: float, cpu_s: float) -> None:
+    with self._lock:
+      self._wall[stage] = self._wall.get(stage, 0.0) + wall_s
+      self._cpu[stage] = self._cpu.get(stage, 0.0) + cpu_s
+
+  @contextlib.contextmanager
+  def time(self, stage: str) -> Iterator[None]:
+    """Times the block as ``stage`` (also when it raises)."""
+    w, c = time.perf_counter(), time.thread_time()
+    try:
+      yield
+    finally:
+      self.add(stage, time.perf_counter() - w, time.thread_time() - c)
+
+  def timed_iter(self, stage: str, it) -> Iterator:
+    """``it``'s items, each ``next`` timed as ``stage``."""
+    it = iter(it)
+    while True:
+      w, c = time.perf_counter(), time.thread_time()
+      try:
+        item = next(it)
+      except StopIteration:
+        return
+      self.add(stage, time.perf_counter() - w, time.thread_time() - c)
+      yield item
+
+  def count(self, name: str, n: float) -> None:
+    with self._lock:
+      self._counts[name] = self._counts.get(name, 0.0) + n
+
+  def take(self, steps: int) -> Dict[str, float]:
+    """The metrics since the last ``take``, per step over ``steps`` steps, and starts again.
+
+    Every stage and count is in the result (0.0 when nothing was recorded: e.g. ``parse`` of a
+    source that parses nothing), so every train record has the same keys.
+    """
+    with self._lock:
+      wall, cpu, counts = self._wall, self._cpu, self._counts
+      self._wall, self._cpu, self._counts = {}, {}, {}
+    per = 1.0 / max(1, steps)
+    out = {}
+    for s in STAGES:
+      out[f"host_{s}_ms"] = 1e3 * wall.get(s, 0.0) * per
+      out[f"host_{s}_cpu_ms"] = 1e3 * cpu.get(s, 0.0) * per
+    for k in COUNTS:
+      out[f"{k}_per_step"] = counts.get(k, 0.0) * per
+    return out

@@ -1,0 +1,164 @@
+"""Every script in experiments/ runs in the default suite, at a tiny size, so none can rot unseen.
+
+Each is run as a user runs it (``python experiments/<script>.py <flags>`` in a fresh process):
+its flags are parsed by absl or argparse as on the command line, its ``__main__`` path is the
+one that runs, and a failure is an exit code, as for a user; a shared process (importing every
+script's ``main``) would save the jax import (about a second here) per script, but absl's flags
+are global, several scripts define the same names (``--json_out``, ``--batch_size``), and a
+script's own exit code and sys.exit paths would not be run. The sizes are the smallest that
+still run every part of the script; what is checked is what a run promises (exit 0, its last
+JSON line parses, with its keys and finite figures), never a speed: a tiny run measures nothing.
+
+``test_every_script_is_run`` fails when a script in experiments/ is neither in ``SMOKE`` nor run
+by another test (``ELSEWHERE``, which names the test file; the test checks that file runs the
+script) nor exempt for a stated reason (``EXEMPT``: modules that are not scripts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+
+# script -> (flags, keys its last JSON line must have). "{tmp}" is the test's tmp_path.
+SMOKE = {
+  "bench_cache.py": (
+    ["--lines=3000", "--files=1", "--batch_size=512", "--chunk_records=1024", "--repeats=1", "--epoch_repeats=1"],
+    ["read_cold", "read_warm", "read_ratio", "storage_chunk_bytes"],
+  ),
+  "bench_distributed.py": (
+    ["--smoke", "--out={tmp}/bench_distributed.json"],
+    ["1x1"],
+  ),
+  "bench_ps.py": (
+    ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"],
+    [],
+  ),
+  "bench_ps_threads.py": (["--threads=1,2", "--batches=2", "--warmup=1", "--batch_size=256", "--nosweep"], []),
+  "bench_readers.py": (["--lines=2000", "--chunk_records=512", "--repeats=1"], []),
+  "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
+  "bench_train.py": (
+    ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"]
+    + ["--config.eval_batch_size=256", "--config.eval_samples=256"],
+    ["samples_per_sec_ps", "hot_hit_rate"],
+  ),
+  "capacity.py": (
+    ["--rows_bpp=20000", "--ram_rows=20000", "--cache_rows=4096", "--tier_k=2", "--batches=1", "--warmup=1"]
+    + ["--batch_size=256", "--features=4", "--dim=8", "--json_out={tmp}/capacity.json", "--png_out={tmp}/capacity.png"],
+    [],
+  ),
+  "comm_volume.py": (
+    ["--dims=8,8", "--meshes=2x4", "--micro_steps=1", "--png={tmp}/c.png", "--json_out={tmp}/c.json"],
+    [],
+  ),
+  "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes"], []),
+  "persia_convergence.py": (["--smoke", "--out={tmp}/persia_convergence"], []),
+  "persia_throughput.py": (["--smoke", "--throughput_out={tmp}/persia_throughput"], []),
+  "ps_lockstep.py": (["--rounds=4", f"new={ROOT}"], []),
+  "ps_memory.py": (["--sizes_mb=1", "--dim=8"], []),
+  "zoo_movielens.py": (["--models=din", "--steps=3", "--out={tmp}/zoo.json"], ["count_baseline", "din"]),
+}
+# script -> the test file that runs it (as a script, in the default suite).
+ELSEWHERE = {
+  "hot_hit_rate.py": "tests/test_hot_hit_rate.py",
+  "bench_scorer.py": "tests/test_experiments.py",  # test_scorer_and_server_small: it trains the run bench_serve serves
+  "bench_serve.py": "tests/test_experiments.py",
+  "bench_feed.py": "tests/test_experiments.py",  # test_bench_feed_names_a_failed_setting_and_exits_1
+}
+# Modules in experiments/ that are not scripts: nothing to run.
+EXEMPT = {"outputs.py": "where the scripts write (imported by them, no main): run with every script that imports it"}
+
+
+def _scripts():
+  return sorted(f for f in os.listdir(EXPERIMENTS) if f.endswith(".py"))
+
+
+def test_every_script_is_run():
+  missing = [s for s in _scripts() if s not in SMOKE and s not in ELSEWHERE and s not in EXEMPT]
+  assert not missing, f"experiments scripts no test runs: {missing} (add a tiny run to SMOKE in {__file__})"
+  assert not set(SMOKE) & set(ELSEWHERE), "a script is run here and elsewhere: keep one"
+  for script, test_file in ELSEWHERE.items():
+    with open(os.path.join(ROOT, test_file)) as f:
+      assert f'"{script}"' in f.read(), f"{test_file} does not run experiments/{script}"
+  for module in EXEMPT:
+    with open(os.path.join(EXPERIMENTS, module)) as f:
+      assert "__main__" not in f.read(), f"experiments/{module} is exempt as not a script, but it has a __main__"
+  gone = (set(SMOKE) | set(ELSEWHERE) | set(EXEMPT)) - set(_scripts())
+  assert not gone, f"registered but not in experiments/: {sorted(gone)}"
+
+
+def _finite(x, where="") -> list:
+  """The paths of non-finite numbers in a JSON value."""
+  if isinstance(x, bool) or x is None or isinstance(x, str):
+    return []
+  if isinstance(x, (int, float)):
+    return [] if math.isfinite(x) else [where]
+  if isinstance(x, dict):
+    return [p for k, v in x.items() for p in _finite(v, f"{where}.{k}")]
+  return [p for i, v in enumerate(x) for p in _finite(v, f"{where}[{i}]")]
+
+
+def run_script(script: str, args, tmp_path, timeout: float = 240) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, os.path.join(EXPERIMENTS, script), *[a.replace("{tmp}", str(tmp_path)) for a in args]]
+  # TMPDIR: what a script leaves in the temp folder stays in the test's
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def last_json(out: str) -> dict:
+  lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+  assert lines, f"no JSON line in:\n{out[-3000:]}"
+  return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_script_runs_small(script, tmp_path):
+  args, keys = SMOKE[script]
+  t = time.perf_counter()
+  p = run_script(script, args, tmp_path)
+  took = time.perf_counter() - t
+  assert p.returncode == 0, f"{script} exited {p.returncode} in {took:.1f} s:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+  line = last_json(p.stdout)
+  assert not [k for k in keys if k not in line], (sorted(line), keys)
+  assert not _finite(line), f"{script}: non-finite figures at {_finite(line)}: {line}"
+
+
+def test_scorer_and_server_small(tmp_path):
+  """bench_scorer.py trains configs/tiny.py for a few steps and times the scorer; bench_serve.py
+  serves that run over HTTP to one client for half a second."""
+  work = tmp_path / "run"
+  p = run_script("bench_scorer.py", [f"--workdir={work}", "--num_steps=4", "--repeats=1"], tmp_path)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+  line = last_json(p.stdout)
+  assert "load_scorer batch 512" in line and not _finite(line), line
+  out = tmp_path / "serve.jsonl"
+  args = [f"--workdir={work}", "--protocols=http", "--batches=4", "--clients=1", "--seconds=0.5", f"--json_out={out}"]
+  p = run_script("bench_serve.py", args, tmp_path)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+  rec = last_json(p.stdout)
+  assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
+
+
+def test_bench_feed_names_a_failed_setting_and_exits_1(tmp_path):
+  """bench_feed's smoke sweep with a second worker count its child refuses: the good setting's
+  figures still print, the bad one is one line naming it, the exit code is 1, and no workdir is
+  left behind (only the failed setting's log, named in its line)."""
+  p = run_script("bench_feed.py", ["--smoke", "--data_dir={tmp}/data", "--workers=1,-5"], tmp_path)
+  assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+  failed = [ln for ln in p.stdout.splitlines() if " failed: " in ln]
+  assert len(failed) == 1 and failed[0].startswith("setting new cache batch 1024 workers -5 step noop"), p.stdout
+  assert "config.host_workers = -5" in failed[0], failed
+  line = last_json(p.stdout)
+  keys = ["feed_samples_per_s", "first_pass_samples_per_s", "distinct_rows_per_batch", "floor_ratio"]
+  keys += [f"{s}_ms" for s in ("read", "prepare", "lookup", "place", "get", "push", "wait")]
+  assert line["workers"] == 1 and all(line[k] > 0 for k in keys) and not _finite(line), line
+  left = [str(q.relative_to(tmp_path)) for q in tmp_path.rglob("*") if "work_" in str(q) or "bench_feed_" in q.name]
+  assert len(left) == 2 and left[1].endswith(".log") and left[1] in failed[0], left
