@@ -97,11 +97,11 @@ def test_the_readmes_curl_example_works_as_written(tmp_path):
   train_cmd, serve_cmd = lines[0], lines[1]
   curl = " ".join(lines[3:])  # the predict call continues over several lines
   assert (
-    train_cmd.startswith("python -m recsys_jax.main --config=configs/dlrm.py") and "--workdir=runs/dlrm" in train_cmd
+    train_cmd.startswith("python -m recsys_jax.main --config=configs/dlrm.py") and "--workdir=runs/serving" in train_cmd
   )
-  assert serve_cmd.startswith("python -m recsys_jax.serve --workdir=runs/dlrm")
+  assert serve_cmd.startswith("python -m recsys_jax.serve --workdir=runs/serving")
   w = str(tmp_path / "dlrm")
-  args = shlex.split(train_cmd.replace("runs/dlrm", w))[1:]
+  args = shlex.split(train_cmd.replace("runs/serving", w))[1:]
   args = [a for a in args if not a.startswith(("--config.num_steps", "--config.checkpoint_every"))]
   subprocess.run(
     [sys.executable, *args, "--config.num_steps=2", "--config.eval_samples=16384", "--config.progress_bar=False"],
