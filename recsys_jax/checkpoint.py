@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +28,17 @@ import orbax.checkpoint as ocp
 
 from recsys_jax.async_ps import snapshot
 from recsys_jax.parallel import distributed
+
+CRASH_AT_ENV = "RECSYS_JAX_CRASH_AT"
+"""``<point>:<step>``: the save of checkpoint ``step`` SIGKILLs its own process at ``point`` (see
+``crash_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it."""
+
+
+def crash_point(point: str, step: int) -> None:
+  """Kills this process (SIGKILL: nothing is flushed or cleaned up) if ``$RECSYS_JAX_CRASH_AT``
+  names this point of this step's save; otherwise does nothing."""
+  if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}":
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class CheckpointError(RuntimeError):
@@ -154,6 +166,7 @@ class Checkpointer:
         args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
       )
       self._mgr.wait_until_finished()
+      crash_point("committed", step)
       self._verify(step, self._read_state(step, state), crc)
     except BaseException:
       self._chain = []  # change tracking was reset by the snapshot: the next one must be full
