@@ -21,8 +21,10 @@ refers to are deleted only after a save succeeded.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import zlib
@@ -31,20 +33,36 @@ from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from recsys_jax.async_ps import snapshot
 from recsys_jax.parallel import distributed
 
 CRASH_AT_ENV = "RECSYS_JAX_CRASH_AT"
 """``<point>:<step>``: the save of checkpoint ``step`` SIGKILLs its own process at ``point`` (see
-``crash_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it."""
+``fault_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it."""
+FILL_DISK_AT_ENV = "RECSYS_JAX_FILL_DISK_AT"
+"""``<point>:<step>``: the save of checkpoint ``step`` fills the disk of the workdir at ``point``
+(``<workdir>/disk_filler``, left for the test to remove): a full disk met by the next write."""
+FAULT_POINTS = ("before_snapshot", "before_parts", "before_commit", "committed", "collected")
+"""The points of a save, in order: before the PS snapshot, before the parts (the hot set), before
+orbax writes the dense state and meta, after orbax committed them, after older ones were deleted."""
 
 
-def crash_point(point: str, step: int) -> None:
-  """Kills this process (SIGKILL: nothing is flushed or cleaned up) if ``$RECSYS_JAX_CRASH_AT``
-  names this point of this step's save; otherwise does nothing."""
+def fault_point(point: str, step: int, workdir: str) -> None:
+  """A test's fault at this point of checkpoint ``step``'s save, if ``$RECSYS_JAX_CRASH_AT`` (a
+  SIGKILL: nothing is flushed or cleaned up) or ``$RECSYS_JAX_FILL_DISK_AT`` names it; otherwise
+  nothing."""
   if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}":
     os.kill(os.getpid(), signal.SIGKILL)
+  if os.environ.get(FILL_DISK_AT_ENV) == f"{point}:{step}" and jax.process_index() == 0:
+    with open(os.path.join(workdir, "disk_filler"), "ab", buffering=0) as f:
+      for size in (1 << 20, 1 << 12, 1):
+        try:
+          while True:
+            f.write(b"\0" * size)
+        except OSError:
+          pass
 
 
 class CheckpointError(RuntimeError):
@@ -115,6 +133,9 @@ def checksums(state: Any) -> Dict[str, str]:
   }
 
 
+_DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
 def _cause(e: BaseException) -> str:
   """An error's cause in one line: the innermost OSError's (a full disk says so, whatever library
   it came through), else the error's own first line."""
@@ -123,6 +144,11 @@ def _cause(e: BaseException) -> str:
     if isinstance(seen, OSError) and seen.strerror:
       return f"{seen.strerror}" + (f" ({seen.filename})" if seen.filename else "")
     seen = seen.__cause__ or seen.__context__
+  text = str(e)
+  for full in _DISK_FULL:  # tensorstore and orbax say it in their own words, with the file in quotes
+    if full in text:
+      file = re.search(r'"(/[^"]+)"', text)
+      return full + (f" ({file[1]})" if file else "")
   return f"{type(e).__name__}: {_short(e)}"
 
 
@@ -171,11 +197,13 @@ class Checkpointer:
     self.ps_directory = os.path.abspath(os.path.join(workdir, "ps_snapshots"))
     self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
     self.parts_directory = os.path.abspath(os.path.join(workdir, "checkpoint_parts"))
+    self._workdir = os.path.abspath(workdir)
     self.full_every = full_every
     self.max_to_keep = max_to_keep
     self._mgr = self._open()
     self._chain: List[str] = []
     self._since_full = 0
+    self._failed: Optional[BaseException] = None  # the last save's error, if it failed
 
   def _open(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
@@ -207,6 +235,7 @@ class Checkpointer:
       self._save(step, state, ps, meta, dict(parts or {}))
     except BaseException as e:
       self._chain = []  # change tracking was reset by the snapshot: the next one must be full
+      self._failed = e
       if isinstance(e, (CheckpointError, ConnectionError)) or not isinstance(e, Exception):
         raise
       raise CheckpointError(f"checkpoint {where} could not be written: {_cause(e)}") from e
@@ -220,6 +249,7 @@ class Checkpointer:
     crc = checksums(state)
     if primary:
       shutil.rmtree(path, ignore_errors=True)  # an orphan from a crash after the PS write
+    fault_point("before_snapshot", step, self._workdir)
     if hasattr(ps, "save_snapshot"):
       # Remote PS servers: one process asks them; each waits until every trainer's pushes of
       # the steps before ``step`` are applied, so the snapshot is one cut.
@@ -233,21 +263,22 @@ class Checkpointer:
           f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
           f"its PS snapshot {path}: {_cause(e)}"
         ) from e
+    fault_point("before_parts", step, self._workdir)
     meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
     meta["meta_crc32"] = meta_checksum(meta)
-    crash_point("parts", step)
+    fault_point("before_commit", step, self._workdir)
     self._mgr.save(
       step,
       args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
     )
     self._mgr.wait_until_finished()
-    crash_point("committed", step)
+    fault_point("committed", step, self._workdir)
     self._verify(step, self._read_state(step, state), crc)
     self._chain = chain
     self._since_full = 0 if full else self._since_full + 1
     self._rotate()
     self._collect_garbage(primary)
-    crash_point("collected", step)
+    fault_point("collected", step, self._workdir)
 
   def _write_parts(self, step: int, parts: Dict[str, PartWriter]) -> Dict[str, str]:
     """Writes this process's parts of checkpoint ``step``; every process's CRC32s, by file name.
@@ -457,4 +488,11 @@ class Checkpointer:
     return dst
 
   def close(self) -> None:
-    self._mgr.close()
+    """Closes the manager. After a failed save, orbax raises that failure again here (its writing
+    thread's error): the save already reported it, so it is logged, not raised a second time."""
+    try:
+      self._mgr.close()
+    except Exception as e:
+      if self._failed is None:
+        raise
+      logging.warning("closing the checkpoint manager after a failed save: %s", e)

@@ -1,10 +1,14 @@
-"""A checkpoint is one cut of everything a resume reads: killed anywhere in a save, the run resumes equal.
+"""A checkpoint is one cut of everything a resume reads: killed or out of disk anywhere in a save,
+the run resumes equal.
 
 The hot-rows run of configs/tiny.py (k = 0, a checkpoint every 10 steps) is SIGKILLed at named
-points of a save (``RECSYS_JAX_CRASH_AT``, :func:`recsys_jax.checkpoint.crash_point`), above all
-just after orbax committed the dense state and meta, and at random moments (slow). Each killed run,
-run again on its workdir, must end as the uninterrupted run did: every dense weight bit for bit (the
-final checkpoint's CRC32 of every array) and the final AUC and logloss exactly.
+points of a save (``RECSYS_JAX_CRASH_AT``, :func:`recsys_jax.checkpoint.fault_point`), above all
+just after orbax committed the dense state and meta (where the hot set used to be written after
+the commit), and at random moments (slow). On a small tmpfs, the disk is filled at the points
+before the PS snapshot, the hot set and orbax's write (``RECSYS_JAX_FILL_DISK_AT``): the run ends
+with one ``error:`` line and exit 2, keeping every checkpoint committed before. Each run, run again
+on its workdir, must end as the uninterrupted run did: every dense weight bit for bit (the final
+checkpoint's CRC32 of every array) and the final AUC and logloss exactly.
 """
 
 from __future__ import annotations
@@ -30,20 +34,23 @@ ARGS = (
 )
 
 
-def _env(crash=None):
+def _env(crash=None, fill=None):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("RECSYS_JAX_CRASH_AT", None)
+  env.pop("RECSYS_JAX_FILL_DISK_AT", None)
   if crash:
     env["RECSYS_JAX_CRASH_AT"] = crash
+  if fill:
+    env["RECSYS_JAX_FILL_DISK_AT"] = fill
   return env
 
 
-def _train(workdir, *extra, crash=None):
+def _train(workdir, *extra, crash=None, fill=None):
   """One run of the trainer on ``workdir``: (exit status, stderr)."""
   p = subprocess.run(
     [sys.executable, "-m", "recsys_jax.main", f"--workdir={workdir}", *ARGS, *extra],
     cwd=ROOT,
-    env=_env(crash),
+    env=_env(crash, fill),
     capture_output=True,
     text=True,
     timeout=600,
@@ -83,14 +90,69 @@ def _resumed_equal(reference, workdir, killed_at):
   return err
 
 
-@pytest.mark.parametrize("point", ["committed"])
-def test_a_kill_just_after_the_commit_resumes_equal(reference, tmp_path, point):
-  """SIGKILL right after orbax committed checkpoint 20: the resume starts from it and ends equal."""
+def _kill_at(reference, tmp_path, point):
   workdir = str(tmp_path / "run")
   code, err = _train(workdir, crash=f"{point}:20")
   assert code == -signal.SIGKILL, err[-3000:]
-  assert 20 in _steps(workdir), _steps(workdir)
-  _resumed_equal(reference, workdir, 20)
+  committed = point in ("committed", "collected")
+  assert _steps(workdir) == ([10, 20] if committed else [10]), _steps(workdir)
+  _resumed_equal(reference, workdir, 20 if committed else 10)
+
+
+def test_a_kill_just_after_the_commit_resumes_equal(reference, tmp_path):
+  """SIGKILL right after orbax committed checkpoint 20 (before anything else of the save): the
+  resume starts from it, with its hot set, and ends equal."""
+  _kill_at(reference, tmp_path, "committed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_snapshot", "before_parts", "before_commit", "collected"])
+def test_a_kill_at_each_point_of_a_save_resumes_equal(reference, tmp_path, point):
+  _kill_at(reference, tmp_path, point)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 64 MiB tmpfs (root only; skipped where mount is refused)."""
+  path = tmp_path / "disk"
+  path.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here (needs root)")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _full_disk_at(reference, small_disk, point):
+  workdir = str(small_disk / "run")
+  code, err = _train(workdir, fill=f"{point}:20")
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert code == 2, err[-3000:]
+  assert len(lines) == 2 and lines[0] == f"workdir: {workdir}", err[-3000:]  # nothing else on the terminal
+  ckpt = os.path.join(workdir, "checkpoints")
+  assert lines[1].startswith(f"error: checkpoint {ckpt}/20 could not be written: "), lines[1]
+  assert "No space left on device" in lines[1], lines[1]
+  assert lines[1].endswith(f"; last good checkpoint: {ckpt}/10 (left as it was)"), lines[1]
+  assert _steps(workdir) == [10]  # nothing committed is lost, nothing half written is committed
+  os.remove(os.path.join(workdir, "disk_filler"))
+  _resumed_equal(reference, workdir, 10)
+  return lines[1]
+
+
+def test_a_full_disk_under_orbax_is_one_error_line_and_the_resume_ends_equal(reference, small_disk):
+  """The disk is full when orbax writes the dense state and meta of checkpoint 20 (the hot set and
+  PS snapshot written): one line, exit 2, checkpoint 10 intact, and the run resumed ends equal."""
+  _full_disk_at(reference, small_disk, "before_commit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_snapshot", "before_parts"])
+def test_a_full_disk_at_each_write_is_one_error_line(reference, small_disk, point):
+  """The same with the disk full for the PS snapshot (tensorstore) and for the hot set (numpy)."""
+  line = _full_disk_at(reference, small_disk, point)
+  assert ("its PS snapshot" in line) == (point == "before_snapshot"), line
+  assert ("its part" in line and "hot_rows_p0.npz" in line) == (point == "before_parts"), line
 
 
 @pytest.mark.slow
