@@ -16,7 +16,7 @@ verbatim to every trainer (the trainer's ``config_flags`` validates them), as is
 
 The servers demand a bearer token: by default the launcher writes a fresh random one for the job
 to a file only the user can read (mode 0600, in a private temporary directory removed when the
-launcher exits) and passes it to the servers (``--token_file``) and the trainers
+launcher exits, or, if it was SIGKILLed, by the next launcher) and passes it to the servers (``--token_file``) and the trainers
 (``--config.ps.token_file``); ``--token_file`` names your own instead, ``--noauth`` runs without.
 The children die with the launcher, even when it is SIGKILLed (``recsys_jax/supervisor.py``).
 

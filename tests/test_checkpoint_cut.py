@@ -69,6 +69,8 @@ def _end(workdir):
     s = json.load(f)
   with open(os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")) as f:
     crc = json.load(f)["state_crc32"]
+  # The parts (hot sets) of the kept checkpoints, no others: those of older ones went with them.
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoint_parts")), key=int) == list(map(str, _steps(workdir)))
   return {"auc": s["auc"], "logloss": s["logloss"], "steps": s["steps"], "dense_crc32": crc}
 
 
