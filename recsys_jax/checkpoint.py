@@ -40,7 +40,8 @@ from recsys_jax.parallel import distributed
 
 CRASH_AT_ENV = "RECSYS_JAX_CRASH_AT"
 """``<point>:<step>``: the save of checkpoint ``step`` SIGKILLs its own process at ``point`` (see
-``fault_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it."""
+``fault_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it.
+``<point>:<step>:raise`` raises ``Crash`` there instead (a test's run in its own process)."""
 FILL_DISK_AT_ENV = "RECSYS_JAX_FILL_DISK_AT"
 """``<point>:<step>``: the save of checkpoint ``step`` fills the disk of the workdir at ``point``
 (``<workdir>/disk_filler``, left for the test to remove): a full disk met by the next write."""
@@ -49,12 +50,19 @@ FAULT_POINTS = ("before_snapshot", "before_parts", "before_commit", "committed",
 orbax writes the dense state and meta, after orbax committed them, after older ones were deleted."""
 
 
+class Crash(BaseException):
+  """A kill at a fault point, raised rather than made: nothing of the save after it is done (a
+  BaseException: no ``except Exception`` on its way up handles it)."""
+
+
 def fault_point(point: str, step: int, workdir: str) -> None:
   """A test's fault at this point of checkpoint ``step``'s save, if ``$RECSYS_JAX_CRASH_AT`` (a
   SIGKILL: nothing is flushed or cleaned up) or ``$RECSYS_JAX_FILL_DISK_AT`` names it; otherwise
   nothing."""
   if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}":
     os.kill(os.getpid(), signal.SIGKILL)
+  if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}:raise":
+    raise Crash(f"{CRASH_AT_ENV}={point}:{step}:raise")
   if os.environ.get(FILL_DISK_AT_ENV) == f"{point}:{step}" and jax.process_index() == 0:
     with open(os.path.join(workdir, "disk_filler"), "ab", buffering=0) as f:
       for size in (1 << 20, 1 << 12, 1):

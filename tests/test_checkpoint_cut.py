@@ -74,43 +74,69 @@ def _end(workdir):
   return {"auc": s["auc"], "logloss": s["logloss"], "steps": s["steps"], "dense_crc32": crc}
 
 
+def _config():
+  """The config of ``ARGS``, for a run in this process."""
+  from configs import tiny
+
+  c = tiny.get_config()
+  for arg in ARGS[1:]:
+    key, value = arg[len("--config.") :].split("=")
+    c[key] = type(c[key])(value)
+  return c
+
+
+def _train_here(workdir):
+  """A run of the same job in this process (compiled once for all of them): its summary."""
+  from recsys_jax import train
+
+  return train.train_and_evaluate(_config(), workdir)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("cut") / "reference")
-  code, err = _train(workdir)
-  assert code == 0, err[-3000:]
+  _train_here(workdir)
   return _end(workdir)
 
 
-def _resumed_equal(reference, workdir, killed_at):
+def _resumed_equal(reference, workdir, killed_at, here=False):
   """Runs the killed run's workdir to the end; it must end as the uninterrupted run."""
-  code, err = _train(workdir)
-  assert code == 0, err[-3000:]
-  assert f"resumed from {os.path.join(workdir, 'checkpoints')}/{killed_at}" in err, err[-3000:]
+  if here:
+    assert _train_here(workdir)["resumed_from"] == killed_at
+  else:
+    code, err = _train(workdir)
+    assert code == 0, err[-3000:]
+    assert f"resumed from {os.path.join(workdir, 'checkpoints')}/{killed_at}" in err, err[-3000:]
   got = _end(workdir)
   assert got == reference, {k: (got[k], reference[k]) for k in got if got[k] != reference[k]}
-  return err
 
 
-def _kill_at(reference, tmp_path, point):
+def test_a_crash_just_after_the_commit_resumes_equal(reference, tmp_path, monkeypatch):
+  """Stopped dead right after orbax committed checkpoint 20 (before anything else of the save; here
+  by a raise, in this process: tests below SIGKILL): the resume starts from it, with its hot set,
+  and ends equal."""
+  from recsys_jax import checkpoint
+
+  workdir = str(tmp_path / "run")
+  monkeypatch.setenv(checkpoint.CRASH_AT_ENV, "committed:20:raise")
+  with pytest.raises(checkpoint.Crash):
+    _train_here(workdir)
+  monkeypatch.delenv(checkpoint.CRASH_AT_ENV)
+  assert _steps(workdir) == [10, 20]
+  _resumed_equal(reference, workdir, 20, here=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_snapshot", "before_parts", "before_commit", "committed", "collected"])
+def test_a_kill_at_each_point_of_a_save_resumes_equal(reference, tmp_path, point):
+  """SIGKILL at each point of the save of checkpoint 20: the resume starts from 20 once orbax
+  committed it, else from 10, and ends equal."""
   workdir = str(tmp_path / "run")
   code, err = _train(workdir, crash=f"{point}:20")
   assert code == -signal.SIGKILL, err[-3000:]
   committed = point in ("committed", "collected")
   assert _steps(workdir) == ([10, 20] if committed else [10]), _steps(workdir)
   _resumed_equal(reference, workdir, 20 if committed else 10)
-
-
-def test_a_kill_just_after_the_commit_resumes_equal(reference, tmp_path):
-  """SIGKILL right after orbax committed checkpoint 20 (before anything else of the save): the
-  resume starts from it, with its hot set, and ends equal."""
-  _kill_at(reference, tmp_path, "committed")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("point", ["before_snapshot", "before_parts", "before_commit", "collected"])
-def test_a_kill_at_each_point_of_a_save_resumes_equal(reference, tmp_path, point):
-  _kill_at(reference, tmp_path, point)
 
 
 @pytest.fixture
@@ -138,7 +164,7 @@ def _full_disk_at(reference, small_disk, point):
   assert lines[1].endswith(f"; last good checkpoint: {ckpt}/10 (left as it was)"), lines[1]
   assert _steps(workdir) == [10]  # nothing committed is lost, nothing half written is committed
   os.remove(os.path.join(workdir, "disk_filler"))
-  _resumed_equal(reference, workdir, 10)
+  _resumed_equal(reference, workdir, 10, here=True)
   return lines[1]
 
 
