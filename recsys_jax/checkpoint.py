@@ -21,89 +21,24 @@ refers to are deleted only after a save succeeded.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
-import signal
 import zlib
-from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from recsys_jax import checkpoint_files
 from recsys_jax.async_ps import snapshot
 from recsys_jax.parallel import distributed
-
-CRASH_AT_ENV = "RECSYS_JAX_CRASH_AT"
-"""``<point>:<step>``: the save of checkpoint ``step`` SIGKILLs its own process at ``point`` (see
-``fault_point``): how tests aim a kill -9 at one moment of a save rather than hope to hit it.
-``<point>:<step>:raise`` raises ``Crash`` there instead (a test's run in its own process)."""
-FILL_DISK_AT_ENV = "RECSYS_JAX_FILL_DISK_AT"
-"""``<point>:<step>``: the save of checkpoint ``step`` fills the disk of the workdir at ``point``
-(``<workdir>/disk_filler``, left for the test to remove): a full disk met by the next write."""
-FAULT_POINTS = ("before_snapshot", "before_parts", "before_commit", "committed", "collected")
-"""The points of a save, in order: before the PS snapshot, before the parts (the hot set), before
-orbax writes the dense state and meta, after orbax committed them, after older ones were deleted."""
-
-
-class Crash(BaseException):
-  """A kill at a fault point, raised rather than made: nothing of the save after it is done (a
-  BaseException: no ``except Exception`` on its way up handles it)."""
-
-
-def fault_point(point: str, step: int, workdir: str) -> None:
-  """A test's fault at this point of checkpoint ``step``'s save, if ``$RECSYS_JAX_CRASH_AT`` (a
-  SIGKILL: nothing is flushed or cleaned up) or ``$RECSYS_JAX_FILL_DISK_AT`` names it; otherwise
-  nothing."""
-  if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}":
-    os.kill(os.getpid(), signal.SIGKILL)
-  if os.environ.get(CRASH_AT_ENV) == f"{point}:{step}:raise":
-    raise Crash(f"{CRASH_AT_ENV}={point}:{step}:raise")
-  if os.environ.get(FILL_DISK_AT_ENV) == f"{point}:{step}" and jax.process_index() == 0:
-    with open(os.path.join(workdir, "disk_filler"), "ab", buffering=0) as f:
-      for size in (1 << 20, 1 << 12, 1):
-        try:
-          while True:
-            f.write(b"\0" * size)
-        except OSError:
-          pass
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that exists but cannot be read, or one that cannot be written."""
-
-
-PartWriter = Callable[[BinaryIO], None]
-"""Writes one part of a checkpoint (e.g. this process's hot set) into an open binary file."""
-
-
-def _file_crc32(path: str) -> str:
-  crc = 0
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 20):
-      crc = zlib.crc32(chunk, crc)
-  return f"{crc & 0xFFFFFFFF:08x}"
-
-
-def _write_part(path: str, write: PartWriter) -> str:
-  """Writes a part under a temporary name, syncs it and renames it into place; returns its CRC32."""
-  tmp = path + ".tmp"
-  try:
-    with open(tmp, "wb") as f:
-      write(f)
-      f.flush()
-      os.fsync(f.fileno())
-    crc = _file_crc32(tmp)  # read back: what the resume will check is what is on disk
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)  # a full disk keeps no half file
-    raise
-  return crc
 
 
 # Status codes with which a remote PS server refuses to restore a snapshot that is damaged or missing.
@@ -139,25 +74,6 @@ def checksums(state: Any) -> Dict[str, str]:
     jax.tree_util.keystr(path): f"{zlib.crc32(np.ascontiguousarray(a).tobytes()) & 0xFFFFFFFF:08x}"
     for (path, _), a in zip(flat, arrays)
   }
-
-
-_DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
-
-
-def _cause(e: BaseException) -> str:
-  """An error's cause in one line: the innermost OSError's (a full disk says so, whatever library
-  it came through), else the error's own first line."""
-  seen = e
-  while seen is not None:
-    if isinstance(seen, OSError) and seen.strerror:
-      return f"{seen.strerror}" + (f" ({seen.filename})" if seen.filename else "")
-    seen = seen.__cause__ or seen.__context__
-  text = str(e)
-  for full in _DISK_FULL:  # tensorstore and orbax say it in their own words, with the file in quotes
-    if full in text:
-      file = re.search(r'"(/[^"]+)"', text)
-      return full + (f" ({file[1]})" if file else "")
-  return f"{type(e).__name__}: {_short(e)}"
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -225,7 +141,12 @@ class Checkpointer:
     )
 
   def save(
-    self, step: int, state: Any, ps, meta: Dict[str, Any], parts: Optional[Mapping[str, PartWriter]] = None
+    self,
+    step: int,
+    state: Any,
+    ps,
+    meta: Dict[str, Any],
+    parts: Optional[Mapping[str, checkpoint_files.PartWriter]] = None,
   ) -> None:
     """Writes checkpoint ``step`` (PS snapshot and parts, then dense state + meta) and waits for it.
 
@@ -246,9 +167,11 @@ class Checkpointer:
       self._failed = e
       if isinstance(e, (CheckpointError, ConnectionError)) or not isinstance(e, Exception):
         raise
-      raise CheckpointError(f"checkpoint {where} could not be written: {_cause(e)}") from e
+      raise CheckpointError(f"checkpoint {where} could not be written: {checkpoint_files.cause(e)}") from e
 
-  def _save(self, step: int, state: Any, ps, meta: Dict[str, Any], parts: Dict[str, PartWriter]) -> None:
+  def _save(
+    self, step: int, state: Any, ps, meta: Dict[str, Any], parts: Dict[str, checkpoint_files.PartWriter]
+  ) -> None:
     full = not self._chain or self._since_full + 1 >= self.full_every
     name = f"{step:010d}-{'full' if full else 'incr'}"
     chain = [name] if full else self._chain + [name]
@@ -257,7 +180,7 @@ class Checkpointer:
     crc = checksums(state)
     if primary:
       shutil.rmtree(path, ignore_errors=True)  # an orphan from a crash after the PS write
-    fault_point("before_snapshot", step, self._workdir)
+    checkpoint_files.fault_point("before_snapshot", step, self._workdir)
     if hasattr(ps, "save_snapshot"):
       # Remote PS servers: one process asks them; each waits until every trainer's pushes of
       # the steps before ``step`` are applied, so the snapshot is one cut.
@@ -269,26 +192,26 @@ class Checkpointer:
       except Exception as e:
         raise CheckpointError(
           f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
-          f"its PS snapshot {path}: {_cause(e)}"
+          f"its PS snapshot {path}: {checkpoint_files.cause(e)}"
         ) from e
-    fault_point("before_parts", step, self._workdir)
+    checkpoint_files.fault_point("before_parts", step, self._workdir)
     meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
     meta["meta_crc32"] = meta_checksum(meta)
-    fault_point("before_commit", step, self._workdir)
+    checkpoint_files.fault_point("before_commit", step, self._workdir)
     self._mgr.save(
       step,
       args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
     )
     self._mgr.wait_until_finished()
-    fault_point("committed", step, self._workdir)
+    checkpoint_files.fault_point("committed", step, self._workdir)
     self._verify(step, self._read_state(step, state), crc)
     self._chain = chain
     self._since_full = 0 if full else self._since_full + 1
     self._rotate()
     self._collect_garbage(primary)
-    fault_point("collected", step, self._workdir)
+    checkpoint_files.fault_point("collected", step, self._workdir)
 
-  def _write_parts(self, step: int, parts: Dict[str, PartWriter]) -> Dict[str, str]:
+  def _write_parts(self, step: int, parts: Dict[str, checkpoint_files.PartWriter]) -> Dict[str, str]:
     """Writes this process's parts of checkpoint ``step``; every process's CRC32s, by file name.
 
     A process that cannot write its part still joins the gather, so that every process fails the
@@ -301,9 +224,9 @@ class Checkpointer:
         os.makedirs(directory, exist_ok=True)
       for name, write in sorted(parts.items()):
         where = os.path.join(directory, name)
-        mine[name] = _write_part(where, write)
+        mine[name] = checkpoint_files.write_part(where, write)
     except Exception as e:
-      mine = {"": f"{where}: {_cause(e)}"}
+      mine = {"": f"{where}: {checkpoint_files.cause(e)}"}
     every = distributed.allgather_json(mine) if jax.process_count() > 1 else [mine]
     crcs: Dict[str, str] = {}
     for got in every:
@@ -325,7 +248,7 @@ class Checkpointer:
     for name, crc in sorted(meta.get("parts_crc32", {}).items()):
       path = os.path.join(self.parts_directory, str(step), name)
       try:
-        got = _file_crc32(path)
+        got = checkpoint_files.file_crc32(path)
       except OSError as e:
         raise CheckpointError(
           f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its part {path} cannot be read "

@@ -321,12 +321,8 @@ def _running(pid: int) -> bool:
 def _remove_stale_token_dirs() -> None:
   """Removes the token directories of this user's launchers that are gone (a SIGKILLed launcher
   cannot remove its own); their pid is in the name. A running launcher's is left alone."""
-  root = tempfile.gettempdir()
-  try:
-    names = os.listdir(root)
-  except OSError:
-    return
-  for name in names:
+  root = tempfile.gettempdir()  # one it can write to, so it can list it too
+  for name in os.listdir(root):
     m = _TOKEN_DIR.match(name)
     path = os.path.join(root, name)
     try:

@@ -82,7 +82,6 @@ def train_and_evaluate(
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
-  stopped = True  # by an error, until the loop ends
   try:
     for t in range(start, n):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -114,7 +113,6 @@ def train_and_evaluate(
           gate.release()
     if n > start:
       ckpts.save(n, state, ps, pusher, (hot, hot_state))
-    stopped = False
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -125,8 +123,6 @@ def train_and_evaluate(
     raise
   finally:
     progress.bar.close()
-    if stopped:  # now, not at exit: a full disk's failed flush is then no traceback after the error line
-      progress.writers.close()
     hot.close()
     pre.close()
     pusher.close()

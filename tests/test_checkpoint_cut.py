@@ -2,7 +2,7 @@
 the run resumes equal.
 
 The hot-rows run of configs/tiny.py (k = 0, a checkpoint every 10 steps) is SIGKILLed at named
-points of a save (``RECSYS_JAX_CRASH_AT``, :func:`recsys_jax.checkpoint.fault_point`), above all
+points of a save (``RECSYS_JAX_CRASH_AT``, :func:`recsys_jax.checkpoint_files.fault_point`), above all
 just after orbax committed the dense state and meta (where the hot set used to be written after
 the commit), and at random moments (slow). On a small tmpfs, the disk is filled at the points
 before the PS snapshot, the hot set and orbax's write (``RECSYS_JAX_FILL_DISK_AT``): the run ends
@@ -115,7 +115,7 @@ def test_a_crash_just_after_the_commit_resumes_equal(reference, tmp_path, monkey
   """Stopped dead right after orbax committed checkpoint 20 (before anything else of the save; here
   by a raise, in this process: tests below SIGKILL): the resume starts from it, with its hot set,
   and ends equal."""
-  from recsys_jax import checkpoint
+  from recsys_jax import checkpoint_files as checkpoint
 
   workdir = str(tmp_path / "run")
   monkeypatch.setenv(checkpoint.CRASH_AT_ENV, "committed:20:raise")
