@@ -6,11 +6,17 @@ PS is written by ``async_ps.snapshot`` through tensorstore under ``<workdir>/ps_
 a full snapshot every ``full_every`` checkpoints and incremental ones (only rows changed
 since the previous checkpoint) in between; each checkpoint's meta names the chain it needs.
 
+A run's other state (the hot set: one file per trainer process) goes with a checkpoint as its
+*parts*: files under ``<workdir>/checkpoint_parts/<step>/``, each written and synced before the
+commit, with its CRC32 recorded in the meta. A checkpoint is thus committed only with every part
+in place, and one whose part is missing or fails its checksum is damaged like one whose dense
+state is (set aside at a resume; the previous one is used).
+
 The caller saves only after the pushes of every step <= ``step`` are applied and before any
-later push, which makes the parts agree. The PS snapshot is written first (to a temporary
-directory, renamed when whole) and the orbax checkpoint last, also atomically, so a crash
-at any point leaves the previous checkpoint as it was; snapshots no kept checkpoint refers
-to are deleted only after a save succeeded.
+later push, which makes the parts agree. The PS snapshot and the parts are written first (to
+temporary names, renamed when whole) and the orbax checkpoint last, also atomically, so a crash
+at any point leaves the previous checkpoint as it was; snapshots and parts no kept checkpoint
+refers to are deleted only after a save succeeded.
 """
 
 from __future__ import annotations
@@ -19,18 +25,20 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
+from recsys_jax import checkpoint_files
 from recsys_jax.async_ps import snapshot
 from recsys_jax.parallel import distributed
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint that exists but cannot be read."""
+  """A checkpoint that exists but cannot be read, or one that cannot be written."""
 
 
 # Status codes with which a remote PS server refuses to restore a snapshot that is damaged or missing.
@@ -112,11 +120,14 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.ps_directory = os.path.abspath(os.path.join(workdir, "ps_snapshots"))
     self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
+    self.parts_directory = os.path.abspath(os.path.join(workdir, "checkpoint_parts"))
+    self._workdir = os.path.abspath(workdir)
     self.full_every = full_every
     self.max_to_keep = max_to_keep
     self._mgr = self._open()
     self._chain: List[str] = []
     self._since_full = 0
+    self._failed: Optional[BaseException] = None  # the last save's error, if it failed
 
   def _open(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
@@ -129,8 +140,38 @@ class Checkpointer:
       item_names=("state", "meta"),
     )
 
-  def save(self, step: int, state: Any, ps, meta: Dict[str, Any]) -> None:
-    """Writes checkpoint ``step`` (PS snapshot, then dense state + meta) and waits for it."""
+  def save(
+    self,
+    step: int,
+    state: Any,
+    ps,
+    meta: Dict[str, Any],
+    parts: Optional[Mapping[str, checkpoint_files.PartWriter]] = None,
+  ) -> None:
+    """Writes checkpoint ``step`` (PS snapshot and parts, then dense state + meta) and waits for it.
+
+    Args:
+      parts: this process's parts, by file name (unique over the processes: e.g. with the process
+        index in it); every process's are written before the commit, their CRC32s in the meta.
+
+    Raises:
+      CheckpointError: one line naming what could not be written and where (a full disk, a
+        failed orbax or tensorstore write); the checkpoints saved before are left as they were.
+      ConnectionError: a remote PS server out of reach.
+    """
+    where = os.path.join(self.directory, str(step))
+    try:
+      self._save(step, state, ps, meta, dict(parts or {}))
+    except BaseException as e:
+      self._chain = []  # change tracking was reset by the snapshot: the next one must be full
+      self._failed = e
+      if isinstance(e, (CheckpointError, ConnectionError)) or not isinstance(e, Exception):
+        raise
+      raise CheckpointError(f"checkpoint {where} could not be written: {checkpoint_files.cause(e)}") from e
+
+  def _save(
+    self, step: int, state: Any, ps, meta: Dict[str, Any], parts: Dict[str, checkpoint_files.PartWriter]
+  ) -> None:
     full = not self._chain or self._since_full + 1 >= self.full_every
     name = f"{step:010d}-{'full' if full else 'incr'}"
     chain = [name] if full else self._chain + [name]
@@ -139,29 +180,85 @@ class Checkpointer:
     crc = checksums(state)
     if primary:
       shutil.rmtree(path, ignore_errors=True)  # an orphan from a crash after the PS write
-    try:
-      if hasattr(ps, "save_snapshot"):
-        # Remote PS servers: one process asks them; each waits until every trainer's pushes of
-        # the steps before ``step`` are applied, so the snapshot is one cut.
-        if primary:
-          ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
-      else:
+    checkpoint_files.fault_point("before_snapshot", step, self._workdir)
+    if hasattr(ps, "save_snapshot"):
+      # Remote PS servers: one process asks them; each waits until every trainer's pushes of
+      # the steps before ``step`` are applied, so the snapshot is one cut.
+      if primary:
+        ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
+    else:
+      try:
         snapshot.save(ps, path, incremental=not full, meta={"step": int(step)})
-      meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc)
-      meta["meta_crc32"] = meta_checksum(meta)
-      self._mgr.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
-      )
-      self._mgr.wait_until_finished()
-      self._verify(step, self._read_state(step, state), crc)
-    except BaseException:
-      self._chain = []  # change tracking was reset by the snapshot: the next one must be full
-      raise
+      except Exception as e:
+        raise CheckpointError(
+          f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
+          f"its PS snapshot {path}: {checkpoint_files.cause(e)}"
+        ) from e
+    checkpoint_files.fault_point("before_parts", step, self._workdir)
+    meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
+    meta["meta_crc32"] = meta_checksum(meta)
+    checkpoint_files.fault_point("before_commit", step, self._workdir)
+    self._mgr.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
+    )
+    self._mgr.wait_until_finished()
+    checkpoint_files.fault_point("committed", step, self._workdir)
+    self._verify(step, self._read_state(step, state), crc)
     self._chain = chain
     self._since_full = 0 if full else self._since_full + 1
     self._rotate()
     self._collect_garbage(primary)
+    checkpoint_files.fault_point("collected", step, self._workdir)
+
+  def _write_parts(self, step: int, parts: Dict[str, checkpoint_files.PartWriter]) -> Dict[str, str]:
+    """Writes this process's parts of checkpoint ``step``; every process's CRC32s, by file name.
+
+    A process that cannot write its part still joins the gather, so that every process fails the
+    save with the same line instead of the others waiting for it."""
+    directory = os.path.join(self.parts_directory, str(step))
+    mine: Dict[str, Any] = {}
+    where = directory
+    try:
+      if parts:
+        os.makedirs(directory, exist_ok=True)
+      for name, write in sorted(parts.items()):
+        where = os.path.join(directory, name)
+        mine[name] = checkpoint_files.write_part(where, write)
+    except Exception as e:
+      mine = {"": f"{where}: {checkpoint_files.cause(e)}"}
+    every = distributed.allgather_json(mine) if jax.process_count() > 1 else [mine]
+    crcs: Dict[str, str] = {}
+    for got in every:
+      if "" in got:
+        raise CheckpointError(
+          f"checkpoint {os.path.join(self.directory, str(step))} could not be written: its part {got['']}"
+        )
+      crcs.update(got)
+    return crcs
+
+  def part_path(self, step: int, meta: Dict[str, Any], name: str) -> str:
+    """Where checkpoint ``step``'s part ``name`` is: under ``checkpoint_parts/<step>/``, or, for a
+    checkpoint written before parts were (its meta lists none), inside the checkpoint directory."""
+    if "parts_crc32" in meta:
+      return os.path.join(self.parts_directory, str(step), name)
+    return os.path.join(self.directory, str(step), name)
+
+  def _check_parts(self, step: int, meta: Dict[str, Any]) -> None:
+    for name, crc in sorted(meta.get("parts_crc32", {}).items()):
+      path = os.path.join(self.parts_directory, str(step), name)
+      try:
+        got = checkpoint_files.file_crc32(path)
+      except OSError as e:
+        raise CheckpointError(
+          f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its part {path} cannot be read "
+          f"({e.strerror or type(e).__name__})"
+        ) from e
+      if got != crc:
+        raise CheckpointError(
+          f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its part {path} does not match "
+          f"its checksum (written {crc}, read {got})"
+        )
 
   def _rotate(self) -> None:
     # Only after the newest checkpoint was read back intact.
@@ -195,6 +292,12 @@ class Checkpointer:
     for name in os.listdir(self.ps_directory) if os.path.isdir(self.ps_directory) else []:
       if name not in needed and not name.endswith(".tmp"):
         shutil.rmtree(os.path.join(self.ps_directory, name), ignore_errors=True)
+    # Parts of steps no checkpoint is kept for; those after the newest may be a save under way
+    # (or one a crash cut short, which the next save of that step replaces).
+    kept = set(self._mgr.all_steps())
+    for name in os.listdir(self.parts_directory) if os.path.isdir(self.parts_directory) else []:
+      if name.isdigit() and int(name) not in kept and kept and int(name) < max(kept):
+        shutil.rmtree(os.path.join(self.parts_directory, name), ignore_errors=True)
 
   def _read_meta(self, step: int) -> Dict[str, Any]:
     path = os.path.join(self.directory, str(step))
@@ -223,6 +326,7 @@ class Checkpointer:
     """
     path = os.path.join(self.directory, str(step))
     meta = self._read_meta(step)
+    self._check_parts(step, meta)
     try:
       state = self._read_state(step, state_template)
     except Exception as e:
@@ -309,7 +413,17 @@ class Checkpointer:
     if jax.process_index() == 0:
       os.makedirs(self.damaged_directory, exist_ok=True)
       os.replace(os.path.join(self.directory, str(step)), dst)
+      parts = os.path.join(self.parts_directory, str(step))
+      if os.path.isdir(parts):  # with the checkpoint, out of the way of the next save of this step
+        os.replace(parts, os.path.join(dst, "parts"))
     return dst
 
   def close(self) -> None:
-    self._mgr.close()
+    """Closes the manager. After a failed save, orbax raises that failure again here (its writing
+    thread's error): the save already reported it, so it is logged, not raised a second time."""
+    try:
+      self._mgr.close()
+    except Exception as e:
+      if self._failed is None:
+        raise
+      logging.warning("closing the checkpoint manager after a failed save: %s", e)

@@ -16,7 +16,7 @@ verbatim to every trainer (the trainer's ``config_flags`` validates them), as is
 
 The servers demand a bearer token: by default the launcher writes a fresh random one for the job
 to a file only the user can read (mode 0600, in a private temporary directory removed when the
-launcher exits) and passes it to the servers (``--token_file``) and the trainers
+launcher exits, or, if it was SIGKILLed, by the next launcher) and passes it to the servers (``--token_file``) and the trainers
 (``--config.ps.token_file``); ``--token_file`` names your own instead, ``--noauth`` runs without.
 The children die with the launcher, even when it is SIGKILLed (``recsys_jax/supervisor.py``).
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -304,16 +305,45 @@ _AUTH = flags.DEFINE_bool(
 
 
 _TOKEN_NAME = "ps-token"
+_TOKEN_DIR = re.compile(r"^recsys_jax-launch-(\d+)-")
+
+
+def _running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+def _remove_stale_token_dirs() -> None:
+  """Removes the token directories of this user's launchers that are gone (a SIGKILLed launcher
+  cannot remove its own); their pid is in the name. A running launcher's is left alone."""
+  root = tempfile.gettempdir()  # one it can write to, so it can list it too
+  for name in os.listdir(root):
+    m = _TOKEN_DIR.match(name)
+    path = os.path.join(root, name)
+    try:
+      mine = m is not None and os.lstat(path).st_uid == os.getuid() and os.path.isdir(path)
+    except OSError:
+      continue
+    if mine and not _running(int(m[1])):
+      shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def job_token_file() -> Iterator[str]:
-  """A fresh random token in a file only this user can read, removed on exit.
+  """A fresh random token in a file only this user can read, removed on exit (a normal one, or by
+  SIGINT or SIGTERM, which the launcher turns into one). A launcher killed outright leaves its
+  directory, which the next launcher removes.
 
   Yields:
     The path of the file (mode 0600, in a new mode 0700 temporary directory).
   """
-  directory = tempfile.mkdtemp(prefix="recsys_jax-launch-")
+  _remove_stale_token_dirs()
+  directory = tempfile.mkdtemp(prefix=f"recsys_jax-launch-{os.getpid()}-")
   try:
     path = os.path.join(directory, _TOKEN_NAME)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -16,10 +16,13 @@ server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
 import ast
+import errno
 import faulthandler
 import os
 import signal
 import sys
+import threading
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -133,6 +136,51 @@ def _model_kwargs_follow_the_model(config) -> None:
     )
 
 
+def _log_to_workdir(workdir: str, process_id: int):
+  """Sends what is not for the person at the terminal to ``<workdir>/trainer_p<i>.log``: absl
+  logging (orbax's warnings and errors included), the tracebacks of threads that die, and errors
+  Python ignores (a flush at exit on a full disk). The terminal keeps one ``error:`` line per
+  failure. A log that cannot be written (the same full disk) loses those lines, nothing else.
+
+  Returns:
+    ``(path, write)``: the log file and a function that appends text to it.
+  """
+  path = os.path.join(os.path.abspath(workdir), f"trainer_p{process_id}.log")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    log = open(path, "a", buffering=1)
+  except OSError:
+    return path, lambda text: None
+
+  def write(text: str) -> None:
+    try:
+      log.write(text)
+      log.flush()
+    except (OSError, ValueError):
+      pass
+
+  class _Stream:  # absl's handler writes to .stream and flushes it
+    def write(self, text):
+      write(text)
+
+    def flush(self):
+      pass
+
+  logging.get_absl_handler().python_handler.stream = _Stream()
+
+  def thread_died(args):
+    write(f"exception in thread {getattr(args.thread, 'name', '?')}:\n")
+    write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
+  def ignored(args):
+    write(f"ignored: {args.err_msg or 'exception'} {args.object!r}:\n")
+    write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
+  threading.excepthook = thread_died
+  sys.unraisablehook = ignored
+  return path, write
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=EXIT_CONFIG)
@@ -155,10 +203,12 @@ def main(argv):
     "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
   )
   print(f"workdir: {os.path.abspath(workdir)}", file=sys.stderr)
+  log, to_log = _log_to_workdir(workdir, _PROCESS_ID.value)
   try:
     summary = train.train_and_evaluate(config, workdir)
   # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact.
   except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError) as e:
+    to_log("".join(traceback.format_exception(e)))  # with the causes the line leaves out
     print(f"error: {e}", file=sys.stderr)
     if isinstance(e, ConnectionError) and _NUM_PROCESSES.value > 1:
       # A lost PS server, which the other trainers may not have met yet: a normal exit would wait
@@ -168,6 +218,11 @@ def main(argv):
       os._exit(1)
     # Only a lost server may go away; the others come back the same on the same config and workdir.
     sys.exit(1 if isinstance(e, ConnectionError) else EXIT_CONFIG)
+  except Exception as e:  # anything else (numpy, tensorstore, a file): one line here, the traceback in the log
+    to_log("".join(traceback.format_exception(e)))
+    print(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]} (traceback: {log})", file=sys.stderr)
+    # A full disk stays full for the next attempt: not a failure a restart mends.
+    sys.exit(EXIT_CONFIG if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else 1)
   print(train.format_summary(summary))
   print(f"summary: {os.path.join(os.path.abspath(workdir), 'summary.json')}")
 

@@ -87,7 +87,7 @@ def train_and_evaluate(
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
   hot = job.hot
-  hot_state = hot.resume(start, ckpts.latest_dir(), ps, job.hot_state)
+  hot_state = hot.resume(start, ckpts.latest_part(hot.state_name()), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)

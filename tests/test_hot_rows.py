@@ -103,48 +103,77 @@ def test_restore_into_another_budget_reads_the_same_rows(runs, budget):
   _assert_close(r, r_ref, "rows")
 
 
-def _resumed(runs, tmp_path, damage=None):
-  """The hot run resumed from its checkpoint at 30 (the one at 50 removed) and run to 50."""
+def _resumed(runs, tmp_path, damage=None, drop=50):
+  """The hot run resumed from its checkpoint at 30 (the one at ``drop`` removed, or, with ``drop``
+  None, set aside for its damaged hot set) and run to 50."""
   import os
   import shutil
 
   c, hot_dir, _ = runs["hot"]
   workdir = str(tmp_path / "resumed")
   shutil.copytree(hot_dir, workdir, ignore=shutil.ignore_patterns("probe_*"))
-  shutil.rmtree(os.path.join(workdir, "checkpoints", "50"))
-  saved = os.path.join(workdir, "checkpoints", "30", "hot_rows_p0.npz")
+  if drop:
+    shutil.rmtree(os.path.join(workdir, "checkpoints", str(drop)))
+  saved = os.path.join(workdir, "checkpoint_parts", "30" if drop else "50", "hot_rows_p0.npz")
   assert os.path.getsize(saved) > 1000
   if damage:
-    damage(saved)
+    damage(workdir, saved)
   return outcome(c.copy_and_resolve_references(), workdir)
 
 
-def test_a_resumed_run_goes_on_exactly_as_the_one_that_saved(runs, tmp_path):
-  """The hot set and its counts are saved with the checkpoint: resumed at 30, the run holds the
-  same rows in the same slots and re-chooses as the uninterrupted one did, to the bit."""
+def _assert_same_run(runs, got):
   _, _, (s_hot, _, p_hot, r_hot) = runs["hot"]
-  s, _, p, r = _resumed(runs, tmp_path)
+  s, _, p, r = got
   for k in p_hot:
     np.testing.assert_array_equal(p[k], p_hot[k], err_msg=k)
   for t in r_hot:
     for k in r_hot[t]:
       np.testing.assert_array_equal(r[t][k], r_hot[t][k], err_msg=f"{t}/{k}")
-  assert s["auc"] == s_hot["auc"]
+  assert s["auc"] == s_hot["auc"] and s["logloss"] == s_hot["logloss"]
 
 
-def test_a_damaged_hot_set_file_is_named_and_the_run_goes_on(runs, tmp_path, capsys):
-  """Truncated: a warning names the file, the hot set starts empty (its rows are in the PS
-  snapshot) and at k = 0 the run still ends where the run without hot rows does."""
+def test_a_resumed_run_goes_on_exactly_as_the_one_that_saved(runs, tmp_path):
+  """The hot set and its counts are saved with the checkpoint: resumed at 30, the run holds the
+  same rows in the same slots and re-chooses as the uninterrupted one did, to the bit."""
+  _assert_same_run(runs, _resumed(runs, tmp_path))
 
-  def truncate(path):
+
+def test_a_damaged_hot_set_file_sets_its_checkpoint_aside(runs, tmp_path, capsys):
+  """The hot set is a part of its checkpoint: truncated, the checkpoint at 50 is damaged, named in
+  one line and set aside; the run resumes from 30 and ends exactly as the uninterrupted one."""
+  import os
+
+  def truncate(workdir, path):
     with open(path, "r+b") as f:
       f.truncate(100)
 
-  _, _, (_, _, p_cold, r_cold) = runs["cold"]
-  _, _, p, r = _resumed(runs, tmp_path, truncate)
-  assert "hot_rows_p0.npz cannot be read" in capsys.readouterr().err
-  _assert_close(p, p_cold, "dense")
-  _assert_close(r, r_cold, "rows")
+  got = _resumed(runs, tmp_path, truncate, drop=None)
+  err = capsys.readouterr().err
+  damaged = [line for line in err.splitlines() if "hot_rows_p0.npz" in line]
+  assert len(damaged) == 1 and "is damaged" in damaged[0] and "resuming from checkpoint 30" in damaged[0], err
+  assert os.path.isdir(str(tmp_path / "resumed" / "checkpoints_damaged" / "50" / "parts"))
+  _assert_same_run(runs, got)
+
+
+def test_a_checkpoint_written_before_parts_is_read_as_before(runs, tmp_path):
+  """A checkpoint from before the hot set was a part (the file inside the checkpoint directory, no
+  ``parts_crc32`` in the meta) resumes with its hot set, exactly."""
+  import json
+  import os
+
+  from recsys_jax import checkpoint as checkpoint_lib
+
+  def old_layout(workdir, path):
+    os.replace(path, os.path.join(workdir, "checkpoints", "30", "hot_rows_p0.npz"))
+    meta_file = os.path.join(workdir, "checkpoints", "30", "meta", "metadata")
+    with open(meta_file) as f:
+      meta = json.load(f)
+    del meta["parts_crc32"]
+    meta["meta_crc32"] = checkpoint_lib.meta_checksum(meta)
+    with open(meta_file, "w") as f:
+      json.dump(meta, f)
+
+  _assert_same_run(runs, _resumed(runs, tmp_path, old_layout))
 
 
 def test_buckets_shrink_rarely(tiny_config):

@@ -521,6 +521,41 @@ def test_job_token_file(tmp_path):
   assert not os.path.exists(os.path.dirname(path))
 
 
+_TOKEN_HOLDER = """
+import time
+from recsys_jax import launch
+with launch.job_token_file() as path:
+  print(path, flush=True)
+  time.sleep(120)
+"""
+
+
+def test_a_sigkilled_launchers_token_directory_is_removed_by_the_next_launcher(tmp_path, monkeypatch):
+  """A SIGKILLed launcher cannot remove its token directory; the next one removes the directories
+  of launchers that are gone (this user's only) and leaves a running launcher's alone."""
+  import tempfile
+
+  env = dict(os.environ, TMPDIR=str(tmp_path))
+  killed = subprocess.Popen(_py(_TOKEN_HOLDER), cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+  alive = subprocess.Popen(_py(_TOKEN_HOLDER), cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+  try:
+    killed_dir = os.path.dirname(killed.stdout.readline().strip())
+    alive_dir = os.path.dirname(alive.stdout.readline().strip())
+    assert os.path.dirname(killed_dir) == str(tmp_path) and os.path.isdir(killed_dir)
+    killed.kill()
+    killed.wait(10)
+    assert os.path.isdir(killed_dir)  # what a SIGKILL leaves
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with launch.job_token_file() as path:
+      assert not os.path.exists(killed_dir)
+      assert os.path.isdir(alive_dir)
+    assert not os.path.exists(os.path.dirname(path))
+  finally:
+    for p in (killed, alive):
+      p.kill()
+      p.wait()
+
+
 def test_cli_rejects_noauth_with_a_token_file():
   p = subprocess.run(
     [PY, "-m", "recsys_jax.launch", "--config=c.py", "--noauth", "--token_file=/t"],

@@ -395,3 +395,17 @@ def test_stats_while_another_thread_creates_rows():
   thread.join()
   assert not errors
   assert table.stats()["rows"] == 3_000_000
+
+
+def test_a_negative_step_is_refused_naming_it_and_changes_nothing():
+  """Steps count from 0 (a row's last step, expiry and the staleness wait read them): a lookup or
+  push of step -5 is a caller's mistake, refused before any table is touched."""
+  ps = ParameterServer([TableSpec(name="t", dim=4)], seed=0)
+  ids = np.arange(3, dtype=np.uint64)
+  with pytest.raises(ValueError, match=r"step -5 is negative"):
+    ps.lookup_many({"t": ids}, True, -5)
+  with pytest.raises(ValueError, match=r"step -5 is negative"):
+    ps.apply_many({"t": (ids, np.ones((3, 4), np.float32))}, -5)
+  assert ps.stats()["t"]["rows"] == 0
+  ps.lookup_many({"t": ids}, True, 0)  # step 0 is a step
+  assert ps.stats()["t"]["rows"] == 3

@@ -27,7 +27,7 @@ LAYERS = (
   ("main", "serve", "launch", "restarts", "supervisor", "plan", "capacity"),  # entry points and what only they use
   ("train", "serving"),  # the loop; serving a trained model
   ("training",),  # the parts the loop is assembled from
-  ("checkpoint", "data"),
+  ("checkpoint", "checkpoint_files", "data"),
   ("async_ps",),
   ("models", "parallel", "embeddings", "metrics"),
 )

@@ -38,6 +38,13 @@ def _tier_spec(base: Mapping[str, Any], table: str, shard: int) -> Dict[str, Any
   return spec
 
 
+def _check_step(step: Optional[int]) -> None:
+  # A row's last step, expiry and admission count from step 0; a negative one would read as a
+  # row used before training began.
+  if step is not None and step < 0:
+    raise ValueError(f"step {step} is negative: steps count from 0")
+
+
 class ParameterServer:
   """Holds every embedding table of a model in host memory (and optionally on disk).
 
@@ -139,6 +146,7 @@ class ParameterServer:
     ``out``: {table: float32 [n, dim]} to write each table's rows into (views of the step's
     row buffer, say), so rows are copied once, straight from the table; fresh arrays if None.
     """
+    _check_step(step)
     for t in ids:
       self._check(t)
     ids = {t: as_ids(v, t) for t, v in ids.items()}
@@ -158,6 +166,7 @@ class ParameterServer:
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""
     # Every table is checked before any is changed, so a bad request changes nothing.
+    _check_step(step)
     arrays = {}
     for t, (i, g) in grads.items():
       self._check(t)

@@ -11,7 +11,7 @@ call ``service.ShardService``, which holds the tables and the steps in flight:
 - ``Stats``, ``Health``.
 
 Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids that are not
-uint64, wrong shape, non-finite gradients, a step outside +-2**62), FAILED_PRECONDITION (out
+uint64, wrong shape, non-finite gradients, a step outside [0, 2**62)), FAILED_PRECONDITION (out
 of order, not configured, mismatched configuration), OUT_OF_RANGE (a step too far ahead),
 UNAUTHENTICATED (a token is set and no ``authorization: Bearer <token>`` metadata) or
 RESOURCE_EXHAUSTED (a request over ``max_message_mb``, enforced by gRPC; a lookup whose answer
@@ -201,8 +201,10 @@ class ShardServer(RowsRPC):
   @staticmethod
   def _step(fields: Dict[str, Any]) -> Optional[int]:
     step = wire.get_field(fields, "step", int, None, optional=True)
-    if step is not None and not -_MAX_STEP < step < _MAX_STEP:
-      raise wire.WireError(f"step {step} is outside (-2**62, 2**62)")
+    if step is not None and step < 0:
+      raise wire.WireError(f"step {step} is negative: steps count from 0")
+    if step is not None and step >= _MAX_STEP:
+      raise wire.WireError(f"step {step} is outside [0, 2**62)")
     return step
 
   def _arrays_by_table(self, msg: wire.Message, kinds: Sequence[str]) -> Dict[str, Dict[str, np.ndarray]]:

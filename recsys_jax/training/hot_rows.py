@@ -19,8 +19,9 @@ applied and the lookups of the boundary step held, leaving rows and their optimi
 written back into the PS, arriving rows are read from it into their slots, and only then are
 the held lookups let go. So no row is ever read where it is not current. Before a checkpoint
 or an evaluation every hot row is written back, so the PS snapshot is whole and a restore
-with another budget (or none) reads the same rows; the hot set and the counts are saved next to
-the checkpoint, so a run resumed with the same budget goes on exactly as the one that saved it.
+with another budget (or none) reads the same rows; the hot set and the counts are saved as a part of
+the checkpoint (written before its commit, checked at a resume), so a run resumed with the same
+budget goes on exactly as the one that saved it.
 
 With several trainer processes the counts are summed over all processes before a choice, so
 every process chooses the same set; process 0 writes rows back, and barriers order the moves.
@@ -33,7 +34,7 @@ import os
 import queue
 import threading
 import zipfile
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Dict, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -149,25 +150,22 @@ class HotRows:
       self._cond.notify_all()
 
   # -- checkpoints --------------------------------------------------------------------
-  def _state_file(self, step_dir: str) -> str:
-    return os.path.join(step_dir, f"hot_rows_p{jax.process_index()}.npz")
+  @staticmethod
+  def state_name() -> str:
+    """The file name of this process's hot set in a checkpoint (each process counts its own ids)."""
+    return f"hot_rows_p{jax.process_index()}.npz"
 
-  def save_state(self, step_dir: str, step: int) -> None:
-    """Writes the hot set, the counts and the next boundary next to checkpoint ``step`` (this
-    process's own file: each process counts its own ids). The rows themselves are in the PS
+  def save_state(self, f: BinaryIO, step: int) -> None:
+    """Writes the hot set, the counts and the next boundary of checkpoint ``step`` into ``f``
+    (``RunCheckpoints`` makes it a part of the checkpoint). The rows themselves are in the PS
     snapshot (``write_back`` ran before it)."""
-    if not self.enabled:
-      return
     self.counted()  # every step before the checkpoint's counted
     arrays = {f"counter_{k}": v for k, v in self.counter.state().items()}
     for i, t in enumerate(self.counter.tables):
       arrays[f"hot_ids_{i}"], arrays[f"hot_slots_{i}"] = self.set.hot(t)
     arrays["capacity"] = np.array([[d, c] for d, c in sorted(self.set.capacity.items())], np.int64)
     arrays["steps"] = np.array([step, self._next, self.min_count], np.int64)
-    path = self._state_file(step_dir)
-    with open(path + ".tmp", "wb") as f:
-      np.savez(f, **arrays)
-    os.replace(path + ".tmp", path)
+    np.savez(f, **arrays)
 
   def _fresh(self, start: int, hot_state):
     """An empty hot set at ``start``: the first choice a warm-up later, the warm-up synchronous."""
@@ -175,15 +173,16 @@ class HotRows:
     self._publish(start + self.warmup)
     return hot_state
 
-  def resume(self, start: int, step_dir: Optional[str], ps, hot_state) -> Dict[str, Any]:
-    """Starts the run at ``start``: from the hot set saved with the checkpoint in ``step_dir`` (its
-    rows read from the PS into their slots), so a resumed run goes on exactly as the one that
-    saved it; or, without a checkpoint or with one of another budget, empty, its first choice a
-    warm-up later. A damaged file is named in a warning and the hot set starts empty (its rows
-    are in the PS snapshot: nothing is lost)."""
+  def resume(self, start: int, path: Optional[str], ps, hot_state) -> Dict[str, Any]:
+    """Starts the run at ``start``: from the hot set in ``path`` (saved with the checkpoint the run
+    resumes from; its rows read from the PS into their slots), so a resumed run goes on exactly as
+    the one that saved it; or, without a checkpoint or with one of another budget, empty, its first
+    choice a warm-up later. A checkpoint's parts are checked against their CRC32s before this
+    (a damaged one is set aside); a file that still cannot be read (a checkpoint written before
+    they were) is named in a warning and the hot set starts empty (its rows are in the PS
+    snapshot: nothing is lost)."""
     if not self.enabled:
       return hot_state
-    path = None if step_dir is None else self._state_file(step_dir)
     if path is None or not os.path.exists(path):
       return self._fresh(start, hot_state)
     try:

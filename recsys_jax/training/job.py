@@ -132,7 +132,7 @@ def _restore(job: Job, config: ml_collections.ConfigDict, workdir: str) -> None:
     if ckpts.latest is None:
       return
     job.state, job.step = state, start
-    job.hot_state = job.hot.resume(start, ckpts.latest_dir(), job.ps, job.hot_state)
+    job.hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
     say(
       f"build_job: restored {ckpts.latest_dir()} (step {start}): dense state and PS rows; restore=False for a fresh job"
     )

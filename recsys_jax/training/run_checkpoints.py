@@ -8,6 +8,7 @@ holds the position just after batch t.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -35,6 +36,7 @@ class RunCheckpoints:
     self.directory = self.ckpt.directory
     self.latest: Optional[int] = None
     """The checkpoint this run resumed from (None: a fresh run); set by ``restore_latest``."""
+    self._latest_meta: Dict[str, Any] = {}
     self.last_saved: Optional[int] = None
     self.positions: Dict[int, Any] = {}
     """The reader's position after each step's batch, since the last save."""
@@ -59,6 +61,7 @@ class RunCheckpoints:
     self.latest = self.last_saved = restored[0] if restored else None
     if restored is not None:
       latest, state, meta = restored
+      self._latest_meta = meta
       where = f"{self.directory}/{latest}"
       if meta.get("batch_size") != config.batch_size:
         raise ValueError(
@@ -88,7 +91,12 @@ class RunCheckpoints:
     """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made).
 
     ``hot_rows``: ``(HotRows, device tables)``: once the pushes are in, the hot rows go back into
-    the PS before its snapshot (so it has every row), and the hot set is saved with the checkpoint.
+    the PS before its snapshot (so it has every row), and the hot set is a part of the checkpoint,
+    written before its commit (a checkpoint is never committed without it).
+
+    Raises:
+      CheckpointError: the checkpoint could not be written (one line: what, where, and the last
+        good checkpoint, which is left as it was).
     """
     pusher.flush(step - 1)
     if hot_rows is not None:
@@ -99,10 +107,18 @@ class RunCheckpoints:
       meta["reader_positions"] = distributed.allgather_json(self.positions[step - 1])
     for k in [k for k in self.positions if k < step - 1]:
       del self.positions[k]
-    self.ckpt.save(step, state, ps, meta)
-    if hot_rows is not None:
-      hot_rows[0].save_state(os.path.join(self.directory, str(step)), step)
+    parts = {}
+    if hot_rows is not None and hot_rows[0].enabled:
+      parts[hot_rows[0].state_name()] = functools.partial(hot_rows[0].save_state, step=step)
+    try:
+      self.ckpt.save(step, state, ps, meta, parts)
+    except checkpoint_lib.CheckpointError as e:
+      raise checkpoint_lib.CheckpointError(f"{e}; last good checkpoint: {self.last_good()} (left as it was)") from e
     self.last_saved = step
+
+  def latest_part(self, name: str) -> Optional[str]:
+    """Where the part ``name`` of the checkpoint this run resumed from is (None: a fresh run)."""
+    return None if self.latest is None else self.ckpt.part_path(self.latest, self._latest_meta, name)
 
   def latest_dir(self) -> Optional[str]:
     """The directory of the checkpoint this run resumed from (None: a fresh run)."""

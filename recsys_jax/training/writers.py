@@ -83,6 +83,7 @@ class Writers:
   def __init__(self, workdir: str, on_metrics: Optional[MetricsCallback] = None):
     self.enabled = jax.process_index() == 0
     self.on_metrics = on_metrics
+    self._closed = False
     if self.enabled:
       self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -115,9 +116,16 @@ class Writers:
           self.tb.add_scalar(f"ps/{name}/{k}", t[k], step)
 
   def close(self) -> None:
-    if self.enabled:
-      self.jsonl.close()
-      self.tb.close()
+    """Closes the files (once; again is a no-op). One that cannot be flushed (a full disk) is
+    logged, not raised: a run stopped by an error reports that error, once."""
+    if not self.enabled or self._closed:
+      return
+    self._closed = True
+    for f in (self.jsonl, self.tb):
+      try:
+        f.close()
+      except OSError as e:
+        logging.warning("closing %s: %s", f, e)
 
 
 class Progress:
