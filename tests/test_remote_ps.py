@@ -555,3 +555,26 @@ def test_a_disk_tier_on_the_servers_resumes_as_no_stop(servers, tmp_path):
     assert sorted(want[t]) == sorted(got[t]) and "spilled" in want[t], t
     for k in want[t]:
       np.testing.assert_array_equal(got[t][k], want[t][k], err_msg=f"{t}/{k}")
+
+
+def test_the_tier_a_client_asks_for_is_checked_and_each_server_has_its_own(start, tmp_path):
+  """Configure's tier: a spec without a driver is refused, a file path outside --snapshot_root
+  too (the client names where the server writes, as for snapshots), another tier than the
+  first Configure's too; a file tier is the server's own ``server-<i>/`` under the path."""
+  specs = [TableSpec(name="user", dim=4, capacity=8)]
+  root = tmp_path / "root"
+  addrs = [start(snapshot_root=str(root))[0] for _ in range(2)]
+  with pytest.raises(RemotePSError, match="INVALID_ARGUMENT.*'tier' must be a tensorstore kvstore spec"):
+    RemotePS(addrs, specs, tier={"path": "x"})
+  with pytest.raises(RemotePSError, match="PERMISSION_DENIED.*the tier path.*outside --snapshot_root"):
+    RemotePS(addrs, specs, tier={"driver": "file", "path": str(tmp_path / "elsewhere")})
+  tier = {"driver": "file", "path": str(root / "tier")}
+  with RemotePS(addrs, specs, tier=tier) as ps:
+    for step in range(3):  # rows of the step before are not protected from eviction any more
+      ps.lookup_many({"user": np.arange(40 * step, 40 * step + 40, dtype=np.uint64)}, True, step)
+      ps.apply_many({}, step)
+    stats = ps.stats()["user"]
+    assert stats["rows"] == 40 and stats["tier_rows"] == 80, stats  # in RAM: the last step's, protected
+  assert sorted(os.listdir(root / "tier")) == ["server-0", "server-1"]
+  with pytest.raises(RemotePSError, match="FAILED_PRECONDITION.*tier is .* on this server, None in the request"):
+    RemotePS(addrs, specs)
