@@ -243,9 +243,9 @@ class ShardService(RowsService):
               f"{getattr(s, k)!r} in the request",
             )
         for k, v in cfg.items():
-          if self._config[k] != v:
+          if self._config.get(k) != v:
             raise ServiceError(
-              "FAILED_PRECONDITION", f"{k} is {self._config[k]!r} on this server, {v!r} in the request"
+              "FAILED_PRECONDITION", f"{k} is {self._config.get(k)!r} on this server, {v!r} in the request"
             )
       return {"created": created, "applied_step": self._applied, "pid": os.getpid()}
 
