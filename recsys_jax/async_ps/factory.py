@@ -103,4 +103,5 @@ def build_ps(
     timeout_s=float(p.timeout_s),
     snapshot_timeout_s=snapshot_timeout(p),
     max_request_mb=float(p.max_request_mb),
+    tier=parse_kvstore(p.tier, workdir),
   )

@@ -78,6 +78,10 @@ class RemotePS(RemoteRows):
     max_request_mb: the largest request or answer of one call to a server, MiB; a larger
       lookup or push is sent in chunks (0: the server's ``--max_message_mb``, which also
       caps this).
+    tier: None (RAM only) or a tensorstore kvstore spec, as ``ParameterServer``'s: each server
+      spills what a bounded table's capacity evicts under its own ``server-<i>/`` sub-path of
+      it (a ``file`` path is one on the servers' machines, under their ``--snapshot_root``).
+      Without it a server drops those rows.
   """
 
   def __init__(
@@ -97,6 +101,7 @@ class RemotePS(RemoteRows):
     snapshot_timeout_s: float = 3600.0,
     tls_server_name: Optional[str] = None,
     max_request_mb: float = 0.0,
+    tier: Optional[Mapping[str, Any]] = None,
   ):
     addresses = [str(a) for a in addresses]
     if not addresses:
@@ -122,6 +127,7 @@ class RemotePS(RemoteRows):
     self.num_shards = len(addresses)
     self.seed, self.num_workers, self.worker, self.staleness = int(seed), int(num_workers), int(worker), int(staleness)
     self.wire_dtype = wire_dtype
+    self.tier = None if tier is None else dict(tier)
     self.timeout_s, self.lookup_retries, self.snapshot_timeout_s = (
       float(timeout_s),
       int(lookup_retries),
@@ -147,6 +153,8 @@ class RemotePS(RemoteRows):
       "staleness": self.staleness,
       "num_shards": self.num_shards,
     }
+    if self.tier is not None:  # absent, not null, without one: a server of before tiers takes the call
+      fields["tier"] = self.tier
     until = time.monotonic() + self.timeout_s
     got = self._servers.fan(
       "control",

@@ -3,9 +3,9 @@
 The RPCs (messages in ``wire``'s format, method paths ``/recsys_jax.async_ps.PSShard/<name>``)
 call ``service.ShardService``, which holds the tables and the steps in flight:
 
-- ``Configure``: table specs, seed, num_workers, staleness and this server's place among the
-  servers; later calls must agree with the first. Every other RPC but ``Health`` is refused
-  (FAILED_PRECONDITION) until then.
+- ``Configure``: table specs, seed, num_workers, staleness, this server's place among the
+  servers and its disk tier (a kvstore spec or none); later calls must agree with the first.
+  Every other RPC but ``Health`` is refused (FAILED_PRECONDITION) until then.
 - ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
 - ``ExportRows``, ``ImportRows``: rows with their optimizer slots, out and back (``rpc_rows``).
 - ``Stats``, ``Health``.
@@ -198,6 +198,17 @@ class ShardServer(RowsRPC):
     return real
 
   # -- request validation --------------------------------------------------------------
+  def _tier(self, spec: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Configure's tier (a tensorstore kvstore spec, or None); a ``file`` one must lie under
+    ``snapshot_root``, as snapshots do: the client names where this server writes."""
+    if spec is None:
+      return None
+    if not isinstance(spec.get("driver"), str) or not spec["driver"]:
+      raise wire.WireError(f"field 'tier' must be a tensorstore kvstore spec with a 'driver', got {spec!r}")
+    if spec["driver"] == "file":
+      spec = {**spec, "path": self._check_path(spec.get("path"), "the tier path")}
+    return spec
+
   @staticmethod
   def _step(fields: Dict[str, Any]) -> Optional[int]:
     step = wire.get_field(fields, "step", int, None, optional=True)
@@ -258,6 +269,7 @@ class ShardServer(RowsRPC):
       raise wire.WireError(f"need num_workers >= 1, staleness >= 0, num_shards >= 1; got {cfg}")
     if not 0 <= cfg["shard_index"] < cfg["num_shards"]:
       raise wire.WireError(f"shard_index {cfg['shard_index']} is not in [0, {cfg['num_shards']})")
+    cfg["tier"] = self._tier(wire.get_field(f, "tier", dict, None, optional=True))
     return wire.encode({**self.service.configure(specs, cfg), "max_message_bytes": self._limit})
 
   def _rpc_lookup(self, msg: wire.Message, context) -> bytes:

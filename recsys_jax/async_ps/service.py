@@ -64,6 +64,15 @@ def _always() -> bool:
   return True
 
 
+def _own_tier(spec: Optional[Mapping[str, Any]], shard_index: int) -> Optional[Dict[str, Any]]:
+  """This server's part of the client's tier: servers given one path must not share arrays
+  (a ``DiskTier`` deletes what it finds under its path)."""
+  if spec is None:
+    return None
+  path = str(spec.get("path", ""))
+  return {**spec, "path": f"{path}{'/' if path and not path.endswith('/') else ''}server-{shard_index}"}
+
+
 class ShardService(RowsService):
   """One PS server's tables and step bookkeeping, over an in-process ``ParameterServer``.
 
@@ -188,7 +197,8 @@ class ShardService(RowsService):
 
     Args:
       specs: the table specs (distinct names).
-      cfg: seed, num_workers, staleness, shard_index, num_shards (already range-checked).
+      cfg: seed, num_workers, staleness, shard_index, num_shards (already range-checked), and
+        optionally tier: the kvstore spec under which bounded tables spill (``server-<i>/`` of it).
 
     Returns:
       {'created': whether this call created the tables, 'applied_step': ..., 'pid': ...}.
@@ -206,7 +216,11 @@ class ShardService(RowsService):
       if created:
         try:
           self.ps = ParameterServer(
-            specs, num_shards=self._local_shards, seed=cfg["seed"], protect_steps=cfg["staleness"] + 1
+            specs,
+            num_shards=self._local_shards,
+            seed=cfg["seed"],
+            protect_steps=cfg["staleness"] + 1,
+            tier=_own_tier(cfg.get("tier"), place[0]),
           )
         except (KeyError, TypeError, ValueError) as e:  # e.g. an unknown optimizer or its arguments
           raise ServiceError("INVALID_ARGUMENT", f"the tables cannot be created: {type(e).__name__}: {e}") from None
@@ -229,9 +243,9 @@ class ShardService(RowsService):
               f"{getattr(s, k)!r} in the request",
             )
         for k, v in cfg.items():
-          if self._config[k] != v:
+          if self._config.get(k) != v:
             raise ServiceError(
-              "FAILED_PRECONDITION", f"{k} is {self._config[k]!r} on this server, {v!r} in the request"
+              "FAILED_PRECONDITION", f"{k} is {self._config.get(k)!r} on this server, {v!r} in the request"
             )
       return {"created": created, "applied_step": self._applied, "pid": os.getpid()}
 
