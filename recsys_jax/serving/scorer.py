@@ -208,8 +208,11 @@ def load_scorer(
       names = read_meta(workdir, s)["ps_chain"]
       # Everything the version reads (its checkpoint and PS chain) is held (hard-linked) first
       # and read from there: a rotation after this point cannot touch it, one before fails here.
+      # Its parts (the hot set) too: the checkpoint is read whole, and one missing a part is damaged.
+      parts = os.path.join("checkpoint_parts", str(s))
       held = rows_lib.hold(
         [(os.path.join(workdir, "checkpoints", str(s)), os.path.join("checkpoints", str(s)))]
+        + ([(os.path.join(workdir, parts), parts)] if os.path.isdir(os.path.join(workdir, parts)) else [])
         + [(p, os.path.join("ps_snapshots", os.path.basename(p))) for p in chain_paths(workdir, {"ps_chain": names})],
         rows_lib.hold_root(workdir),
         f"step-{s}",
