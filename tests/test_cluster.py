@@ -146,7 +146,7 @@ def test_a_server_sigkilled_between_checkpoints_restarts_and_ends_like_no_kill(l
   try:
     pid = _wait(lambda: _started_in(job, "ps-1", 0), job, "ps-1 of attempt 0")
     step = _new_checkpoint(job, 0)
-    hot = [os.path.join(workdir, "checkpoints", str(step), f"hot_rows_p{i}.npz") for i in range(2)]
+    hot = [os.path.join(workdir, "checkpoint_parts", str(step), f"hot_rows_p{i}.npz") for i in range(2)]
     _wait(lambda: all(map(os.path.exists, hot)), job, f"the hot-set files of checkpoint {step}")
     landed = running(pid)
     os.kill(pid, signal.SIGKILL)

@@ -174,7 +174,11 @@ def _config(tiny_config, case, tmp_path, addresses):
 
 def _hot_set(workdir, step):
   """The hot set file of the checkpoint after ``step`` (wherever in it that is written), or {}."""
-  found = sorted(glob.glob(os.path.join(workdir, "checkpoints", str(step), "**", "hot_rows_p*.npz"), recursive=True))
+  found = sorted(
+    p
+    for where in ("checkpoint_parts", "checkpoints")  # a checkpoint's parts, or inside it (written before parts)
+    for p in glob.glob(os.path.join(workdir, where, str(step), "**", "hot_rows_p*.npz"), recursive=True)
+  )
   out = {}
   for path in found:
     with np.load(path) as z:
