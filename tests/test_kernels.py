@@ -390,9 +390,7 @@ def test_editing_the_shared_numba_helpers_recompiles_the_cached_kernels(tmp_path
   pkg.mkdir()
   (pkg / "__init__.py").write_text("")
   source = open(kernels_jit.__file__).read()
-  (pkg / "kernels_lookup.py").write_text(
-    "from pkg.kernels_jit import _jit, VALUE\n\n\n@_jit\ndef f():\n  return VALUE\n"
-  )
+  (pkg / "kernels_lookup.py").write_text("from pkg.kernels_jit import jit, VALUE\n\n\n@jit\ndef f():\n  return VALUE\n")
 
   def run(value):
     (pkg / "kernels_jit.py").write_text(source + f"\nVALUE = {value}\n")

@@ -321,7 +321,7 @@ def test_layout_roundtrip_and_specs():
   ],
 )
 def test_replica_group_formats(text, groups):
-  assert mics._replica_groups(text, 8) == groups
+  assert mics.replica_groups(text, 8) == groups
 
 
 _FAKE_HLO = """HloModule fake

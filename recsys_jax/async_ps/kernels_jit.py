@@ -9,7 +9,7 @@ iteration a few steps ahead will touch: the touched rows are random, so without 
 goes to waiting on cache misses one at a time (x2 to x4 on a table larger than the caches).
 
 numba's cache checks only the source file of the cached kernel itself: after editing this
-module (a prefetch distance, ``_prefetch_row``), delete the ``kernels_*`` entries of
+module (a prefetch distance, ``prefetch_row``), delete the ``kernels_*`` entries of
 ``__pycache__`` or the kernels of ``kernels_lookup`` and ``kernels_update`` keep the old code.
 """
 
@@ -23,21 +23,21 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-_jit = numba.njit(nogil=True, cache=True, error_model="numpy")
-_jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 
 # How far ahead to prefetch: ids for ``find`` (two small random reads each), rows for the row
 # kernels, fewer when each row has more arrays (a row of dim 64 is 4 to 5 cache lines per
 # array). Tuned on a 2.6M-row table, dim 64 (x2 to x4 over no prefetching; flat around these).
-_KEYS_AHEAD = 64
-_ROWS_AHEAD_1 = 24  # one row-sized array (gather, sgd; row-wise Adagrad's acc is one line)
-_ROWS_AHEAD_2 = 12  # two (Adagrad)
-_ROWS_AHEAD_3 = 8  # three (Adam, FTRL)
+KEYS_AHEAD = 64
+ROWS_AHEAD_1 = 24  # one row-sized array (gather, sgd; row-wise Adagrad's acc is one line)
+ROWS_AHEAD_2 = 12  # two (Adagrad)
+ROWS_AHEAD_3 = 8  # three (Adam, FTRL)
 _LINE_FLOATS = 16  # float32 per 64-byte cache line
 
 
 @intrinsic
-def _prefetch(typingctx, arr, i, j):
+def prefetch(typingctx, arr, i, j):
   """Prefetches the cache line of ``arr[i]`` (1-d; pass j = 0) or ``arr[i, j]`` (2-d), for reading.
 
   A hint only (``llvm.prefetch``): never faults, changes no value. Indices must be in range
@@ -64,13 +64,13 @@ def _prefetch(typingctx, arr, i, j):
   return sig, codegen
 
 
-@_jit_inline
-def _prefetch_row(a, r):
+@jit_inline
+def prefetch_row(a, r):
   """Prefetches every cache line of row ``r`` of the 2-d float32 array ``a``."""
   dim = a.shape[1]
   for j in range(0, dim, _LINE_FLOATS):
-    _prefetch(a, r, j)
-  _prefetch(a, r, dim - 1)  # the row need not start on a line boundary
+    prefetch(a, r, j)
+  prefetch(a, r, dim - 1)  # the row need not start on a line boundary
 
 
 DEPENDENTS = ("kernels_lookup", "kernels_update")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys_jax.async_ps.kernels_jit import _KEYS_AHEAD, _ROWS_AHEAD_1, _jit, _jit_inline, _prefetch, _prefetch_row
+from recsys_jax.async_ps.kernels_jit import KEYS_AHEAD, ROWS_AHEAD_1, jit, jit_inline, prefetch, prefetch_row
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -21,14 +21,14 @@ _S31 = np.uint64(31)
 # -- hashing and the id map -----------------------------------------------------------------
 
 
-@_jit_inline
+@jit_inline
 def _check_slots(slot_keys, slot_rows, mask):
   cap = slot_rows.shape[0]
   if slot_keys.shape[0] != cap or np.uint64(cap - 1) != mask or cap & (cap - 1) != 0:
     raise ValueError("id map kernel: slot arrays must both have mask + 1 (a power of two) entries")
 
 
-@_jit_inline
+@jit_inline
 def splitmix64_one(x):
   """splitmix64 of one uint64 (wrapping), exactly as ``hashing.splitmix64``."""
   z = x + _GOLDEN
@@ -37,14 +37,14 @@ def splitmix64_one(x):
   return z ^ (z >> _S31)
 
 
-@_jit
+@jit
 def splitmix64(keys, out):
   """out[i] = splitmix64(keys[i]) (uint64 arrays); for tests against ``hashing.splitmix64``."""
   for i in range(keys.shape[0]):
     out[i] = splitmix64_one(keys[i])
 
 
-@_jit
+@jit
 def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
   """Looks ids up in an open-addressing table with linear probing.
 
@@ -63,17 +63,17 @@ def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
   imask = np.int64(mask)
   n = keys.shape[0]
   # First every home slot (into out_rows), so that the probe of key i can prefetch the slots
-  # of key i + _KEYS_AHEAD.
+  # of key i + KEYS_AHEAD.
   for i in range(n):
     out_rows[i] = np.int64(splitmix64_one(keys[i] ^ salt) & mask)
-  for i in range(min(n, _KEYS_AHEAD)):
-    _prefetch(slot_rows, out_rows[i], 0)
-    _prefetch(slot_keys, out_rows[i], 0)
+  for i in range(min(n, KEYS_AHEAD)):
+    prefetch(slot_rows, out_rows[i], 0)
+    prefetch(slot_keys, out_rows[i], 0)
   for i in range(n):
-    if i + _KEYS_AHEAD < n:
-      ahead = out_rows[i + _KEYS_AHEAD]
-      _prefetch(slot_rows, ahead, 0)
-      _prefetch(slot_keys, ahead, 0)
+    if i + KEYS_AHEAD < n:
+      ahead = out_rows[i + KEYS_AHEAD]
+      prefetch(slot_rows, ahead, 0)
+      prefetch(slot_keys, ahead, 0)
     k = keys[i]
     pos = out_rows[i]
     row = np.int64(-1)
@@ -88,7 +88,7 @@ def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
     out_rows[i] = row
 
 
-@_jit
+@jit
 def place(slot_keys, slot_rows, mask, salt, keys, rows):
   """Inserts ids into the table of ``find``: ``keys[i]`` gets row ``rows[i]``.
 
@@ -108,7 +108,7 @@ def place(slot_keys, slot_rows, mask, salt, keys, rows):
     slot_rows[pos] = rows[i]
 
 
-@_jit
+@jit
 def first_repeat(keys, salt):
   """The index of the first id that already occurred earlier in ``keys``, or -1.
 
@@ -145,7 +145,7 @@ def first_repeat(keys, salt):
 # -- the row gather -------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def gather_rows(src, rows, out):
   """out[i] = src[rows[i]] where rows[i] >= 0; rows of ``out`` for rows[i] < 0 are left as they are.
 
@@ -161,8 +161,8 @@ def gather_rows(src, rows, out):
       return i
   dim = src.shape[1]
   for i in range(n):
-    if i + _ROWS_AHEAD_1 < n and rows[i + _ROWS_AHEAD_1] >= 0:
-      _prefetch_row(src, rows[i + _ROWS_AHEAD_1])
+    if i + ROWS_AHEAD_1 < n and rows[i + ROWS_AHEAD_1] >= 0:
+      prefetch_row(src, rows[i + ROWS_AHEAD_1])
     r = rows[i]
     if r >= 0:
       for j in range(dim):

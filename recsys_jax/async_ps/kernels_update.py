@@ -21,35 +21,35 @@ from __future__ import annotations
 import numpy as np
 
 from recsys_jax.async_ps.kernels_jit import (
-  _ROWS_AHEAD_1,
-  _ROWS_AHEAD_2,
-  _ROWS_AHEAD_3,
-  _jit,
-  _jit_inline,
-  _prefetch,
-  _prefetch_row,
+  ROWS_AHEAD_1,
+  ROWS_AHEAD_2,
+  ROWS_AHEAD_3,
+  jit,
+  jit_inline,
+  prefetch,
+  prefetch_row,
 )
 
 
-@_jit_inline
+@jit_inline
 def _check_same_shape(a, w):
   if a.shape[0] != w.shape[0] or a.shape[1] != w.shape[1]:
     raise ValueError("row kernel: a slot is not shaped like the weights")
 
 
-@_jit_inline
+@jit_inline
 def _check_row_slot(a, w):
   if a.shape[0] != w.shape[0] or a.shape[1] < 1:
     raise ValueError("row kernel: a per-row slot must be [num_rows, 1]")
 
 
-@_jit_inline
+@jit_inline
 def _check_grads(g, rows, w):
   if g.shape[0] != rows.shape[0] or g.shape[1] != w.shape[1]:
     raise ValueError("row kernel: gradients must be [len(rows), dim]")
 
 
-@_jit_inline
+@jit_inline
 def _clip(x, clip):
   if clip > 0:
     if x > clip:
@@ -59,7 +59,7 @@ def _clip(x, clip):
   return x
 
 
-@_jit_inline
+@jit_inline
 def _bad_row(rows, num_rows):
   """The index of the first row outside [0, num_rows), or -1."""
   for i in range(rows.shape[0]):
@@ -69,7 +69,7 @@ def _bad_row(rows, num_rows):
   return -1
 
 
-@_jit
+@jit
 def sgd_apply(w, rows, g, lr, clip):
   """w[r] <- clip(w[r] - lr * g[i]) for r = rows[i]. Returns the first bad row's index or -1."""
   _check_grads(g, rows, w)
@@ -79,16 +79,16 @@ def sgd_apply(w, rows, g, lr, clip):
   dim = w.shape[1]
   n = rows.shape[0]
   for i in range(n):
-    if i + _ROWS_AHEAD_1 < n:
-      ra = rows[i + _ROWS_AHEAD_1]
-      _prefetch_row(w, ra)
+    if i + ROWS_AHEAD_1 < n:
+      ra = rows[i + ROWS_AHEAD_1]
+      prefetch_row(w, ra)
     r = rows[i]
     for j in range(dim):
       w[r, j] = _clip(w[r, j] - lr * g[i, j], clip)
   return -1
 
 
-@_jit
+@jit
 def adagrad_apply(w, acc, rows, g, lr, eps, clip):
   """Element-wise Adagrad, in place: acc += g^2; w <- clip(w - lr * g / (sqrt(acc) + eps))."""
   _check_grads(g, rows, w)
@@ -99,10 +99,10 @@ def adagrad_apply(w, acc, rows, g, lr, eps, clip):
   dim = w.shape[1]
   n = rows.shape[0]
   for i in range(n):
-    if i + _ROWS_AHEAD_2 < n:
-      ra = rows[i + _ROWS_AHEAD_2]
-      _prefetch_row(w, ra)
-      _prefetch_row(acc, ra)
+    if i + ROWS_AHEAD_2 < n:
+      ra = rows[i + ROWS_AHEAD_2]
+      prefetch_row(w, ra)
+      prefetch_row(acc, ra)
     r = rows[i]
     for j in range(dim):
       gj = g[i, j]
@@ -112,7 +112,7 @@ def adagrad_apply(w, acc, rows, g, lr, eps, clip):
   return -1
 
 
-@_jit_inline
+@jit_inline
 def _block_sq_sum(g, i, lo, n):
   """sum_j g[i, lo + j]^2 over j < n <= 128 in float32, as numpy's ``pairwise_sum`` leaf:
   up to 8 terms sequentially, else eight interleaved partial sums then the remainder."""
@@ -148,7 +148,7 @@ def _block_sq_sum(g, i, lo, n):
   return s
 
 
-@_jit_inline
+@jit_inline
 def _pairwise_sq_sum(g, i, n, task_lo, task_n, vals):
   """sum_j g[i, j]^2 over j < n in float32, summed in numpy's pairwise order.
 
@@ -186,7 +186,7 @@ def _pairwise_sq_sum(g, i, n, task_lo, task_n, vals):
   return vals[0]
 
 
-@_jit
+@jit
 def rowwise_adagrad_apply(w, acc, rows, g, lr, eps, clip):
   """Row-wise Adagrad, in place: acc[r, 0] += mean_j g^2; w <- clip(w - lr * g / (sqrt(acc) + eps))."""
   _check_grads(g, rows, w)
@@ -201,10 +201,10 @@ def rowwise_adagrad_apply(w, acc, rows, g, lr, eps, clip):
   vals = np.empty(64, np.float32)
   n = rows.shape[0]
   for i in range(n):
-    if i + _ROWS_AHEAD_1 < n:
-      ra = rows[i + _ROWS_AHEAD_1]
-      _prefetch_row(w, ra)
-      _prefetch(acc, ra, 0)
+    if i + ROWS_AHEAD_1 < n:
+      ra = rows[i + ROWS_AHEAD_1]
+      prefetch_row(w, ra)
+      prefetch(acc, ra, 0)
     r = rows[i]
     a = acc[r, 0] + _pairwise_sq_sum(g, i, dim, task_lo, task_n, vals) / fdim
     acc[r, 0] = a
@@ -214,7 +214,7 @@ def rowwise_adagrad_apply(w, acc, rows, g, lr, eps, clip):
   return -1
 
 
-@_jit
+@jit
 def adam_apply(w, m, v, t, rows, g, bc1s, bc2s, lr, b1, b2, c1, c2, eps, clip):
   """Adam with a per-row step count ``t`` ([R, 1]), in place: t += 1, then m, v and w.
 
@@ -233,12 +233,12 @@ def adam_apply(w, m, v, t, rows, g, bc1s, bc2s, lr, b1, b2, c1, c2, eps, clip):
   dim = w.shape[1]
   n = rows.shape[0]
   for i in range(n):
-    if i + _ROWS_AHEAD_3 < n:
-      ra = rows[i + _ROWS_AHEAD_3]
-      _prefetch_row(w, ra)
-      _prefetch_row(m, ra)
-      _prefetch_row(v, ra)
-      _prefetch(t, ra, 0)
+    if i + ROWS_AHEAD_3 < n:
+      ra = rows[i + ROWS_AHEAD_3]
+      prefetch_row(w, ra)
+      prefetch_row(m, ra)
+      prefetch_row(v, ra)
+      prefetch(t, ra, 0)
     r = rows[i]
     t[r, 0] = t[r, 0] + np.float32(1.0)
     bc1 = bc1s[i]
@@ -253,7 +253,7 @@ def adam_apply(w, m, v, t, rows, g, bc1s, bc2s, lr, b1, b2, c1, c2, eps, clip):
   return -1
 
 
-@_jit
+@jit
 def ftrl_apply(w, accum, linear, rows, g, is_sqrt, pow_old, pow_new, lr, l1, l2, beta, clip):
   """FTRL-Proximal (``optimizers.ftrl``), in place.
 
@@ -274,11 +274,11 @@ def ftrl_apply(w, accum, linear, rows, g, is_sqrt, pow_old, pow_new, lr, l1, l2,
   two_l2 = np.float32(2.0) * l2
   n = rows.shape[0]
   for i in range(n):
-    if i + _ROWS_AHEAD_3 < n:
-      ra = rows[i + _ROWS_AHEAD_3]
-      _prefetch_row(w, ra)
-      _prefetch_row(accum, ra)
-      _prefetch_row(linear, ra)
+    if i + ROWS_AHEAD_3 < n:
+      ra = rows[i + ROWS_AHEAD_3]
+      prefetch_row(w, ra)
+      prefetch_row(accum, ra)
+      prefetch_row(linear, ra)
     r = rows[i]
     for j in range(dim):
       gj = g[i, j]

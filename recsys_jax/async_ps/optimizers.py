@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from recsys_jax.async_ps import kernels
-from recsys_jax.async_ps.row_optimizer import FusedUpdate, RowOptimizer, Slots, _hyper, _nonneg, clipped
+from recsys_jax.async_ps.row_optimizer import FusedUpdate, RowOptimizer, Slots, clipped, hyper, nonneg
 
 __all__ = [
   "Slots",
@@ -47,7 +47,7 @@ def sgd(learning_rate: float) -> RowOptimizer:
   Returns:
     A ``RowOptimizer``.
   """
-  _nonneg("sgd", "learning_rate", learning_rate)
+  nonneg("sgd", "learning_rate", learning_rate)
 
   def init(num_rows: int, dim: int) -> Slots:
     del num_rows, dim
@@ -75,9 +75,9 @@ def adagrad(learning_rate: float, initial_accumulator_value: float = 0.0, eps: f
   Returns:
     A ``RowOptimizer`` with one slot, ``acc``, shaped like the rows.
   """
-  _nonneg("adagrad", "learning_rate", learning_rate)
-  _nonneg("adagrad", "initial_accumulator_value", initial_accumulator_value)
-  _nonneg("adagrad", "eps", eps)
+  nonneg("adagrad", "learning_rate", learning_rate)
+  nonneg("adagrad", "initial_accumulator_value", initial_accumulator_value)
+  nonneg("adagrad", "eps", eps)
   lr, eps32, acc0 = np.float32(learning_rate), np.float32(eps), np.float32(initial_accumulator_value)
 
   def init(num_rows: int, dim: int) -> Slots:
@@ -112,9 +112,9 @@ def rowwise_adagrad(learning_rate: float, initial_accumulator_value: float = 0.0
     A ``RowOptimizer`` with one slot, ``acc``, of shape ``[num_rows, 1]``.
   """
   name = "rowwise_adagrad"
-  lr = np.float32(_nonneg(name, "learning_rate", learning_rate))
-  acc0 = np.float32(_nonneg(name, "initial_accumulator_value", initial_accumulator_value))
-  eps32 = np.float32(_nonneg(name, "eps", eps))
+  lr = np.float32(nonneg(name, "learning_rate", learning_rate))
+  acc0 = np.float32(nonneg(name, "initial_accumulator_value", initial_accumulator_value))
+  eps32 = np.float32(nonneg(name, "eps", eps))
 
   def init(num_rows: int, dim: int) -> Slots:
     del dim
@@ -170,10 +170,10 @@ def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 
     A ``RowOptimizer`` with slots ``m`` and ``v`` shaped like the rows, and ``t`` of shape
     ``[num_rows, 1]``.
   """
-  lr = np.float32(_nonneg("adam", "learning_rate", learning_rate))
-  b1 = _hyper("adam", "b1", b1, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
-  b2 = _hyper("adam", "b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
-  eps32 = np.float32(_nonneg("adam", "eps", eps))
+  lr = np.float32(nonneg("adam", "learning_rate", learning_rate))
+  b1 = hyper("adam", "b1", b1, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
+  b2 = hyper("adam", "b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
+  eps32 = np.float32(nonneg("adam", "eps", eps))
   b1_32, b2_32 = np.float32(b1), np.float32(b2)
   c1, c2 = np.float32(1.0) - b1_32, np.float32(1.0) - b2_32  # exact for b in [0.5, 1)
 
@@ -245,12 +245,12 @@ def ftrl(
     rows.
   """
   name = "ftrl"
-  lr = np.float32(_hyper(name, "learning_rate", learning_rate, lambda x: x > 0.0, "> 0"))
-  power = -_hyper(name, "learning_rate_power", learning_rate_power, lambda x: x <= 0.0, "<= 0")
-  l1_32 = np.float32(_nonneg(name, "l1", l1))
-  l2_32 = np.float32(_nonneg(name, "l2", l2))
-  acc0 = np.float32(_nonneg(name, "initial_accumulator_value", initial_accumulator_value))
-  beta32 = np.float32(_nonneg(name, "beta", beta))
+  lr = np.float32(hyper(name, "learning_rate", learning_rate, lambda x: x > 0.0, "> 0"))
+  power = -hyper(name, "learning_rate_power", learning_rate_power, lambda x: x <= 0.0, "<= 0")
+  l1_32 = np.float32(nonneg(name, "l1", l1))
+  l2_32 = np.float32(nonneg(name, "l2", l2))
+  acc0 = np.float32(nonneg(name, "initial_accumulator_value", initial_accumulator_value))
+  beta32 = np.float32(nonneg(name, "beta", beta))
   p32 = np.float32(power)
 
   def pow_p(x):
@@ -354,5 +354,5 @@ def make(name: str, clip: Optional[float] = None, **kwargs) -> RowOptimizer:
   if missing:
     raise ValueError(f"row optimizer {name!r} needs argument(s) {missing}; it accepts {accepted}")
   if clip is not None:
-    _hyper(name, "clip", clip, lambda x: x > 0.0, "> 0 (or None)")
+    hyper(name, "clip", clip, lambda x: x > 0.0, "> 0 (or None)")
   return clipped(factory(**kwargs), clip)

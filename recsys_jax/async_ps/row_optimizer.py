@@ -106,7 +106,7 @@ def _check_full(x: np.ndarray, what: str) -> None:
     )
 
 
-def _hyper(opt: str, arg: str, value, ok: Callable[[float], bool], expected: str) -> float:
+def hyper(opt: str, arg: str, value, ok: Callable[[float], bool], expected: str) -> float:
   """Checks one hyper-parameter: a finite real number (not a bool) for which ``ok`` holds.
 
   Args:
@@ -132,8 +132,8 @@ def _hyper(opt: str, arg: str, value, ok: Callable[[float], bool], expected: str
   return float(value)
 
 
-def _nonneg(opt: str, arg: str, value) -> float:
-  return _hyper(opt, arg, value, lambda x: x >= 0.0, ">= 0")
+def nonneg(opt: str, arg: str, value) -> float:
+  return hyper(opt, arg, value, lambda x: x >= 0.0, ">= 0")
 
 
 def clipped(opt: RowOptimizer, clip: Optional[float]) -> RowOptimizer:
@@ -155,7 +155,7 @@ def clipped(opt: RowOptimizer, clip: Optional[float]) -> RowOptimizer:
   """
   if clip is None:
     return opt
-  bound = np.float32(_hyper("clipped", "clip", clip, lambda x: x > 0.0, "> 0 (or None)"))
+  bound = np.float32(hyper("clipped", "clip", clip, lambda x: x > 0.0, "> 0 (or None)"))
 
   def update(w, slots, g):
     new_w, new_slots = opt.update(w, slots, g)

@@ -164,7 +164,7 @@ def _mesh_axes_groups(text: str):
   return ids.reshape(sizes).transpose(perm).reshape(-1, group_size).tolist()
 
 
-def _replica_groups(attrs: str, num_devices: int):
+def replica_groups(attrs: str, num_devices: int):
   """The device groups of a collective's ``replica_groups`` (list, empty, iota or mesh-axes form)."""
   i = attrs.find("replica_groups=")
   if i < 0:
@@ -316,7 +316,7 @@ def collectives(hlo_text: str, mesh: Mesh, group_axis: str = GROUP_AXIS) -> list
         senders = sum(1 for a, b in groups if a != b)
         per_device = operand_bytes * senders / n
       else:
-        groups = _replica_groups(attrs, n)
+        groups = replica_groups(attrs, n)
         factor = {"all-gather": lambda g: g - 1, "all-reduce": lambda g: 2 * (g - 1) / g}.get(op, lambda g: (g - 1) / g)
         per_device = sum(len(g) * factor(len(g)) for g in groups) / n * operand_bytes
       axes = set()

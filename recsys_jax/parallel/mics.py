@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from recsys_jax.parallel.hlo_collectives import COLLECTIVE_OPS as COLLECTIVE_OPS
 from recsys_jax.parallel.hlo_collectives import Collective as Collective
-from recsys_jax.parallel.hlo_collectives import _replica_groups as _replica_groups
 from recsys_jax.parallel.hlo_collectives import collectives as collectives
 from recsys_jax.parallel.hlo_collectives import comm_volume as comm_volume
+from recsys_jax.parallel.hlo_collectives import (
+  replica_groups as replica_groups,
+)  # what the tests read an HLO's groups with
 from recsys_jax.parallel.hlo_collectives import shape_bytes as shape_bytes
 from recsys_jax.parallel.mics_layout import DATA_SPEC as DATA_SPEC
 from recsys_jax.parallel.mics_layout import GROUP_AXIS as GROUP_AXIS
