@@ -86,6 +86,11 @@ def train_and_evaluate(
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, ps)
+  if start >= n and ckpts.latest is not None:
+    say(
+      f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={n}: no step to train, the checkpoint is "
+      "evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
+    )
   hot = job.hot
   hot_state = hot.resume(start, ckpts.latest_part(hot.state_name()), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)

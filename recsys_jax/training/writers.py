@@ -190,9 +190,10 @@ class Progress:
   ) -> Dict[str, Any]:
     """Writes the final evaluation and summary.json; returns the summary (on every process)."""
     config, B = self.config, self.config.batch_size
-    self.writers.write(config.num_steps, "eval", ev)
+    step = max(config.num_steps, start)  # a workdir past num_steps is evaluated where it is
+    self.writers.write(step, "eval", ev)
     self.writers.close()
-    sps = float("nan")
+    sps = None  # not measured: no step, or one, which compiles (JSON null, not NaN)
     first, last = self.stats.first_applied, self.stats.last_applied
     if first and last and last[0] > first[0]:
       sps = (last[0] - first[0]) * B / (last[1] - first[1])  # excludes the first step, which compiles
@@ -204,8 +205,8 @@ class Progress:
       "bad_records_skipped": job.reader.bad.count,
       "bad_record_examples": job.reader.bad.examples,
       "samples_per_sec": sps,
-      "steps": config.num_steps,
-      "steps_this_run": config.num_steps - start,
+      "steps": step,
+      "steps_this_run": max(0, config.num_steps - start),
       "resumed_from": start if resumed else None,
       "batch_size": B,
       "staleness": config.staleness,
