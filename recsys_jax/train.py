@@ -12,6 +12,7 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any, Dict, Optional
 
@@ -81,11 +82,12 @@ def train_and_evaluate(
   """
   t_start = time.perf_counter()
   validate_config(config)
-  run_config.record(workdir, config, say)  # makes the workdir; it names its config (a scorer rebuilds the model)
+  os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
-  state, start, position = ckpts.restore_latest(job.state, ps)
+  state, start, position = ckpts.restore_latest(job.state, ps)  # a config its checkpoints do not fit is named
+  run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
   if start >= n and ckpts.latest is not None:
     say(
       f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={n}: no step to train, the checkpoint is "
