@@ -108,7 +108,10 @@ def train_and_evaluate(
       except Aborted:
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
+      traced, t_call = job.traces.get("train", 0), time.perf_counter()
       state, hot_state, g_rows, m = job.train_step(state, hot_state, rows, batch)
+      if job.traces.get("train", 0) > traced:  # it compiled (in this call): timed apart from the steps
+        progress.stats.compiled(t, t_call, time.perf_counter())
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       if save:

@@ -12,7 +12,7 @@ def test_a_resume_with_nothing_left_says_no_steps_run(tiny_config, tmp_path):
   c.eval_samples = c.eval_batch_size = 4096
   first = train.format_summary(train.train_and_evaluate(c, str(tmp_path)))
   tput = [line for line in first.splitlines() if line.startswith("throughput")]
-  assert tput and tput[0].endswith("samples/s (after the first step)"), first
+  assert tput and "samples/s (after the first step" in tput[0], first
   again = train.train_and_evaluate(c, str(tmp_path))
   assert again["steps_this_run"] == 0 and again["resumed_from"] == 3
   text = train.format_summary(again)
