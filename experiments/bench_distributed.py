@@ -96,9 +96,7 @@ def main(argv):
       f"{r['trainers']:>8} {ps:>12} {r['samples_per_sec']:>10,.0f} {r['samples_per_sec'] / base:>14.2f} {r['auc']:>7.4f}"
     )
   result = {"config": _CONFIG.value, "steps": _STEPS.value, "cpu_count": os.cpu_count(), "rows": rows}
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(result, f, indent=1)
+  outputs.write_json(_OUT.value, result)
   print(
     json.dumps(
       {f"{r['trainers']}x{r['ps_servers']}": round(r["samples_per_sec"]) for r in rows}

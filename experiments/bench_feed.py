@@ -150,6 +150,7 @@ def write_criteo(path: str, records: int, seed: List[int]) -> None:
   )
   subprocess.run([sys.executable, "-c", code], check=True)
   os.replace(path + ".tmp", path)
+  outputs.wrote(path)
 
 
 def criteo_files(data_dir: str, records: int, seed: int = 0) -> Dict[str, Any]:
@@ -404,8 +405,7 @@ def child(setting: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     why = f"exit {p.returncode}: {lines[-1].strip() if lines else 'no output'}"
   log = setting["workdir"] + ".log"  # the whole output, for the traceback
-  with open(log, "w") as f:
-    f.write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+  outputs.write_text(log, f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
   return None, f"{why} (output: {log})"
 
 
@@ -521,8 +521,7 @@ def main(argv):
   print()
   lines = [json.dumps(r) for r in results]
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      f.write("\n".join(lines) + "\n")
+    outputs.write_text(_JSON_OUT.value, "\n".join(lines) + "\n")
   for line in lines:
     print(line)
   for line in failed:  # again at the end, where a reader of the table looks

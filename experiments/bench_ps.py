@@ -50,6 +50,7 @@ import time
 from typing import Dict, Optional
 
 import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 from recsys_jax.async_ps.ps import ParameterServer
@@ -298,8 +299,7 @@ def main(argv):
         flat[f"{name}_{k}"] = results[name][k]
   flat.update(distinct_rows_per_batch=uniq, num_shards=shards, ps_threads=counts, dim=dim, vocab=vocab)
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump(results, f, indent=2)
+    outputs.write_json(_JSON_OUT.value, results, indent=2)
   print(json.dumps(flat))
 
 

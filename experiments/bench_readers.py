@@ -36,6 +36,7 @@ import time
 from typing import Callable, Dict, List
 
 import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 from recsys_jax.data import base
@@ -174,8 +175,7 @@ def print_json(result: Dict[str, object]) -> None:
   """Prints ``result`` as the last stdout line, one JSON object; also writes it to ``--json_out``."""
   line = json.dumps(result, sort_keys=True)
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      f.write(line + "\n")
+    outputs.write_text(_JSON_OUT.value, line + "\n")
   print(line)
   sys.stdout.flush()
 

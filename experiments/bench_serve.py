@@ -49,6 +49,7 @@ import time
 from typing import Any, Dict, List
 
 import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 from recsys_jax.serving.client import GrpcClient, HttpClient
@@ -232,10 +233,9 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
 
 def _emit(res: Dict[str, Any]) -> None:
   line = json.dumps(res)
-  print(line, flush=True)
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "a") as f:
-      f.write(line + "\n")
+    outputs.write_text(_JSON_OUT.value, line + "\n", mode="a")
+  print(line, flush=True)
 
 
 def main(argv):

@@ -78,6 +78,7 @@ if _ROOT not in sys.path:
 import jax
 import numpy as np
 import optax
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
 from flax.training import train_state
 from ml_collections import config_flags
@@ -666,9 +667,7 @@ def main(argv):
 
   line = json.dumps(result)
   if _JSON_OUT.value:
-    os.makedirs(os.path.dirname(os.path.abspath(_JSON_OUT.value)), exist_ok=True)
-    with open(_JSON_OUT.value, "w") as f:
-      f.write(line + "\n")
+    outputs.write_text(_JSON_OUT.value, line + "\n")
   print(line, flush=True)
 
 

@@ -241,7 +241,7 @@ def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
   b.grid(alpha=0.3)
   b.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  outputs.save_figure(fig, path, dpi=110)
 
 
 def main(argv):
@@ -382,15 +382,11 @@ def main(argv):
     "full": full,
     "runtime_s": time.perf_counter() - t_start,
   }
-  for path in (_JSON_OUT.value, _PNG_OUT.value):
-    if path and os.path.dirname(path):
-      os.makedirs(os.path.dirname(path), exist_ok=True)
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump(results, f, indent=2)
+    outputs.write_json(_JSON_OUT.value, results, indent=2)
   if _PNG_OUT.value:
     _plot(_PNG_OUT.value, ram, tier, cache)
-  _log(f"\nruntime {results['runtime_s']:.0f} s; wrote {_JSON_OUT.value} and {_PNG_OUT.value}")
+  _log(f"\nruntime {results['runtime_s']:.0f} s")
   flat = {f"{k}_bytes_per_param": v["bytes_per_param"] for k, v in bpp.items()}
   flat.update({f"{k}_overhead": v["overhead"] for k, v in bpp.items()})
   flat.update(

@@ -251,9 +251,7 @@ def main(argv=None):
     ],
   )
   if args.json_out:
-    os.makedirs(os.path.dirname(args.json_out), exist_ok=True)
-    with open(args.json_out, "w") as f:
-      json.dump(record, f, indent=1)
+    outputs.write_json(args.json_out, record)
   print(json.dumps({k: v for k, v in record.items() if k != "rows"}))
   return record
 
@@ -297,8 +295,7 @@ def _plot(rows, dims, path):
   axes[0].legend(fontsize=7, loc="upper left")
   fig.suptitle(f"MiCS collectives from compiled HLO, 8 simulated devices, MLP {dims} (M = {rows[0]['M'] / mb:.2f} MB)")
   fig.tight_layout()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fig.savefig(path, dpi=120)
+  outputs.save_figure(fig, path, dpi=120)
   plt.close(fig)
 
 

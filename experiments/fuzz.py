@@ -89,10 +89,12 @@ def main(argv):
   total["budget_s"] = _BUDGET.value
   print(harness.table(rows + [total]))
   lines = [json.dumps({k: v for k, v in r.items() if k != "saved"}) for r in rows] + [json.dumps(total)]
-  print("\n".join(lines))
+  for r in rows:
+    for path in r["saved"]:  # written by the harness's supervisor, in this process
+      outputs.wrote(path)
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      f.write("\n".join(lines) + "\n")
+    outputs.write_text(_JSON_OUT.value, "\n".join(lines) + "\n")
+  print("\n".join(lines))
   return 1 if total["crashes"] or total["hangs"] else 0
 
 

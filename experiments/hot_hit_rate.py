@@ -294,7 +294,7 @@ def plot(records: Sequence[dict], summary: dict, path: str) -> None:
     fontsize=10,
   )
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  outputs.save_figure(fig, path, dpi=110)
   plt.close(fig)
 
 
@@ -312,10 +312,8 @@ def main(argv):
     sketch_depth=_DEPTH.value,
     seed=_SEED.value,
   )
-  os.makedirs(_OUT.value, exist_ok=True)
   lines = [json.dumps(r) for r in records] + [json.dumps(summary)]
-  with open(os.path.join(_OUT.value, "hot_hit_rate.json"), "w") as f:
-    f.write("\n".join(lines) + "\n")
+  outputs.write_text(os.path.join(_OUT.value, "hot_hit_rate.json"), "\n".join(lines) + "\n")
   plot(records, summary, os.path.join(_OUT.value, "hot_hit_rate.png"))
   for line in lines:
     print(line, flush=True)

@@ -141,7 +141,7 @@ def plot(results: dict, ks: list, path: str) -> None:
     axes[row][1].set(title=f"{name}: eval AUC vs training time", xlabel="training wall time (s)", ylabel="eval AUC")
     axes[row][0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  outputs.save_figure(fig, path, dpi=110)
 
 
 def _row(name: str, r: dict, sync: dict) -> tuple:
@@ -212,11 +212,8 @@ def main(argv):
       text, entries = _row(name, r, sync)
       print(text)
       line.update(entries)
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value + ".json", "w") as f:
-    json.dump({"full": _FULL.value, "results": results}, f, indent=1)
+  outputs.write_json(_OUT.value + ".json", {"full": _FULL.value, "results": results})
   plot(results, ks, _OUT.value + ".png")
-  print(f"\nplot: {_OUT.value}.png")
   print(json.dumps(line))
 
 

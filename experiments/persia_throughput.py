@@ -70,11 +70,11 @@ def main(argv):
   ax.set(ylabel="samples/s", title=f"{bench_distributed._CONFIG.value} on {os.cpu_count()} CPU cores, loopback")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(_OUT_T.value + ".png", dpi=110)
-  with open(_OUT_T.value + ".json", "w") as f:
-    json.dump(
-      {"config": bench_distributed._CONFIG.value, "steps": bench_distributed._STEPS.value, "rows": rows}, f, indent=1
-    )
+  outputs.save_figure(fig, _OUT_T.value + ".png", dpi=110)
+  outputs.write_json(
+    _OUT_T.value + ".json",
+    {"config": bench_distributed._CONFIG.value, "steps": bench_distributed._STEPS.value, "rows": rows},
+  )
   print(json.dumps({f"k{r['staleness']}_{r['trainers']}x{r['ps_servers']}": round(r["samples_per_sec"]) for r in rows}))
 
 

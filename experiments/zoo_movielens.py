@@ -123,9 +123,7 @@ def main(argv):
   if "din" in by and "din_no_history" in by:
     result["din_history_auc_gain"] = by["din"]["auc"] - by["din_no_history"]["auc"]
     print(f"\nDIN: AUC {by['din']['auc']:.4f} with history, {by['din_no_history']['auc']:.4f} without")
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(result, f, indent=1)
+  outputs.write_json(_OUT.value, result)
   print(json.dumps({r["run"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4)} for r in rows}))
 
 

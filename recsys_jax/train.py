@@ -12,6 +12,7 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any, Dict, Optional
 
@@ -81,11 +82,17 @@ def train_and_evaluate(
   """
   t_start = time.perf_counter()
   validate_config(config)
-  run_config.record(workdir, config, say)  # makes the workdir; it names its config (a scorer rebuilds the model)
+  os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
   ckpts = RunCheckpoints(workdir, config)
-  state, start, position = ckpts.restore_latest(job.state, ps)
+  state, start, position = ckpts.restore_latest(job.state, ps)  # a config its checkpoints do not fit is named
+  run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
+  if start >= n and ckpts.latest is not None:
+    say(
+      f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={n}: no step to train, the checkpoint is "
+      "evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
+    )
   hot = job.hot
   hot_state = hot.resume(start, ckpts.latest_part(hot.state_name()), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
@@ -101,7 +108,10 @@ def train_and_evaluate(
       except Aborted:
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
+      traced, t_call = job.traces.get("train", 0), time.perf_counter()
       state, hot_state, g_rows, m = job.train_step(state, hot_state, rows, batch)
+      if job.traces.get("train", 0) > traced:  # it compiled (in this call): timed apart from the steps
+        progress.stats.compiled(t, t_call, time.perf_counter())
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       if save:

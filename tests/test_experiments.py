@@ -7,7 +7,8 @@ script's ``main``) would save the jax import (about a second here) per script, b
 are global, several scripts define the same names (``--json_out``, ``--batch_size``), and a
 script's own exit code and sys.exit paths would not be run. The sizes are the smallest that
 still run every part of the script; what is checked is what a run promises (exit 0, its last
-JSON line parses, with its keys and finite figures), never a speed: a tiny run measures nothing.
+JSON line parses, with its keys and finite figures, and a ``wrote <absolute path>`` line for each
+file it writes, naming that file, non-empty), never a speed: a tiny run measures nothing.
 
 ``test_every_script_is_run`` fails when a script in experiments/ is neither in ``SMOKE`` nor run
 by another test (``ELSEWHERE``, which names the test file; the test checks that file runs the
@@ -31,7 +32,8 @@ EXPERIMENTS = os.path.join(ROOT, "experiments")
 # script -> (flags, keys its last JSON line must have). "{tmp}" is the test's tmp_path.
 SMOKE = {
   "bench_cache.py": (
-    ["--lines=3000", "--files=1", "--batch_size=512", "--chunk_records=1024", "--repeats=1", "--epoch_repeats=1"],
+    ["--lines=3000", "--files=1", "--batch_size=512", "--chunk_records=1024", "--repeats=1", "--epoch_repeats=1"]
+    + ["--json_out={tmp}/bench_cache.json"],
     ["read_cold", "read_warm", "read_ratio", "storage_chunk_bytes"],
   ),
   "bench_distributed.py": (
@@ -39,15 +41,19 @@ SMOKE = {
     ["1x1"],
   ),
   "bench_ps.py": (
-    ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"],
+    ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"]
+    + ["--json_out={tmp}/bench_ps.json"],
     [],
   ),
   "bench_ps_threads.py": (["--threads=1,2", "--batches=2", "--warmup=1", "--batch_size=256", "--nosweep"], []),
-  "bench_readers.py": (["--lines=2000", "--chunk_records=512", "--repeats=1"], []),
+  "bench_readers.py": (
+    ["--lines=2000", "--chunk_records=512", "--repeats=1", "--json_out={tmp}/bench_readers.json"],
+    [],
+  ),
   "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
   "bench_train.py": (
     ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"]
-    + ["--config.eval_batch_size=256", "--config.eval_samples=256"],
+    + ["--config.eval_batch_size=256", "--config.eval_samples=256", "--json_out={tmp}/bench_train.json"],
     ["samples_per_sec_ps", "hot_hit_rate"],
   ),
   "capacity.py": (
@@ -59,12 +65,27 @@ SMOKE = {
     ["--dims=8,8", "--meshes=2x4", "--micro_steps=1", "--png={tmp}/c.png", "--json_out={tmp}/c.json"],
     [],
   ),
-  "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes"], []),
+  "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes", "--json_out={tmp}/fuzz.json"], []),
   "persia_convergence.py": (["--smoke", "--out={tmp}/persia_convergence"], []),
   "persia_throughput.py": (["--smoke", "--throughput_out={tmp}/persia_throughput"], []),
   "ps_lockstep.py": (["--rounds=4", f"new={ROOT}"], []),
   "ps_memory.py": (["--sizes_mb=1", "--dim=8"], []),
   "zoo_movielens.py": (["--models=din", "--steps=3", "--out={tmp}/zoo.json"], ["count_baseline", "din"]),
+}
+# script -> the files its SMOKE run writes: exactly these are announced by `wrote <path>` lines
+# (experiments/outputs.py); a script not here writes nothing, so announces nothing.
+WRITES = {
+  "bench_cache.py": ["{tmp}/bench_cache.json"],
+  "bench_distributed.py": ["{tmp}/bench_distributed.json"],
+  "bench_ps.py": ["{tmp}/bench_ps.json"],
+  "bench_readers.py": ["{tmp}/bench_readers.json"],
+  "bench_train.py": ["{tmp}/bench_train.json"],
+  "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
+  "comm_volume.py": ["{tmp}/c.json", "{tmp}/c.png"],
+  "fuzz.py": ["{tmp}/fuzz.json"],
+  "persia_convergence.py": ["{tmp}/persia_convergence.json", "{tmp}/persia_convergence.png"],
+  "persia_throughput.py": ["{tmp}/persia_throughput.json", "{tmp}/persia_throughput.png"],
+  "zoo_movielens.py": ["{tmp}/zoo.json"],
 }
 # script -> the test file that runs it (as a script, in the default suite).
 ELSEWHERE = {
@@ -85,6 +106,7 @@ def test_every_script_is_run():
   missing = [s for s in _scripts() if s not in SMOKE and s not in ELSEWHERE and s not in EXEMPT]
   assert not missing, f"experiments scripts no test runs: {missing} (add a tiny run to SMOKE in {__file__})"
   assert not set(SMOKE) & set(ELSEWHERE), "a script is run here and elsewhere: keep one"
+  assert set(WRITES) <= set(SMOKE), f"WRITES names scripts SMOKE does not run: {sorted(set(WRITES) - set(SMOKE))}"
   for script, test_file in ELSEWHERE.items():
     with open(os.path.join(ROOT, test_file)) as f:
       assert f'"{script}"' in f.read(), f"{test_file} does not run experiments/{script}"
@@ -113,6 +135,14 @@ def run_script(script: str, args, tmp_path, timeout: float = 240) -> subprocess.
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def announced(out: str) -> set:
+  """The paths of a run's ``wrote <path>`` lines, each checked to be absolute and a non-empty file."""
+  paths = [ln[len("wrote ") :] for ln in out.splitlines() if ln.startswith("wrote ")]
+  bad = [p for p in paths if not (os.path.isabs(p) and os.path.isfile(p) and os.path.getsize(p) > 0)]
+  assert not bad, f"'wrote' lines that name no non-empty file (or a relative path): {bad}"
+  return set(paths)
+
+
 def last_json(out: str) -> dict:
   lines = [ln for ln in out.splitlines() if ln.startswith("{")]
   assert lines, f"no JSON line in:\n{out[-3000:]}"
@@ -129,6 +159,8 @@ def test_script_runs_small(script, tmp_path):
   line = last_json(p.stdout)
   assert not [k for k in keys if k not in line], (sorted(line), keys)
   assert not _finite(line), f"{script}: non-finite figures at {_finite(line)}: {line}"
+  want = {w.replace("{tmp}", str(tmp_path)) for w in WRITES.get(script, [])}
+  assert announced(p.stdout) == want, f"{script}: 'wrote' lines {sorted(announced(p.stdout))}, want {sorted(want)}"
 
 
 def test_scorer_and_server_small(tmp_path):
@@ -145,6 +177,7 @@ def test_scorer_and_server_small(tmp_path):
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   rec = last_json(p.stdout)
   assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
+  assert announced(p.stdout) == {str(out)}, p.stdout
 
 
 def test_bench_feed_names_a_failed_setting_and_exits_1(tmp_path):
@@ -162,3 +195,5 @@ def test_bench_feed_names_a_failed_setting_and_exits_1(tmp_path):
   assert line["workers"] == 1 and all(line[k] > 0 for k in keys) and not _finite(line), line
   left = [str(q.relative_to(tmp_path)) for q in tmp_path.rglob("*") if "work_" in str(q) or "bench_feed_" in q.name]
   assert len(left) == 2 and left[1].endswith(".log") and left[1] in failed[0], left
+  data = sorted(str(q) for q in (tmp_path / "data").glob("criteo_*/*"))  # generated once, kept for the next run
+  assert data and announced(p.stdout) == {str(tmp_path / left[1]), *data}, p.stdout

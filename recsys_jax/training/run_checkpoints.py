@@ -16,6 +16,7 @@ import jax
 
 from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax.parallel import distributed
+from recsys_jax.training import run_config
 from recsys_jax.training.writers import say
 
 
@@ -30,6 +31,7 @@ class RunCheckpoints:
 
   def __init__(self, workdir: str, config):
     self.config = config
+    self.workdir = workdir
     self.ckpt = checkpoint_lib.Checkpointer(
       workdir, max_to_keep=config.max_checkpoints, full_every=config.checkpoint_full_every
     )
@@ -57,7 +59,19 @@ class RunCheckpoints:
     """
     config = self.config
     start, position = 0, None
-    restored = self.ckpt.restore_newest_intact(state, ps, warn=say)
+    try:
+      restored = self.ckpt.restore_newest_intact(state, ps, warn=say)
+    except checkpoint_lib.CheckpointError as e:
+      differ = run_config.differences_from_written(self.workdir, config)
+      if not differ:
+        raise
+      # The checkpoints are intact; the config given shapes another state than the one they hold.
+      shown = "; ".join(f"{k} = {a!r} there, {b!r} here" for k, a, b in differ[:3])
+      more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+      raise ValueError(
+        f"{self.directory} holds checkpoints of another config ({run_config.newest_name(self.workdir)}): "
+        f"{shown}{more}; they cannot be restored into this one: use a new --workdir, or the values they were written with"
+      ) from e
     self.latest = self.last_saved = restored[0] if restored else None
     if restored is not None:
       latest, state, meta = restored

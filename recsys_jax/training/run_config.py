@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ml_collections
 
@@ -123,6 +123,38 @@ def record(workdir: str, config: ml_collections.ConfigDict, warn: Callable[[str]
       f"warning: {workdir} was trained with another config (fields {', '.join(changed)} differ); "
       f"the new one is written as {newest_name(workdir)}, the old one kept"
     )
+
+
+# Fields that say how long, how often or how loudly a run goes, not what its state is: a resume may change them.
+_RUN_ONLY = ("num_steps", "log_every", "eval_every", "checkpoint_every", "progress_bar", "max_checkpoints")
+
+
+def _leaves(d: Any, prefix: str = "") -> Dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix[:-1]: d}
+  out: Dict[str, Any] = {}
+  for k, v in d.items():
+    out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+  return out
+
+
+def differences_from_written(workdir: str, config: ml_collections.ConfigDict) -> List[Tuple[str, Any, Any]]:
+  """``(field, value written, value given)`` of every field where ``config`` differs from the newest config
+  written into ``workdir`` (the one its newest checkpoints were written with), but those that only say how
+  long or how often a run goes; [] if the workdir holds no config."""
+  name = newest_name(workdir)
+  if name is None:
+    return []
+  try:
+    old = _leaves(_read(os.path.join(workdir, name)))
+  except ValueError:
+    return []
+  new = _leaves(to_dict(config))
+  return [
+    (k, _frozen(old.get(k)), _frozen(new.get(k)))
+    for k in sorted(set(old) | set(new))
+    if old.get(k) != new.get(k) and k not in _RUN_ONLY
+  ]
 
 
 def newest_name(workdir: str) -> Optional[str]:

@@ -24,16 +24,19 @@ def say(msg: str) -> None:
 
 
 class TrainStats:
-  """Loss and timing recorded by the pusher thread, read by the training loop."""
+  """Loss and timing recorded by the pusher thread, read by the training loop; and the training
+  loop's calls of the train step that compiled, whose time the throughput leaves out."""
 
   def __init__(self):
     self.lock = threading.Lock()
     self.loss_sum, self.loss_n = 0.0, 0
     self.first_applied: Optional[Tuple[int, float]] = None
     self.last_applied: Optional[Tuple[int, float]] = None
+    self.compiles: List[Tuple[int, float, float]] = []  # (step, start, end) of a train step call that compiled
 
-  def record(self, step: int, loss: float) -> None:
-    now = time.perf_counter()
+  def record(self, step: int, loss: float, now: Optional[float] = None) -> None:
+    """Step ``step``'s push is applied (``now``: when, ``time.perf_counter()`` unless given)."""
+    now = time.perf_counter() if now is None else now
     with self.lock:
       self.loss_sum += loss
       self.loss_n += 1
@@ -46,6 +49,30 @@ class TrainStats:
       mean = self.loss_sum / self.loss_n if self.loss_n else float("nan")
       self.loss_sum, self.loss_n = 0.0, 0
       return mean
+
+  def compiled(self, step: int, start: float, end: float) -> None:
+    """The train step's call for ``step`` ran from ``start`` to ``end`` and traced (so compiled)."""
+    with self.lock:
+      self.compiles.append((step, start, end))
+
+  def throughput(self, batch_size: int) -> Tuple[Optional[float], int, float]:
+    """(samples/s, later compiles, their seconds): the steps after the first applied one, over the
+    time from its push's application to the last's, less the time of the compiles in between.
+
+    The first step compiles before its push is applied, so it is outside the interval; a later
+    compile (a re-chosen hot set or a new batch shape changes the step's shapes) blocks the loop
+    for seconds inside it, which would make a short run's figure a fraction of the steady rate.
+    Its step still counts (its execution, after the compile, is in the interval). None when the
+    run applied fewer than two steps (JSON null, not NaN).
+    """
+    with self.lock:
+      first, last, compiles = self.first_applied, self.last_applied, list(self.compiles)
+    if not (first and last and last[0] > first[0]):
+      return None, 0, 0.0
+    (f, t_f), (n, t_n) = first, last
+    later = [(max(a, t_f), min(b, t_n)) for s, a, b in compiles if f < s <= n]
+    secs = sum(max(0.0, b - a) for a, b in later)
+    return (n - f) * batch_size / (t_n - t_f - secs), len(later), secs
 
 
 MetricsCallback = Callable[[int, str, Dict[str, Any]], None]
@@ -190,12 +217,10 @@ class Progress:
   ) -> Dict[str, Any]:
     """Writes the final evaluation and summary.json; returns the summary (on every process)."""
     config, B = self.config, self.config.batch_size
-    self.writers.write(config.num_steps, "eval", ev)
+    step = max(config.num_steps, start)  # a workdir past num_steps is evaluated where it is
+    self.writers.write(step, "eval", ev)
     self.writers.close()
-    sps = float("nan")
-    first, last = self.stats.first_applied, self.stats.last_applied
-    if first and last and last[0] > first[0]:
-      sps = (last[0] - first[0]) * B / (last[1] - first[1])  # excludes the first step, which compiles
+    sps, recompiles, recompile_s = self.stats.throughput(B)
     summary = {
       **ev,
       "auc_gap": ev["oracle_auc"] - ev["auc"] if "oracle_auc" in ev else None,
@@ -203,9 +228,11 @@ class Progress:
       "model": config.model.name,
       "bad_records_skipped": job.reader.bad.count,
       "bad_record_examples": job.reader.bad.examples,
-      "samples_per_sec": sps,
-      "steps": config.num_steps,
-      "steps_this_run": config.num_steps - start,
+      "samples_per_sec": sps,  # after the first step, less the time of the later compiles
+      "recompiles": recompiles,  # train step compiles after the first step's, left out of samples_per_sec
+      "recompile_s": recompile_s,
+      "steps": step,
+      "steps_this_run": max(0, config.num_steps - start),
       "resumed_from": start if resumed else None,
       "batch_size": B,
       "staleness": config.staleness,
@@ -232,7 +259,13 @@ class Progress:
 def _throughput(s: Dict[str, Any]) -> str:
   sps = s.get("samples_per_sec")
   if sps is not None and sps == sps:  # not NaN
-    return f"{sps:,.0f} samples/s (after the first step)"
+    k = s.get("recompiles", 0)
+    if not k:
+      return f"{sps:,.0f} samples/s (after the first step, which compiled)"
+    return (
+      f"{sps:,.0f} samples/s (after the first step, less {s['recompile_s']:.1f} s of {k} later "
+      f"compile{'s' if k > 1 else ''} of the train step)"
+    )
   if not s.get("steps_this_run"):
     return "no steps run (the workdir's checkpoint is at the last step; a new workdir trains again)"
   return "not measured (it is timed after the first step, which compiles; this run made one)"
