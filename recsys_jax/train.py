@@ -67,6 +67,30 @@ def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows
     hot_rows[0].write_back(hot_rows[1], ps)
 
 
+def _resume(config, workdir: str, job: Job):
+  """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
+  tables)``, from the newest intact checkpoint (a config its checkpoints do not fit is named) or fresh."""
+  ckpts = RunCheckpoints(workdir, config)
+  state, start, position = ckpts.restore_latest(job.state, job.ps)
+  run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
+  if start >= config.num_steps and ckpts.latest is not None:
+    say(
+      f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={config.num_steps}: no step to train, the "
+      "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
+    )
+  hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
+  return ckpts, state, start, position, hot_state
+
+
+def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, batch):
+  """The jitted step of step ``t``; a call that compiled is timed apart (the throughput leaves it out)."""
+  traced, t_call = job.traces.get("train", 0), time.perf_counter()
+  out = job.train_step(state, hot_state, rows, batch)
+  if job.traces.get("train", 0) > traced:
+    progress.stats.compiled(t, t_call, time.perf_counter())
+  return out
+
+
 def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
 ) -> Dict[str, Any]:
@@ -85,16 +109,8 @@ def train_and_evaluate(
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
-  ckpts = RunCheckpoints(workdir, config)
-  state, start, position = ckpts.restore_latest(job.state, ps)  # a config its checkpoints do not fit is named
-  run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
-  if start >= n and ckpts.latest is not None:
-    say(
-      f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={n}: no step to train, the checkpoint is "
-      "evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
-    )
+  ckpts, state, start, position, hot_state = _resume(config, workdir, job)
   hot = job.hot
-  hot_state = hot.resume(start, ckpts.latest_part(hot.state_name()), ps, job.hot_state)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
@@ -108,10 +124,7 @@ def train_and_evaluate(
       except Aborted:
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
-      traced, t_call = job.traces.get("train", 0), time.perf_counter()
-      state, hot_state, g_rows, m = job.train_step(state, hot_state, rows, batch)
-      if job.traces.get("train", 0) > traced:  # it compiled (in this call): timed apart from the steps
-        progress.stats.compiled(t, t_call, time.perf_counter())
+      state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       if save:

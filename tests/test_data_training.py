@@ -126,7 +126,10 @@ def test_every_model_trains_on_tiny_synthetic(tiny_config, tmp_path, model):
     assert s["ps_rows"] > 0 and np.isfinite(s["logloss"])
 
 
-@pytest.mark.parametrize("model", ("dlrm", "dcn_v2", "deepfm", "wide_deep"))
+@pytest.mark.parametrize(
+  "model",
+  ["dlrm", "deepfm", pytest.param("dcn_v2", marks=pytest.mark.slow), pytest.param("wide_deep", marks=pytest.mark.slow)],
+)  # DLRM and a model with first-order terms in the default run; the other two (8-11 s each) with -m slow
 def test_data_without_dense_columns_trains_checkpoints_and_resumes(tiny_config, tmp_path, model):
   """No numeric columns: the models' kernels over them have zero size, which orbax cannot save."""
   c = _csv_config(tiny_config, tmp_path, np.random.default_rng(2))

@@ -150,7 +150,7 @@ def one_worker(tmp_path_factory):
   return data, outcome(_config(tiny.get_config(), data, 1), str(tmp / "one"))
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # 4: in the resume test below, from step 10 on
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])  # 4: in the resume test below
 def test_a_run_is_bit_identical_for_any_worker_count(one_worker, tiny_config, tmp_path, workers):
   data, want = one_worker
   assert want[0]["bad_records_skipped"] >= 2 and len(want[1]) == 7  # both bad records met and skipped

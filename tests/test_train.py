@@ -354,6 +354,7 @@ def test_a_checkpoint_whose_arrays_do_not_match_their_checksums_is_not_used(tiny
   assert f"checkpoints/20 is damaged: {name} (written" in err and "resuming from checkpoint 10" in err, err[-2000:]
 
 
+@pytest.mark.slow  # -m slow: tests/test_checkpoint_cut.py fails saves at each write in the default run, older checkpoints kept
 def test_a_save_that_does_not_read_back_deletes_no_older_checkpoint(tiny_config, tmp_path, monkeypatch):
   tiny_config.num_steps = 20
   tiny_config.checkpoint_every = 10
@@ -411,6 +412,7 @@ def test_main_cli_rejects_bad_override(tmp_path):
     assert "Traceback" not in out.stderr, bad
 
 
+@pytest.mark.slow  # -m slow: tests/test_mesh.py compares every weight and row on 8 devices with one in the default run
 def test_eight_simulated_devices_match_one_device(uninterrupted, tmp_path):
   """The batch split over 8 CPU devices trains to the single-device metrics."""
   single, _ = uninterrupted
