@@ -2,7 +2,7 @@
 and the PS path with hot rows on the device against the same path without them.
 
     .venv/bin/python experiments/bench_train.py --config=configs/dlrm.py [--steps=200] [--warmup=5]
-        [--repeats=3] [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
+        [--repeats=3] [--log_every=N] [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
 
 Run from the repository root. Measures, in one process, the training samples/s of the main
 job's configuration (read from ``--config`` at run time; ``--config.FIELD=VALUE`` overrides
@@ -13,20 +13,37 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    eval batch. The figure is the job's own ``samples_per_sec``: every step after the first
    (compile-heavy) one, i.e. warmup + steps - 1 steps, including host reading, dedup, PS
    lookups and pushes (the job overlaps them with the device step), and with hot rows the
-   counting, the split, the re-choices (every ``hot_every`` steps, the first after
-   ``hot_warmup_steps``) and the step's recompiles when the hot set changes its shapes.
+   counting, the split and the re-choices (every ``hot_every`` steps, the first after
+   ``hot_warmup_steps``), but not the step's recompiles when the hot set changes its shapes
+   (the job leaves their time out and reports it: ``recompile_s``).
    It runs ``--repeats`` times with the config's hot-row budget (``hot_rows_bytes``, 4 MiB by
    default: "hot") and as many times with ``hot_rows_bytes = 0`` ("no hot"), alternated
    hot, no hot, no hot, hot, hot, no hot, ... so that drift of a shared machine falls on both;
    every figure of a variant is the median over its runs, and only in-run ratios mean much.
-   Per run it also records, by wrapping the job's own methods (``Probe``), per-stage wall times
-   and, for every step from the first choice on (step ``hot_warmup_steps``), the distinct rows
-   the PS looks up (``cold``), the host -> device bytes of rows (each group's
-   ``bucket * dim * 4``, plus 4 bytes a hot slot: ``HotRows.metrics``'s formula, applied to
-   both variants), the rest of the placed batch, and the hot hit rate (share of id lookups
-   served by a hot row) and hot share of the distinct rows. ``steady_samples_per_sec`` is the
-   batch over the median time between two steps' pushes: the job's rate without its outliers
-   (compiles, re-choices).
+   Per run it reads what the job records itself, never replacing a function of it: the train
+   records of its ``metrics.jsonl`` (``train.read_metrics``; one every ``--log_every`` steps,
+   by default the config's ``hot_warmup_steps``, so that a record starts at the hot set's first
+   choice) and its summary. From the records: per-stage wall times of the host pipeline
+   (``host_<stage>_ms``: read, parse, prepare (dedup), lookup, place, wait (the loop waiting for
+   its next batch), get (the pusher waiting for a step's row gradients), push), ms per step over
+   the run; and, over the records from the first choice on, the distinct rows the PS looks up
+   (``rows_per_step``) and the host -> device bytes the placement copies, rows and hot slots
+   (``place_row_bytes_per_step``) and the rest of the batch (``place_batch_bytes_per_step``).
+   ``steady_samples_per_sec`` is the median of the records' samples/s after the first record
+   (which holds the first compile): the job's rate without most of its outliers. From the
+   summary: ``samples_per_sec`` (compiles after the first step left out), ``recompiles`` and
+   ``recompile_s``, and ``hot`` (``HotRows.metrics``): the hot hit rate of id lookups, hot and cold
+   distinct rows a step (so the hot share of distinct rows), and the hot rows' own times, which
+   they record themselves: the split of a step's ids (``hot_split``, inside the lookup stage; the
+   lookup less it is ``ps_lookup``), the counting on its own thread (``hot_count``) and the
+   re-choices (``rechoose``, with their steps). The hit rates are since the start of the run
+   (the warm-up's steps, before any row is hot, included), as the library reports them.
+   Figures the script gave before it stopped wrapping the job's methods (issue 24) and that the
+   library does not record, dropped: the loop's dispatch time of the jitted step and the first
+   step's compile (later compiles: ``recompile``), the wait of a boundary for the earlier pushes
+   (``before_step`` less the re-choice), a lookup's wait for a re-choice (``before_lookup``; it is
+   in ``lookup``, and so in ``ps_lookup``, as are the warm-up's synchronous waits), ``HotSet.split``
+   alone (in ``hot_split``) and the per-step push times behind the old median-step rate.
 2. On-device baseline: ``EmbeddedDLRM`` with one ``nn.Embed`` of ``config.data.vocab_sizes[i]``
    rows and ``config.embeddings.dim`` columns per feature, and the same bottom/top MLP. Ids are
    mapped to table rows on the host with the hashing trick, row = id % vocab, as on-device
@@ -51,7 +68,10 @@ samples_per_sec_ps_hot and _nohot, hot_sps_ratio (hot / no hot), ps_rows_per_ste
 _nohot, ps_rows_ratio (hot / no hot; to set against one_minus_hit_rate and
 one_minus_row_hit_rate), h2d_row_bytes_per_step_hot and _nohot, h2d_row_bytes_ratio,
 h2d_bytes_per_step_hot and _nohot (rows and batch), hot_hit_rate, and ``hot_vs_nohot`` with
-every run's figures and per-stage times (ms per step).
+every run's figures and per-stage times (ms per step). The floor's host stages are the
+script's own ``perf_counter`` around its calls of the pipeline's functions, its split and count
+times ``HotRows``'s own (``HotRows.seconds``), its rows the pipeline's counts; its hot set is
+chosen as a run chooses it (``HotRows.resume`` from nothing, then ``rechoose`` at the boundary).
 The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 """
 
