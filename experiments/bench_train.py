@@ -2,7 +2,7 @@
 and the PS path with hot rows on the device against the same path without them.
 
     .venv/bin/python experiments/bench_train.py --config=configs/dlrm.py [--steps=200] [--warmup=5]
-        [--repeats=3] [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
+        [--repeats=3] [--log_every=N] [--workdir=DIR] [--json_out=FILE] [--config.batch_size=...]
 
 Run from the repository root. Measures, in one process, the training samples/s of the main
 job's configuration (read from ``--config`` at run time; ``--config.FIELD=VALUE`` overrides
@@ -13,20 +13,37 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    eval batch. The figure is the job's own ``samples_per_sec``: every step after the first
    (compile-heavy) one, i.e. warmup + steps - 1 steps, including host reading, dedup, PS
    lookups and pushes (the job overlaps them with the device step), and with hot rows the
-   counting, the split, the re-choices (every ``hot_every`` steps, the first after
-   ``hot_warmup_steps``) and the step's recompiles when the hot set changes its shapes.
+   counting, the split and the re-choices (every ``hot_every`` steps, the first after
+   ``hot_warmup_steps``), but not the step's recompiles when the hot set changes its shapes
+   (the job leaves their time out and reports it: ``recompile_s``).
    It runs ``--repeats`` times with the config's hot-row budget (``hot_rows_bytes``, 4 MiB by
    default: "hot") and as many times with ``hot_rows_bytes = 0`` ("no hot"), alternated
    hot, no hot, no hot, hot, hot, no hot, ... so that drift of a shared machine falls on both;
    every figure of a variant is the median over its runs, and only in-run ratios mean much.
-   Per run it also records, by wrapping the job's own methods (``Probe``), per-stage wall times
-   and, for every step from the first choice on (step ``hot_warmup_steps``), the distinct rows
-   the PS looks up (``cold``), the host -> device bytes of rows (each group's
-   ``bucket * dim * 4``, plus 4 bytes a hot slot: ``HotRows.metrics``'s formula, applied to
-   both variants), the rest of the placed batch, and the hot hit rate (share of id lookups
-   served by a hot row) and hot share of the distinct rows. ``steady_samples_per_sec`` is the
-   batch over the median time between two steps' pushes: the job's rate without its outliers
-   (compiles, re-choices).
+   Per run it reads what the job records itself, never replacing a function of it: the train
+   records of its ``metrics.jsonl`` (``train.read_metrics``; one every ``--log_every`` steps,
+   by default the config's ``hot_warmup_steps``, so that a record starts at the hot set's first
+   choice) and its summary. From the records: per-stage wall times of the host pipeline
+   (``host_<stage>_ms``: read, parse, prepare (dedup), lookup, place, wait (the loop waiting for
+   its next batch), get (the pusher waiting for a step's row gradients), push), ms per step over
+   the run; and, over the records from the first choice on, the distinct rows the PS looks up
+   (``rows_per_step``) and the host -> device bytes the placement copies, rows and hot slots
+   (``place_row_bytes_per_step``) and the rest of the batch (``place_batch_bytes_per_step``).
+   ``steady_samples_per_sec`` is the median of the records' samples/s after the first record
+   (which holds the first compile): the job's rate without most of its outliers. From the
+   summary: ``samples_per_sec`` (compiles after the first step left out), ``recompiles`` and
+   ``recompile_s``, and ``hot`` (``HotRows.metrics``): the hot hit rate of id lookups, hot and cold
+   distinct rows a step (so the hot share of distinct rows), and the hot rows' own times, which
+   they record themselves: the split of a step's ids (``hot_split``, inside the lookup stage; the
+   lookup less it is ``ps_lookup``), the counting on its own thread (``hot_count``) and the
+   re-choices (``rechoose``, with their steps). The hit rates are since the start of the run
+   (the warm-up's steps, before any row is hot, included), as the library reports them.
+   Figures the script gave before it stopped wrapping the job's methods (issue 24) and that the
+   library does not record, dropped: the loop's dispatch time of the jitted step and the first
+   step's compile (later compiles: ``recompile``), the wait of a boundary for the earlier pushes
+   (``before_step`` less the re-choice), a lookup's wait for a re-choice (``before_lookup``; it is
+   in ``lookup``, and so in ``ps_lookup``, as are the warm-up's synchronous waits), ``HotSet.split``
+   alone (in ``hot_split``) and the per-step push times behind the old median-step rate.
 2. On-device baseline: ``EmbeddedDLRM`` with one ``nn.Embed`` of ``config.data.vocab_sizes[i]``
    rows and ``config.embeddings.dim`` columns per feature, and the same bottom/top MLP. Ids are
    mapped to table rows on the host with the hashing trick, row = id % vocab, as on-device
@@ -51,7 +68,10 @@ samples_per_sec_ps_hot and _nohot, hot_sps_ratio (hot / no hot), ps_rows_per_ste
 _nohot, ps_rows_ratio (hot / no hot; to set against one_minus_hit_rate and
 one_minus_row_hit_rate), h2d_row_bytes_per_step_hot and _nohot, h2d_row_bytes_ratio,
 h2d_bytes_per_step_hot and _nohot (rows and batch), hot_hit_rate, and ``hot_vs_nohot`` with
-every run's figures and per-stage times (ms per step).
+every run's figures and per-stage times (ms per step). The floor's host stages are the
+script's own ``perf_counter`` around its calls of the pipeline's functions, its split and count
+times ``HotRows``'s own (``HotRows.seconds``), its rows the pipeline's counts; its hot set is
+chosen as a run chooses it (``HotRows.resume`` from nothing, then ``rechoose`` at the boundary).
 The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 """
 
@@ -59,15 +79,12 @@ The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 
 from __future__ import annotations
 
-import collections
 import copy
-import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Dict, List
 
@@ -95,179 +112,96 @@ _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps before the timed ones
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch directory for the PS run (default: a temp dir, removed).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result to this file.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "PS-path runs with hot rows and as many without, alternated.")
+_LOG_EVERY = flags.DEFINE_integer(
+  "log_every",
+  0,
+  "Steps between the PS runs' train records, whose figures the script reads (0: the config's hot_warmup_steps, "
+  "so that a record starts at the first choice of the hot set).",
+)
 
 
 def _tree_bytes(tree) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-class Probe:
-  """Per-stage wall times and per-step row counts of one PS job, from wrapping its own methods.
+# Host stages the pipeline times itself (recsys_jax/training/stage_times.py: ``host_<stage>_ms`` of
+# every train record), the ones this script reports.
+STAGES = ("read", "parse", "prepare", "lookup", "place", "wait", "get", "push")
 
-  ``attach(job)`` replaces methods of the job's objects by timed wrappers (instance attributes,
-  so nothing else is touched). Stages, seconds summed over the run [the thread that runs them]:
 
-  - ``lookup``: ``HostPipeline.lookup`` of a training step [prefetcher]; it holds
-    ``before_lookup`` (``HotRows.before_lookup``: a wait while a re-choice is under way) and
-    ``hot_split`` (``HotRows.split``), which holds ``set_split`` (``HotSet.split``, once per row
-    width) and hands the ids to the counting thread; what is left (``ps_lookup``) is the PS
-    lookup into the step's buffer;
-  - ``count``: ``FrequencyCounter.add``, once per table and step [the hot rows' counting thread];
-  - ``place``: ``HostPipeline.place`` of a training step [prefetcher];
-  - ``push_step``: ``HostPipeline.push_step`` [pusher]: waits for the device step, pulls the row
-    gradients, then ``push`` (``HostPipeline.push``: the PS applies them);
-  - ``wait_batch``: ``Prefetcher.get`` [loop]: the loop waiting for its next placed step;
-  - ``dispatch`` / ``compile``: the jitted step's calls [loop]; ``compile``: those that traced;
-  - ``before_step``: ``HotRows.before_step`` [loop]: at a boundary, the wait for the earlier
-    steps' pushes, then ``rechoose`` (``HotRows.rechoose``: the choice and the rows moved).
+def _intervals(recs: List[Dict[str, Any]]) -> List[tuple]:
+  """(first step, steps, record) of each train record: a record holds the steps since the last one."""
+  out, last = [], 0
+  for r in recs:
+    out.append((last, r["step"] - last, r))
+    last = r["step"]
+  return out
 
-  Per training step (``per_step``): ``cold`` distinct rows the PS looks up; ``row_bytes`` host ->
-  device bytes of rows and hot slots (each group's ``bucket * dim * 4``, plus 4 a hot slot:
-  ``HotRows.metrics``'s formula, for either variant); ``batch_bytes`` the rest of the placed
-  batch; ``hits``, ``lookups``, ``hot`` (hot distinct rows) as ``HotRows.split`` counted them.
-  ``applied``: step -> when its push was done.
+
+def run_figures(summary: Dict[str, Any], recs: List[Dict[str, Any]], first: int) -> Dict[str, Any]:
+  """The figures of one PS run, from what the job recorded itself.
+
+  ``recs``: its train records (metrics.jsonl). Stage times (``<stage>_ms``) are ms per step over
+  the whole run, each record weighed by its steps; the per-step counts (PS rows, host -> device
+  bytes of rows and of the rest of the batch) are over the records from step ``first`` (the first
+  choice of the hot set) on; ``steady_samples_per_sec`` is the median of the records' samples/s
+  after the first record (which holds the first step's compile). With hot rows, the hot set's own
+  times and hit rates come from ``summary["hot"]`` (``HotRows.metrics``: since the start).
   """
+  ivs = _intervals(recs)
+  n = sum(k for _, k, _ in ivs)
+  out: Dict[str, Any] = {}
+  for stage in STAGES:
+    out[f"{stage}_ms"] = sum(k * r.get(f"host_{stage}_ms", 0.0) for _, k, r in ivs) / max(1, n)
+  later = [(k, r) for t, k, r in ivs if t >= first and k > 0] or [(k, r) for _, k, r in ivs]
+  m = sum(k for k, _ in later)
 
-  def __init__(self):
-    self.t: Dict[str, float] = collections.defaultdict(float)
-    self.per_step: Dict[int, Dict[str, float]] = collections.defaultdict(dict)
-    self.applied: Dict[int, float] = {}
-    self.rechoose_at: List[int] = []
-    self._lock = threading.Lock()
+  def mean(key: str) -> float:
+    return sum(k * r.get(key, float("nan")) for k, r in later) / m
 
-  def reset(self) -> None:
-    """Forgets the stage times so far (the floor times only the steps after its warm-up)."""
-    with self._lock:
-      self.t.clear()
-
-  def _add(self, stage: str, dt: float) -> None:
-    with self._lock:
-      self.t[stage] += dt
-
-  def _wrap(self, stage: str, fn, counts=lambda *a, **k: True):
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-      t0 = time.perf_counter()
-      try:
-        return fn(*args, **kwargs)
-      finally:
-        if counts(*args, **kwargs):
-          self._add(stage, time.perf_counter() - t0)
-
-    return timed
-
-  def attach(self, job) -> None:
-    host, hot = job.host, job.hot
-    lookup, place, push_step, train_step = host.lookup, host.place, host.push_step, job.train_step
-    training = lambda p, *a, **k: p.n_valid is None  # noqa: E731 - eval batches carry n_valid
-
-    def counted_lookup(p, create, gate=None):
-      before = dict(hot.totals)
-      t0 = time.perf_counter()
-      out = lookup(p, create, gate=gate)
-      if create:
-        self._add("lookup", time.perf_counter() - t0)
-        s = self.per_step[p.step]
-        s["cold"] = float(sum(g.num_rows for g in p.groups.values()))
-        s["row_bytes"] = float(
-          sum(g.bucket * g.dim * 4 for g in p.groups.values()) + sum(4 * i.shape[0] for i in (p.hot_idx or {}).values())
-        )
-        s.update({k: float(hot.totals[k] - before[k]) for k in ("hits", "lookups", "hot_rows")})
-      return out
-
-    def sized_place(p):
-      if p.n_valid is None:
-        arrays = [p.batch["dense"], p.batch["label"]] + [g.inverse for g in p.groups.values()]
-        arrays += [g.weights for g in p.groups.values() if g.weights is not None]
-        self.per_step[p.step]["batch_bytes"] = float(sum(a.nbytes for a in arrays))
-      return place(p)
-
-    def timed_push_step(step, payload):
-      loss = push_step(step, payload)
-      self.applied[step] = time.perf_counter()
-      return loss
-
-    def timed_train_step(*args):
-      n0, t0 = job.traces.get("train", 0), time.perf_counter()
-      out = train_step(*args)
-      self._add("compile" if job.traces.get("train", 0) > n0 else "dispatch", time.perf_counter() - t0)
-      return out
-
-    def noted_rechoose(step, *a, **k):
-      self.rechoose_at.append(step)
-      return rechoose(step, *a, **k)
-
-    host.lookup = counted_lookup
-    host.place = self._wrap("place", sized_place, training)
-    host.push_step = self._wrap("push_step", timed_push_step)
-    host.push = self._wrap("push", host.push)
-    job.train_step = timed_train_step
-    hot.split = self._wrap("hot_split", hot.split)
-    hot.counter.add = self._wrap("count", hot.counter.add)
-    hot.set.split = self._wrap("set_split", hot.set.split)
-    hot.before_step = self._wrap("before_step", hot.before_step)
-    hot.before_lookup = self._wrap("before_lookup", hot.before_lookup)
-    rechoose = self._wrap("rechoose", hot.rechoose)
-    hot.rechoose = noted_rechoose
-    train_prefetcher = host.train_prefetcher
-
-    def timed_prefetcher(*a, **k):
-      pre = train_prefetcher(*a, **k)
-      pre.get = self._wrap("wait_batch", pre.get)
-      return pre
-
-    host.train_prefetcher = timed_prefetcher
-
-  def figures(self, steps: int, B: int, first: int) -> Dict[str, float]:
-    """ms per step of each stage over ``steps`` steps; per-step means over steps >= ``first``."""
-    out = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(self.t.items())}
-    if "lookup" in self.t:
-      ps = self.t["lookup"] - self.t.get("hot_split", 0.0) - self.t.get("before_lookup", 0.0)
-      out["ps_lookup_ms"] = 1e3 * ps / steps
-    later = [s for t, s in self.per_step.items() if t >= first and "cold" in s]
-    mean = lambda k: float(np.mean([s.get(k, 0.0) for s in later]))  # noqa: E731
-    lookups, hot_rows, cold = mean("lookups"), mean("hot_rows"), mean("cold")
-    out.update(
-      ps_rows_per_step=cold,
-      h2d_row_bytes_per_step=mean("row_bytes"),
-      h2d_bytes_per_step=mean("row_bytes") + mean("batch_bytes"),
-      hot_hit_rate=mean("hits") / lookups if lookups else 0.0,
-      hot_rows_per_step=hot_rows,
-      row_hit_rate=hot_rows / (hot_rows + cold) if hot_rows + cold else 0.0,
-      per_step_from=first,
-    )
-    applied = [self.applied[t] for t in sorted(self.applied)]
-    gaps = np.diff(applied[1:])  # from the second step on: the first compiles
-    if gaps.size:
-      out["steady_samples_per_sec"] = B / float(np.median(gaps))
-    out["rechoose_at"] = list(self.rechoose_at)
-    return out
+  rows, row_bytes = mean("rows_per_step"), mean("place_row_bytes_per_step")
+  hot = summary.get("hot") or {}
+  hot_rows = float(hot.get("hot_rows_per_step", 0.0))
+  cold_since_start = float(hot.get("cold_rows_per_step", 0.0))
+  out.update(
+    ps_rows_per_step=rows,
+    h2d_row_bytes_per_step=row_bytes,
+    h2d_bytes_per_step=row_bytes + mean("place_batch_bytes_per_step"),
+    hot_hit_rate=float(hot.get("hot_hit_rate", 0.0)),
+    hot_rows_per_step=hot_rows,
+    row_hit_rate=hot_rows / (hot_rows + cold_since_start) if hot_rows + cold_since_start else 0.0,
+    per_step_from=later[0][1]["step"] - later[0][0],
+    hot_split_ms=float(hot.get("split_ms_per_step", 0.0)),
+    hot_count_ms=float(hot.get("count_ms_per_step", 0.0)),
+    rechoose_ms=1e3 * float(hot.get("rechoose_s", 0.0)) / max(1, n),
+    recompile_ms=1e3 * float(summary.get("recompile_s") or 0.0) / max(1, n),
+  )
+  out["ps_lookup_ms"] = out["lookup_ms"] - out["hot_split_ms"]  # the lookup stage holds the split
+  sps = [r["samples_per_sec"] for _, _, r in ivs[1:]]
+  out["steady_samples_per_sec"] = float(np.median(sps)) if sps else float("nan")
+  out["rechoose_at"] = [c["step"] for c in hot.get("choices", [])]
+  return out
 
 
-def run_ps(config, warmup: int, steps: int, workdir: str) -> Dict[str, Any]:
-  """The main job through the parameter server; returns its summary dict, with ``probe``'s figures."""
+def run_ps(config, warmup: int, steps: int, workdir: str, log_every: int) -> Dict[str, Any]:
+  """The main job through the parameter server; returns its summary dict, with the figures of its
+  train records (``figures``)."""
   c = copy.deepcopy(config)
   c.num_steps = warmup + steps
   c.checkpoint_every = 0
   c.eval_every = 0
   c.eval_samples = c.eval_batch_size
   c.progress_bar = False
+  c.log_every = log_every
   ps_dir = tempfile.mkdtemp(prefix="ps_", dir=workdir)  # fresh: never resumes
-  job = train.build_job(c, ps_dir)
-  probe = Probe()
-  probe.attach(job)
-  build_job, train.build_job = train.build_job, lambda config, workdir, restore=True: job
   load0 = os.getloadavg()[0]
-  try:
-    s = train.train_and_evaluate(c, ps_dir)
-  finally:
-    train.build_job = build_job
-  s["probe"] = probe.figures(c.num_steps, c.batch_size, first=int(c.hot_warmup_steps))
+  s = train.train_and_evaluate(c, ps_dir)
+  s["figures"] = run_figures(s, train.read_metrics(ps_dir, "train"), first=int(c.hot_warmup_steps))
   s["load_avg"] = [load0, os.getloadavg()[0]]
   return s
 
 
-def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: int) -> Dict[str, List[Dict]]:
+def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: int, log_every: int):
   """``repeats`` runs with the config's hot rows and as many with none, alternated A B B A A B ..."""
   nohot = copy.deepcopy(config)
   nohot.hot_rows_bytes = 0
@@ -276,9 +210,9 @@ def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: i
   for i, pair in enumerate(order):
     for name in pair:
       print(f"PS path, {name}, run {i + 1} of {repeats}: {warmup} + {steps} steps ...", file=sys.stderr)
-      s = run_ps(config if name == "hot" else nohot, warmup, steps, workdir)
+      s = run_ps(config if name == "hot" else nohot, warmup, steps, workdir, log_every)
       print(
-        f"  {s['samples_per_sec']:,.0f} samples/s, steady {s['probe'].get('steady_samples_per_sec', 0):,.0f}, "
+        f"  {s['samples_per_sec']:,.0f} samples/s, steady {s['figures'].get('steady_samples_per_sec', 0):,.0f}, "
         f"{s['train_step_traces']} traces, load {s['load_avg'][0]:.1f}-{s['load_avg'][1]:.1f}",
         file=sys.stderr,
       )
@@ -287,8 +221,8 @@ def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: i
 
 
 def _median(runs: List[Dict], key: str) -> float:
-  """Median over runs of a summary field, or of a probe figure (``probe.KEY``)."""
-  vals = [r["probe"].get(key[6:], float("nan")) if key.startswith("probe.") else r[key] for r in runs]
+  """Median over runs of a summary field, or of a run's figure (``figures.KEY``)."""
+  vals = [r["figures"].get(key[8:], float("nan")) if key.startswith("figures.") else r[key] for r in runs]
   return float(np.median(np.asarray(vals, float)))
 
 
@@ -384,37 +318,43 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   come after it, so the step reads and updates hot rows.
   """
   job = train.build_job(config)
-  train_step = job.train_step  # the jitted step itself (lower, cost analysis), not the probe's wrapper
-  probe = Probe()
-  probe.attach(job)
+  train_step, hot_rows, host = job.train_step, job.hot, job.host
   B = config.batch_size
-  skip = max(2, int(config.hot_warmup_steps) + 2) if job.hot.enabled else 2
-  t = {"read_dedup": 0.0, "place": 0.0, "push": 0.0}
-  placed, hot_state = None, job.hot_state
+  skip = max(2, int(config.hot_warmup_steps) + 2) if hot_rows.enabled else 2
+  t = {"read_dedup": 0.0, "lookup": 0.0, "place": 0.0, "push": 0.0}
+  hot_state = hot_rows.resume(0, None, job.ps, job.hot_state)  # a fresh set: its first choice after the warm-up
+  placed, split0, hot0 = None, {}, {}
   for i in range(n + skip):
-    if i == skip:
-      probe.reset()
-    if job.hot.boundary(i):
-      hot_state = job.hot.rechoose(i, hot_state, job.ps)
+    if i == skip:  # what the pipeline and the hot rows recorded so far is the warm-up's: left out
+      hot_rows.counted()
+      host.times.take(1)
+      split0, hot0 = dict(hot_rows.seconds), dict(hot_rows.totals)
+    if hot_rows.boundary(i):
+      hot_state = hot_rows.rechoose(i, hot_state, job.ps)
     t0 = time.perf_counter()
-    p = job.host.prepare(i, job.reader.data.batch(synthetic.TRAIN, i, B))
+    p = host.prepare(i, job.reader.data.batch(synthetic.TRAIN, i, B))
     t1 = time.perf_counter()
-    job.host.lookup(p, create=True)
+    host.lookup(p, create=True)  # with hot rows, the split first (the count goes to its own thread)
     t2 = time.perf_counter()
-    placed = job.host.place(p)
+    placed = host.place(p)
     jax.block_until_ready(placed[1:])
     t3 = time.perf_counter()
     zeros = {str(d): np.zeros_like(r) for d, r in p.rows.items()}  # apply costs the same for any values
     t4 = time.perf_counter()
-    job.host.push(p.groups, zeros)
+    host.push(p.groups, zeros)
     t5 = time.perf_counter()
     if i >= skip:
-      for k, v in zip(t, (t1 - t0, t3 - t2, t5 - t4)):
+      for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
         t[k] += v / n
-  stages = probe.figures(n, B, first=skip)
-  t["lookup"] = stages["lookup_ms"] / 1e3  # the split included
-  t["count"] = stages.get("count_ms", 0.0) / 1e3  # on the counting thread, beside the others
-  t["split"] = stages.get("set_split_ms", 0.0) / 1e3
+  hot_rows.counted()
+  counts = host.times.take(n)
+  t["count"] = (hot_rows.seconds["count"] - split0.get("count", 0.0)) / n  # the counting thread, beside the others
+  t["split"] = (hot_rows.seconds["split"] - split0.get("split", 0.0)) / n
+  hot_rows.close()
+  stages = {
+    "ps_rows_per_step": counts["rows_per_step"],
+    "hot_rows_per_step": (hot_rows.totals["hot_rows"] - hot0.get("hot_rows", 0)) / n,
+  }
   _, rows, batch = placed
   compiled = train_step.lower(job.state, hot_state, rows, batch).compile()
   cost = compiled.cost_analysis()
@@ -493,17 +433,15 @@ def print_hot_table(cmp: Dict[str, Any], hv: Dict[str, Dict], runs: Dict[str, Li
     )
   )
   stages = (
-    "count",
-    "set_split",
+    "hot_count",
+    "hot_split",
     "ps_lookup",
     "lookup",
     "place",
-    "push_step",
+    "get",
     "push",
-    "wait_batch",
-    "dispatch",
-    "compile",
-    "before_step",
+    "wait",
+    "recompile",
     "rechoose",
   )
   print("ms per step in the job (median of runs)   " + "".join(f"{s:>12}" for s in stages))
@@ -545,7 +483,8 @@ def main(argv):
       "give it a budget > 0 (the default is 4 MiB)"
     )
   try:
-    runs = run_ps_hot_and_not(config, warmup, steps, workdir, repeats)
+    log_every = _LOG_EVERY.value or max(1, int(config.hot_warmup_steps))
+    runs = run_ps_hot_and_not(config, warmup, steps, workdir, repeats, log_every)
   finally:
     if own_workdir:
       shutil.rmtree(workdir, ignore_errors=True)
@@ -567,7 +506,7 @@ def main(argv):
   dev_param_bytes = d["table_bytes"] + d["dense_bytes"]
   sps = {v: _median(runs[v], "samples_per_sec") for v in runs}
   ratio = sps["hot"] / d["samples_per_sec"]
-  hv = {v: {k: _median(runs[v], "probe." + k) for k in runs[v][0]["probe"] if k != "rechoose_at"} for v in runs}
+  hv = {v: {k: _median(runs[v], "figures." + k) for k in runs[v][0]["figures"] if k != "rechoose_at"} for v in runs}
   cmp = {
     "samples_per_sec_ps_hot": sps["hot"],
     "samples_per_sec_ps_nohot": sps["nohot"],
@@ -626,7 +565,8 @@ def main(argv):
             "auc": r["auc"],
             "load_avg": r["load_avg"],
             "hot": r["hot"],
-            **r["probe"],
+            "recompiles": r["recompiles"],
+            **r["figures"],
           }
           for r in runs[v]
         ],

@@ -148,6 +148,8 @@ class HostPipeline:
         batch["prob"] = p.batch["prob"]
       return p, jax.device_put(rows, self.eval_replicated), jax.device_put(batch, self.eval_data_sharding)
     rows = {"cold": rows, "hot_idx": dict(p.hot_idx or {})}
+    self.times.count("place_row_bytes", sum(x.nbytes for x in jax.tree.leaves(rows)))
+    self.times.count("place_batch_bytes", sum(x.nbytes for x in jax.tree.leaves(batch)))
     if not self.multi_process:
       return p, jax.device_put(rows, self.replicated), jax.device_put(batch, self.data_sharding)
 

@@ -33,6 +33,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 import zipfile
 from typing import Any, BinaryIO, Dict, Mapping, Optional, Sequence
 
@@ -140,8 +141,11 @@ class HotRows:
     # configs/dlrm.py's shape): without a floor, each crossing down and back can cost a compile.
     self._bucket_floor: Dict[int, tuple] = {}
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
+    # Seconds spent in the hot rows' own work (``metrics``): the splits (prefetcher thread), the
+    # counting (its own thread) and the re-choices (training loop), each written by one thread.
+    self.seconds = {"split": 0.0, "count": 0.0, "rechoose": 0.0}
     self.choices: list = []
-    """One dict per re-choice: step, rows held, rows moved in and out."""
+    """One dict per re-choice: step, rows held, rows moved in and out, and its seconds."""
 
   def _publish(self, next_boundary: int) -> None:
     """The hot set of the steps before ``next_boundary`` is in place: their lookups may go."""
@@ -254,6 +258,7 @@ class HotRows:
     less of the last one (after a choice made most of its rows hot, say); a step with fewer rows
     is padded to the last shapes.
     """
+    t0 = time.perf_counter()
     self._count_later([(name, ids) for g in groups.values() for name, ids, _ in g.tables if name in self.set.group_of])
     cold, hot_idx = {}, {}
     hits = lookups = n_hot = 0
@@ -283,6 +288,7 @@ class HotRows:
       4 * i.shape[0] for i in hot_idx.values()
     )
     t["steps"] += 1
+    self.seconds["split"] += time.perf_counter() - t0
     return cold, hot_idx
 
   def _count_later(self, ids) -> None:
@@ -299,8 +305,10 @@ class HotRows:
         if item is None:
           return
         if self._count_error is None:  # after a failure, drain so that no split waits on a full queue
+          t0 = time.perf_counter()
           for name, ids in item:
             self.counter.add(name, ids)
+          self.seconds["count"] += time.perf_counter() - t0
       except BaseException as e:  # noqa: BLE001 - re-raised by the next re-choice
         self._count_error = e
       finally:
@@ -329,6 +337,7 @@ class HotRows:
 
     Returns the new device tables (``hot_state`` is donated) and lets the lookups of ``step`` go.
     """
+    t0 = time.perf_counter()
     self.counted()
     distributed.barrier(f"hot choice before {step}")  # every process's pushes of earlier steps are in
     counts = self._counts()
@@ -340,8 +349,16 @@ class HotRows:
       rows = ps.export_rows_many(coming)
       hot_state = self._scatter(hot_state, swap.promote, rows)
     self.set.apply(swap)
+    secs = time.perf_counter() - t0
+    self.seconds["rechoose"] += secs
     self.choices.append(
-      {"step": step, "rows": self.set.size(), "promoted": swap.rows("promote"), "demoted": swap.rows("demote")}
+      {
+        "step": step,
+        "rows": self.set.size(),
+        "promoted": swap.rows("promote"),
+        "demoted": swap.rows("demote"),
+        "seconds": secs,
+      }
     )
     self._publish(self._after_choice(step))
     return hot_state
@@ -415,11 +432,18 @@ class HotRows:
     return hot_state
 
   def metrics(self) -> Dict[str, float]:
-    """Hot hit rate, rows per step on each side, host -> device row bytes per step, since the start."""
-    t = self.totals
+    """Hot hit rate, rows per step on each side, host -> device row bytes per step, since the start;
+    and where the hot rows' own time went: ``split_ms_per_step`` (the prefetcher's split of a
+    step's ids, the hand-over to the counting included), ``count_ms_per_step`` (the counting
+    thread, beside the others), ``rechoose_s`` (every re-choice: waiting for the counts, the choice,
+    the rows moved; per choice in ``choices``). Timed with ``perf_counter`` around the calls."""
+    t, secs = self.totals, self.seconds
     n = max(1, t["steps"])
     last = self.choices[-1] if self.choices else {}
     return {
+      "split_ms_per_step": 1e3 * secs["split"] / n,
+      "count_ms_per_step": 1e3 * secs["count"] / n,
+      "rechoose_s": secs["rechoose"],
       "hot_hit_rate": t["hits"] / t["lookups"] if t["lookups"] else 0.0,
       "hot_rows_per_step": t["hot_rows"] / n,
       "cold_rows_per_step": t["cold_rows"] / n,

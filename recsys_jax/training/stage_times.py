@@ -20,6 +20,10 @@ the loop), divided by the steps trained in that interval. CPU is ``time.thread_t
 
 ``rows_per_step`` and ``bucket_rows_per_step`` count the cold rows a training batch looks up
 (distinct rows, and with their bucket's padding: what goes to the device).
+``place_row_bytes_per_step`` and ``place_batch_bytes_per_step`` are the bytes a training batch's
+placement copies host -> device: its rows (each group's bucket, and with hot rows the 4-byte hot
+slots) and the rest (dense features, labels, the inverse indices and weights), counted by
+``HostPipeline.place`` from the arrays it hands to ``device_put`` (one process's share).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 from typing import Dict, Iterator
 
 STAGES = ("read", "parse", "prepare", "lookup", "place", "wait", "get", "push")
-COUNTS = ("rows", "bucket_rows")
+COUNTS = ("rows", "bucket_rows", "place_row_bytes", "place_batch_bytes")
 
 
 class StageTimes:
