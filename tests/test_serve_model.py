@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from test_serve_process import ROOT, _start, _stop
+from test_serve_process import ROOT, start_server, stop_server
 
 from recsys_jax.serving import scorer as scorer_lib
 from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
@@ -54,7 +54,7 @@ def _expected(workdir, step, recs):
 def test_serves_a_run_and_picks_up_its_new_checkpoints(tmp_path):
   w = str(tmp_path / "run")
   _train(w, 20)
-  p, hp, gp, version = _start(w, "--reload_every_s=0.5", model_module=None)
+  p, hp, gp, version = start_server(w, "--reload_every_s=0.5", model_module=None)
   try:
     assert version == "step-20"
     h, g = HttpClient("127.0.0.1", hp), GrpcClient(f"127.0.0.1:{gp}")
@@ -82,7 +82,7 @@ def test_serves_a_run_and_picks_up_its_new_checkpoints(tmp_path):
     assert not np.allclose(a["scores"], want)  # training moved the model: the test sees a reload
     assert os.path.isdir(w)
   finally:
-    _stop(p)
+    stop_server(p)
 
 
 def test_the_readmes_curl_example_works_as_written(tmp_path):
@@ -110,7 +110,7 @@ def test_the_readmes_curl_example_works_as_written(tmp_path):
     capture_output=True,
     timeout=600,
   )
-  p, hp, _, version = _start(w, model_module=None)
+  p, hp, _, version = start_server(w, model_module=None)
   try:
     assert version == "step-2"
     argv = shlex.split(curl.replace("localhost:8501", f"localhost:{hp}"))
@@ -122,4 +122,4 @@ def test_the_readmes_curl_example_works_as_written(tmp_path):
     sent = json.loads(re.search(r"-d '(.*)'", curl).group(1))["records"][0]
     assert sorted(sent) == sorted(model["fields"]), "the README's record must name every field of the model"
   finally:
-    _stop(p)
+    stop_server(p)

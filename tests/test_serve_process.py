@@ -33,7 +33,7 @@ def _run(*args, timeout=120):
   )
 
 
-def _start(workdir, *args, timeout=300, model_module=FAKE):
+def start_server(workdir, *args, timeout=300, model_module=FAKE):
   """The server process, its http and grpc ports and version, once it printed its ready line."""
   extra = [model_module] if model_module else []
   p = subprocess.Popen(
@@ -56,7 +56,7 @@ def _start(workdir, *args, timeout=300, model_module=FAKE):
   raise AssertionError(f"no ready line; stderr: {p.communicate()[1][-2000:]}")
 
 
-def _stop(p):
+def stop_server(p):
   p.send_signal(signal.SIGTERM)
   try:
     rc = p.wait(timeout=60)
@@ -105,7 +105,7 @@ def test_bad_flags_get_one_error_line(tmp_path):
 def test_serves_with_a_token_and_stops_on_sigterm(tmp_path):
   F.publish(str(tmp_path), 42)
   (tmp_path / "tok").write_text("abc\n")
-  p, hp, gp, version = _start(tmp_path, f"--token_file={tmp_path}/tok")
+  p, hp, gp, version = start_server(tmp_path, f"--token_file={tmp_path}/tok")
   try:
     assert version == "step-42"
     recs = F.records(5)
@@ -116,14 +116,14 @@ def test_serves_with_a_token_and_stops_on_sigterm(tmp_path):
     with pytest.raises(Exception, match="401"):
       HttpClient("127.0.0.1", hp).predict(recs)
   finally:
-    _stop(p)
+    stop_server(p)
 
 
 def test_a_damaged_newest_checkpoint_at_start_serves_the_newest_intact_one(tmp_path):
   w = str(tmp_path)
   F.publish(w, 600)
   F.publish(w, 100000, broken=True)
-  p, hp, _, version = _start(w, "--reload_every_s=0.1")
+  p, hp, _, version = start_server(w, "--reload_every_s=0.1")
   try:
     assert version == "step-600"
     c = HttpClient("127.0.0.1", hp)
@@ -148,7 +148,7 @@ def _load_test(tmp_path, seconds):
   w = str(tmp_path / "w")
   os.makedirs(w)
   F.publish(w, 100, delay_s=0.002)
-  p, hp, gp, _ = _start(w, "--reload_every_s=0.2", "--max_wait_ms=2")
+  p, hp, gp, _ = start_server(w, "--reload_every_s=0.2", "--max_wait_ms=2")
   try:
     clients = [
       subprocess.Popen(
@@ -167,7 +167,7 @@ def _load_test(tmp_path, seconds):
       assert c.wait(timeout=seconds + 120) == 0
     model = HttpClient("127.0.0.1", hp).model()
   finally:
-    _stop(p)
+    stop_server(p)
   assert model["version"] == "step-400" and model["loads"] == 4 and model["failed_loads"] == 1, model
   seen = set()
   total = 0

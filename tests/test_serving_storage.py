@@ -118,29 +118,10 @@ def _archive(w, step, archive):
 
 
 def _start_server(w, *args):
-  import select
-  import subprocess
-  import sys
-  import time
+  """The real model server on ``w`` (no fake model), once it printed its ready line."""
+  from test_serve_process import start_server
 
-  p = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.serve", f"--workdir={w}", "--http_port=0", "--grpc_port=0", *args],
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    cwd=ROOT,
-  )
-  end = time.monotonic() + 300
-  while time.monotonic() < end:
-    if select.select([p.stdout], [], [], 1.0)[0]:
-      line = p.stdout.readline()
-      if line.startswith("ready "):
-        parts = dict(kv.split("=", 1) for kv in line.split()[1:])
-        return p, int(parts["http"].rsplit(":", 1)[1]), int(parts["grpc"].rsplit(":", 1)[1]), parts["version"]
-      if not line:
-        break
-  p.kill()
-  raise AssertionError(f"no ready line; stderr: {p.communicate()[1][-3000:]}")
+  return start_server(w, *args, model_module=None)
 
 
 class _Offline:
