@@ -58,3 +58,18 @@ def test_the_command_line_says_it_in_one_line(tmp_path):
   assert "embeddings.dim = 8 there, 4 here" in lines[1] and lines[1].endswith(
     "use a new --workdir, or the values they were written with"
   )
+
+
+def test_a_damaged_checkpoint_is_not_blamed_on_a_field_that_shapes_no_state(tiny_config, tmp_path):
+  """A restore that fails for another reason (here the hot set's part is gone) with only a learning rate and
+  the snapshot cadence changed is the damage it is, not a config mismatch."""
+  from recsys_jax.checkpoint import CheckpointError
+
+  train.train_and_evaluate(_short(tiny_config), str(tmp_path))
+  parts = tmp_path / "checkpoint_parts" / "2"
+  assert sorted(os.listdir(parts)) == ["hot_rows_p0.npz"]
+  (parts / "hot_rows_p0.npz").unlink()
+  c = _short(tiny.get_config(), 4)
+  c.optimizer.learning_rate, c.checkpoint_full_every = 1e-2, 3
+  with pytest.raises(CheckpointError, match="hot_rows_p0.npz cannot be read"):
+    train.train_and_evaluate(c, str(tmp_path))

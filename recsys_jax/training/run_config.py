@@ -125,8 +125,23 @@ def record(workdir: str, config: ml_collections.ConfigDict, warn: Callable[[str]
     )
 
 
-# Fields that say how long, how often or how loudly a run goes, not what its state is: a resume may change them.
-_RUN_ONLY = ("num_steps", "log_every", "eval_every", "checkpoint_every", "progress_bar", "max_checkpoints")
+# Fields that shape the arrays a checkpoint holds (the model, the rows and their slots, the dense optimizer's
+# state, the features): where one differs, a restore cannot succeed. Others (lengths, intervals, learning rates)
+# may change at a resume, and a restore that fails for another reason (a damaged file) is not blamed on them.
+_SHAPES_STATE = (
+  "model.",
+  "embeddings.dim",
+  "embeddings.optimizer",
+  "embeddings.storage_dtype",
+  "optimizer.name",
+  "data.dense",
+  "data.categorical",
+  "data.multi_hot",
+  "data.vocab_sizes",
+  "data.num_dense",
+  "dense_staleness",
+  "micro_steps",
+)
 
 
 def _leaves(d: Any, prefix: str = "") -> Dict[str, Any]:
@@ -139,9 +154,9 @@ def _leaves(d: Any, prefix: str = "") -> Dict[str, Any]:
 
 
 def differences_from_written(workdir: str, config: ml_collections.ConfigDict) -> List[Tuple[str, Any, Any]]:
-  """``(field, value written, value given)`` of every field where ``config`` differs from the newest config
-  written into ``workdir`` (the one its newest checkpoints were written with), but those that only say how
-  long or how often a run goes; [] if the workdir holds no config."""
+  """``(field, value written, value given)`` of every field that shapes the checkpoint's arrays where ``config``
+  differs from the newest config written into ``workdir`` (the one its newest checkpoints were written with);
+  [] if none differs or the workdir holds no config."""
   name = newest_name(workdir)
   if name is None:
     return []
@@ -153,7 +168,7 @@ def differences_from_written(workdir: str, config: ml_collections.ConfigDict) ->
   return [
     (k, _frozen(old.get(k)), _frozen(new.get(k)))
     for k in sorted(set(old) | set(new))
-    if old.get(k) != new.get(k) and k not in _RUN_ONLY
+    if old.get(k) != new.get(k) and k.startswith(_SHAPES_STATE)
   ]
 
 
