@@ -48,6 +48,9 @@ def main(workdir: str, archive: str, num_steps: int, every: int) -> None:
     tmp = os.path.join(archive, f".{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     _link_tree(os.path.join(self.directory, str(step)), os.path.join(tmp, "checkpoints", str(step)))
+    parts = os.path.join(workdir, "checkpoint_parts", str(step))  # the hot set: a part of the checkpoint
+    if os.path.isdir(parts):
+      _link_tree(parts, os.path.join(tmp, "checkpoint_parts", str(step)))
     for name in self._chain:
       _link_tree(os.path.join(archive, "_snapshots", name), os.path.join(tmp, "ps_snapshots", name))
     shutil.copy(os.path.join(workdir, "config.json"), os.path.join(tmp, "config.json"))
