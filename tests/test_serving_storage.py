@@ -107,11 +107,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _archive(w, step, archive):
-  """Hard-links checkpoint ``step`` of ``w`` (and its chain and config) into ``archive/<step>``."""
+  """Hard-links checkpoint ``step`` of ``w`` (and its parts, chain and config) into ``archive/<step>``."""
   from serve_trainer import _link_tree
 
   dst = os.path.join(archive, str(step))
   _link_tree(os.path.join(w, "checkpoints", str(step)), os.path.join(dst, "checkpoints", str(step)))
+  parts = os.path.join(w, "checkpoint_parts", str(step))  # the hot set: a part of the checkpoint
+  if os.path.isdir(parts):
+    _link_tree(parts, os.path.join(dst, "checkpoint_parts", str(step)))
   for name in scorer.read_meta(w, step)["ps_chain"]:
     _link_tree(os.path.join(w, "ps_snapshots", name), os.path.join(dst, "ps_snapshots", name))
   shutil.copy(os.path.join(w, "config.json"), os.path.join(dst, "config.json"))
