@@ -76,12 +76,6 @@ def checksums(state: Any) -> Dict[str, str]:
   }
 
 
-def _short(e: BaseException, limit: int = 300) -> str:
-  """The first line of an error, cut: tensorstore's carry their whole JSON spec."""
-  text = (str(e).splitlines() or [""])[0]
-  return text if len(text) <= limit else text[:limit] + " ..."
-
-
 def meta_checksum(meta: Dict[str, Any]) -> str:
   """CRC32 of a meta dict without its own ``meta_crc32``, over its canonical JSON.
 
@@ -304,7 +298,9 @@ class Checkpointer:
     try:
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # orbax raises many types; name the place and keep the cause
-      raise CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {_short(e)})") from e
+      raise CheckpointError(
+        f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {checkpoint_files.short(e)})"
+      ) from e
     if not isinstance(meta, dict):
       raise CheckpointError(f"checkpoint {path}: meta is damaged: not a JSON object")
     # Checkpoints written before meta checksums have none and are read as before (a damaged
@@ -331,7 +327,7 @@ class Checkpointer:
       state = self._read_state(step, state_template)
     except Exception as e:
       raise CheckpointError(
-        f"checkpoint {path} cannot be restored ({type(e).__name__}: {_short(e)}). It was left as it is; "
+        f"checkpoint {path} cannot be restored ({type(e).__name__}: {checkpoint_files.short(e)}). It was left as it is; "
         f"move it away to resume from an earlier one, or use a new workdir."
       ) from e
     self._verify(step, state, meta.get("state_crc32"))
@@ -364,9 +360,13 @@ class Checkpointer:
       # is at fault (and a restore of an older one clears the server's partial tables).
       if getattr(getattr(e, "code", None), "name", None) not in _SNAPSHOT_REFUSED:
         raise  # a PS server out of reach says nothing about the checkpoint
-      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
+      raise CheckpointError(
+        f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {checkpoint_files.short(e)}"
+      ) from e
     except (ValueError, OSError) as e:
-      raise CheckpointError(f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {_short(e)}") from e
+      raise CheckpointError(
+        f"checkpoint {path}: its PS snapshot chain {chain} cannot be loaded: {checkpoint_files.short(e)}"
+      ) from e
     self._chain = chain
     self._since_full = len(chain) - 1
     return state, meta

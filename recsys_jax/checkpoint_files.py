@@ -96,5 +96,10 @@ def cause(e: BaseException) -> str:
     if full in text:
       file = re.search(r'"(/[^"]+)"', text)
       return full + (f" ({file[1]})" if file else "")
-  first = (text.splitlines() or [""])[0]
-  return f"{type(e).__name__}: " + (first if len(first) <= 300 else first[:300] + " ...")
+  return f"{type(e).__name__}: {short(e)}"
+
+
+def short(e: BaseException, limit: int = 300) -> str:
+  """The first line of an error, cut: tensorstore's carry their whole JSON spec."""
+  text = (str(e).splitlines() or [""])[0]
+  return text if len(text) <= limit else text[:limit] + " ..."

@@ -18,6 +18,7 @@ the preprocessed cache of :mod:`recsys_jax.data.cache` (``config.data.cache_dir`
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -64,9 +65,7 @@ class SyntheticReader:
     ``times`` (a ``StageTimes``) times each batch's generation as ``parse``."""
 
     def make(i):
-      if times is None:
-        return self._local(self.data.batch(split, i, size))
-      with times.time("parse"):
+      with times.time("parse") if times is not None else contextlib.nullcontext():
         return self._local(self.data.batch(split, i, size))
 
     if executor is None:

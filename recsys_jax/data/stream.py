@@ -28,6 +28,7 @@ without one, for any number of workers. Memory is then about three windows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -156,9 +157,7 @@ class Stream:
       yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path)
 
   def _parse(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
-    if self.times is None:
-      return self.fmt.parse(chunk, bad)
-    with self.times.time("parse"):
+    with self.times.time("parse") if self.times is not None else contextlib.nullcontext():
       return self.fmt.parse(chunk, bad)
 
   # -- batches ----------------------------------------------------------------------------------

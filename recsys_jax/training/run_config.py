@@ -144,15 +144,6 @@ _SHAPES_STATE = (
 )
 
 
-def _leaves(d: Any, prefix: str = "") -> Dict[str, Any]:
-  if not isinstance(d, dict):
-    return {prefix[:-1]: d}
-  out: Dict[str, Any] = {}
-  for k, v in d.items():
-    out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-  return out
-
-
 def differences_from_written(workdir: str, config: ml_collections.ConfigDict) -> List[Tuple[str, Any, Any]]:
   """``(field, value written, value given)`` of every field that shapes the checkpoint's arrays where ``config``
   differs from the newest config written into ``workdir`` (the one its newest checkpoints were written with);
@@ -161,14 +152,18 @@ def differences_from_written(workdir: str, config: ml_collections.ConfigDict) ->
   if name is None:
     return []
   try:
-    old = _leaves(_read(os.path.join(workdir, name)))
+    old = _read(os.path.join(workdir, name))
   except ValueError:
     return []
-  new = _leaves(to_dict(config))
+  new = to_dict(config)
+
+  def value(d: Dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+      d = d.get(part) if isinstance(d, dict) else None
+    return _frozen(d)
+
   return [
-    (k, _frozen(old.get(k)), _frozen(new.get(k)))
-    for k in sorted(set(old) | set(new))
-    if old.get(k) != new.get(k) and k.startswith(_SHAPES_STATE)
+    (k, value(old, k), value(new, k)) for k in _differences(old, new, depth=1 << 10) if k.startswith(_SHAPES_STATE)
   ]
 
 
