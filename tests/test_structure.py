@@ -181,7 +181,9 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_private_name_finder_sees_each_form(tmp_path):
   f = tmp_path / "m.py"
-  f.write_text("from recsys_jax.async_ps import snapshot as s\nfrom recsys_jax.async_ps.ps import _x\ns._spec()\n")
+  f.write_text(
+    "from recsys_jax.async_ps import snapshot as s\nfrom recsys_jax.async_ps.store.ps import _x\ns._spec()\n"
+  )
   known = _modules()
   path = PACKAGE / "_structure_probe_.py"  # under the package: the finder names paths relative to it
   path.write_text(f.read_text())
@@ -189,7 +191,7 @@ def test_the_private_name_finder_sees_each_form(tmp_path):
     uses = _private_uses(path, known)
   finally:
     path.unlink()
-  assert [u.split(" ", 1)[1] for u in uses] == ["from recsys_jax.async_ps.ps import _x", "s._spec"], uses
+  assert [u.split(" ", 1)[1] for u in uses] == ["from recsys_jax.async_ps.store.ps import _x", "s._spec"], uses
 
 
 def test_train_and_evaluate_fits_on_a_screen():
@@ -203,9 +205,9 @@ def test_the_graph_sees_real_imports():
   # The walker itself: a module that imports nothing of ours would make every check vacuous.
   edges, external = _graph()
   assert "recsys_jax.training.job" in edges["recsys_jax.train"]
-  assert "recsys_jax.async_ps.ps" in edges["recsys_jax.async_ps.factory"]
-  assert "recsys_jax.async_ps.remote" in edges["recsys_jax.async_ps.factory"]  # imported inside a function
-  assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.ps"]
+  assert "recsys_jax.async_ps.store.ps" in edges["recsys_jax.async_ps.factory"]
+  assert "recsys_jax.async_ps.client.remote" in edges["recsys_jax.async_ps.factory"]  # imported inside a function
+  assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.store.ps"]
   assert "jax" in external["recsys_jax.train"] or "jax" in external["recsys_jax.training.steps"]
   assert os.path.basename(__file__) == "test_structure.py"
 
