@@ -1,7 +1,7 @@
 """Capacity planning: how many PS hosts and accelerators a job needs, and what they cost.
 
 ``capacity`` is the sizing model (memory, network and compute per sample, as pure functions of
-``Inputs``); ``report`` is the command line (``python -m recsys_jax.plan``) that prints it.
+``Inputs``); ``cli`` is the command line (``python -m recsys_jax.plan``) that prints it.
 """
 
 from recsys_jax.plan.capacity import (
@@ -21,7 +21,7 @@ from recsys_jax.plan.capacity import (
   trainer_host_bps,
   validate,
 )
-from recsys_jax.plan.report import MODEL_GAPS, inputs_from_flags, main, report
+from recsys_jax.plan.cli import MODEL_GAPS, inputs_from_flags, main, report
 
 __all__ = [
   "GB",

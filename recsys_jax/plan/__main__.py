@@ -1,10 +1,10 @@
-"""``python -m recsys_jax.plan``: the capacity report (see ``report``)."""
+"""``python -m recsys_jax.plan``: the capacity report (see ``cli``)."""
 
 from absl import app
 
-from recsys_jax.plan import report
+from recsys_jax.plan import cli
 
-__doc__ = report.__doc__  # absl prints the main module's docstring as the usage
+__doc__ = cli.__doc__  # absl prints the main module's docstring as the usage
 
 if __name__ == "__main__":
-  app.run(report.main)
+  app.run(cli.main)

@@ -28,7 +28,7 @@ Compute: ``gpus = ceil(samples_per_sec / gpu_samples_per_sec)``, ``H = ceil(gpus
 samples/s each resource allows and names the smallest as the bottleneck (PS RAM when the tables
 do not fit at all). The defaults of ``Inputs`` describe Persia's 100-trillion-parameter run;
 ``PERSIA`` holds the published figures and how sure we are of each. The printed report and the
-flags are in ``recsys_jax/plan/report.py``.
+flags are in ``recsys_jax/plan/cli.py``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ PERSIA_CONFIDENCE = {
 class Inputs:
   """What the planner is told: the model, the hardware and, optionally, a cluster to evaluate.
 
-  Field meanings and defaults are documented on the flags of the same names in ``recsys_jax/plan/report.py``.
+  Field meanings and defaults are documented on the flags of the same names in ``recsys_jax/plan/cli.py``.
   """
 
   params: float = 100e12
