@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import os
 import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -65,6 +67,58 @@ from recsys_jax.embeddings.specs import TableSpec
 _F32 = wire.DTYPES["float32"]
 
 _DEFAULT_LIMIT = 256 << 20  # the server's default --max_message_mb
+
+
+def save_remote_snapshot(
+  servers: Transport,
+  directory: str,
+  incremental: bool,
+  meta: Optional[Dict[str, Any]],
+  step: Optional[int],
+  timeout: float,
+) -> Dict[str, int]:
+  """Has every server write its part under ``directory``, then writes remote.json; see
+  ``RemotePS.save_snapshot``.
+
+  Returns:
+    Rows written per table, summed over the servers.
+  """
+  num_servers = len(servers.addresses)
+  directory = os.path.abspath(directory)
+  if os.path.exists(os.path.join(directory, snapshot_chain.MANIFEST)):
+    raise FileExistsError(f"PS snapshot {directory} already exists; snapshots are never overwritten")
+  os.makedirs(directory, exist_ok=True)
+  parts = [f"server-{i}" for i in range(num_servers)]
+  fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
+  got = servers.fan(
+    "control",
+    {
+      i: (
+        lambda i=i: servers.call(
+          i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
+        )
+      )
+      for i in range(num_servers)
+    },
+  )
+  rows: Dict[str, int] = {}
+  for i in range(num_servers):
+    for t, n in got[i].fields.get("rows", {}).items():
+      rows[t] = rows.get(t, 0) + int(n)
+  manifest = {
+    "format": snapshot_chain.FORMAT,
+    "num_servers": num_servers,
+    "step": step,
+    "incremental": bool(incremental),
+    "parts": parts,
+    "rows": rows,
+    "meta": dict(meta or {}),
+  }
+  tmp = os.path.join(directory, snapshot_chain.MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(manifest, f)
+  os.replace(tmp, os.path.join(directory, snapshot_chain.MANIFEST))
+  return rows
 
 
 class RemotePS:
@@ -420,7 +474,7 @@ class RemotePS:
       FileExistsError: ``directory`` already holds a snapshot.
       RemotePSError: a server failed.
     """
-    return snapshot_chain.save(self._servers, directory, incremental, meta, step, self.snapshot_timeout_s)
+    return save_remote_snapshot(self._servers, directory, incremental, meta, step, self.snapshot_timeout_s)
 
   def load_snapshot(self, chain: Sequence[str], step: Optional[int] = None) -> None:
     """Restores every server from a chain of snapshots (one full, then incremental ones),

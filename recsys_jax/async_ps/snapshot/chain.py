@@ -1,7 +1,8 @@
 """RemotePS snapshots on disk, and restoring a chain of them.
 
 A RemotePS snapshot is a directory holding ``server-<i>`` (server i's ``snapshot.save`` part)
-for every server and ``remote.json``, written last, naming the parts. A chain is one full
+for every server and ``remote.json``, written last, naming the parts (``RemotePS.save_snapshot``
+writes it). A chain is one full
 snapshot, then incremental ones, each taken by a RemotePS over any number of servers or by
 ``snapshot.save`` of an in-process PS; ``snapshot_parts`` lists the part directories of each,
 ``load_into`` restores an in-process ``ParameterServer`` from them, ``restore_server`` a PS
@@ -13,69 +14,14 @@ from __future__ import annotations
 import collections
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store import bounds
 
-if TYPE_CHECKING:
-  from recsys_jax.async_ps.client.transport import Transport
-
 MANIFEST = "remote.json"
 FORMAT = "recsys_jax.remote_ps/1"
-
-
-def save(
-  servers: Transport,
-  directory: str,
-  incremental: bool,
-  meta: Optional[Dict[str, Any]],
-  step: Optional[int],
-  timeout: float,
-) -> Dict[str, int]:
-  """Has every server write its part under ``directory``, then writes remote.json; see
-  ``RemotePS.save_snapshot``.
-
-  Returns:
-    Rows written per table, summed over the servers.
-  """
-  num_servers = len(servers.addresses)
-  directory = os.path.abspath(directory)
-  if os.path.exists(os.path.join(directory, MANIFEST)):
-    raise FileExistsError(f"PS snapshot {directory} already exists; snapshots are never overwritten")
-  os.makedirs(directory, exist_ok=True)
-  parts = [f"server-{i}" for i in range(num_servers)]
-  fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
-  got = servers.fan(
-    "control",
-    {
-      i: (
-        lambda i=i: servers.call(
-          i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
-        )
-      )
-      for i in range(num_servers)
-    },
-  )
-  rows: Dict[str, int] = {}
-  for i in range(num_servers):
-    for t, n in got[i].fields.get("rows", {}).items():
-      rows[t] = rows.get(t, 0) + int(n)
-  manifest = {
-    "format": FORMAT,
-    "num_servers": num_servers,
-    "step": step,
-    "incremental": bool(incremental),
-    "parts": parts,
-    "rows": rows,
-    "meta": dict(meta or {}),
-  }
-  tmp = os.path.join(directory, MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(manifest, f)
-  os.replace(tmp, os.path.join(directory, MANIFEST))
-  return rows
 
 
 def snapshot_parts(chain: Sequence[str]) -> List[List[str]]:
