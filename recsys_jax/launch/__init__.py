@@ -3,67 +3,57 @@
 ``cli`` is the command line (``python -m recsys_jax.launch``) and the pure functions that build
 the children's command lines; ``supervisor`` starts and watches processes; ``restarts`` starts a
 failed job again from its last checkpoint.
+
+The names below load on first use: ``cli`` defines the launcher's absl flags, which a trainer
+that imports ``supervisor`` or ``restarts`` (for their exit codes) must not get.
 """
 
-from recsys_jax.launch.cli import (
-  PS_MODULE,
-  TRAINER_MODULE,
-  free_port,
-  job_token_file,
-  main,
-  ps_argv,
-  run,
-  split_argv,
-  trainer_argv,
-  trainer_env,
-  with_device_count,
-)
-from recsys_jax.launch.restarts import DEFAULT_MAX_RESTARTS, launch_with_restarts
-from recsys_jax.launch.supervisor import (
-  EXIT_CONFIG,
-  LAUNCHER,
-  Child,
-  LaunchError,
-  Outcome,
-  Output,
-  Spec,
-  Stop,
-  describe_exit,
-  install_signal_handlers,
-  launch,
-  start,
-  supervise,
-  terminate,
-  wait_ready,
-)
+from __future__ import annotations
 
-__all__ = [
-  "DEFAULT_MAX_RESTARTS",
-  "EXIT_CONFIG",
-  "LAUNCHER",
-  "PS_MODULE",
-  "TRAINER_MODULE",
-  "Child",
-  "LaunchError",
-  "Outcome",
-  "Output",
-  "Spec",
-  "Stop",
-  "describe_exit",
-  "free_port",
-  "install_signal_handlers",
-  "job_token_file",
-  "launch",
-  "launch_with_restarts",
-  "main",
-  "ps_argv",
-  "run",
-  "split_argv",
-  "start",
-  "supervise",
-  "terminate",
-  "trainer_argv",
-  "trainer_env",
-  "wait_ready",
-  "with_device_count",
-]
+import importlib
+from typing import Any
+
+_PUBLIC = {
+  "PS_MODULE": "recsys_jax.launch.cli",
+  "TRAINER_MODULE": "recsys_jax.launch.cli",
+  "free_port": "recsys_jax.launch.cli",
+  "job_token_file": "recsys_jax.launch.cli",
+  "main": "recsys_jax.launch.cli",
+  "ps_argv": "recsys_jax.launch.cli",
+  "run": "recsys_jax.launch.cli",
+  "split_argv": "recsys_jax.launch.cli",
+  "trainer_argv": "recsys_jax.launch.cli",
+  "trainer_env": "recsys_jax.launch.cli",
+  "with_device_count": "recsys_jax.launch.cli",
+  "DEFAULT_MAX_RESTARTS": "recsys_jax.launch.restarts",
+  "launch_with_restarts": "recsys_jax.launch.restarts",
+  "EXIT_CONFIG": "recsys_jax.launch.supervisor",
+  "LAUNCHER": "recsys_jax.launch.supervisor",
+  "Child": "recsys_jax.launch.supervisor",
+  "LaunchError": "recsys_jax.launch.supervisor",
+  "Outcome": "recsys_jax.launch.supervisor",
+  "Output": "recsys_jax.launch.supervisor",
+  "Spec": "recsys_jax.launch.supervisor",
+  "Stop": "recsys_jax.launch.supervisor",
+  "describe_exit": "recsys_jax.launch.supervisor",
+  "install_signal_handlers": "recsys_jax.launch.supervisor",
+  "launch": "recsys_jax.launch.supervisor",
+  "start": "recsys_jax.launch.supervisor",
+  "supervise": "recsys_jax.launch.supervisor",
+  "terminate": "recsys_jax.launch.supervisor",
+  "wait_ready": "recsys_jax.launch.supervisor",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _PUBLIC:
+    raise AttributeError(f"module 'recsys_jax.launch' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_PUBLIC[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_PUBLIC))
