@@ -99,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Embedding tables on the parameter server: one table per categorical feature.
   c.embeddings = ml_collections.ConfigDict()
   c.embeddings.dim = 16  # Row width of every table.
-  c.embeddings.optimizer = "adagrad"  # Row optimizer (recsys_jax/async_ps/optimizers.py).
+  c.embeddings.optimizer = "adagrad"  # Row optimizer (recsys_jax/async_ps/optim/optimizers.py).
   c.embeddings.learning_rate = 0.15  # Row optimizer step size.
   c.embeddings.initial_accumulator_value = 0.0  # Adagrad accumulator of a new row.
   c.embeddings.initializer = "uniform"  # New rows: 'uniform', 'normal' or 'zeros'.

@@ -187,8 +187,8 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
 
   from configs import dlrm
   from recsys_jax import train
-  from recsys_jax.async_ps.pipeline import StalenessGate
   from recsys_jax.data import readers
+  from recsys_jax.training.pipeline import StalenessGate
 
   logging.set_verbosity(logging.WARNING)
   B, n, L = s["batch"], s["steps"], s["log_every"]

@@ -53,7 +53,7 @@ import numpy as np
 import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
 _BATCHES = flags.DEFINE_integer("batches", 20, "Timed batches per configuration.")

@@ -33,8 +33,8 @@ import numba
 import numpy as np
 from absl import app, flags
 
-from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.workers import Workers
+from recsys_jax.async_ps.store.ps import ParameterServer
+from recsys_jax.async_ps.store.workers import Workers
 from recsys_jax.embeddings.specs import TableSpec
 
 _THREADS = flags.DEFINE_list("threads", ["1", "2"], "PS thread counts to compare (the first is the baseline).")

@@ -101,10 +101,10 @@ from flax.training import train_state
 from ml_collections import config_flags
 
 from recsys_jax import train
-from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
 from recsys_jax.data import synthetic
 from recsys_jax.models import EmbeddedDLRM
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training.pipeline import Prefetcher, StalenessGate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/dlrm.py", "The main job's ml_collections config file.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed training steps of each path.")

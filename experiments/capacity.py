@@ -111,8 +111,8 @@ def _disk_bytes(path: str) -> Dict[str, int]:
 
 
 def _ideal_row_bytes(opt: str, dtype: str, dim: int) -> int:
-  from recsys_jax.async_ps import optimizers
-  from recsys_jax.async_ps.table import STORAGE_DTYPES
+  from recsys_jax.async_ps.optim import optimizers
+  from recsys_jax.async_ps.store.table import STORAGE_DTYPES
 
   slots = optimizers.make(opt, learning_rate=0.05).init(1, dim)
   return dim * np.dtype(STORAGE_DTYPES[dtype]).itemsize + sum(v.nbytes for v in slots.values()) + 16
@@ -130,7 +130,7 @@ def _zipf_batches(n: int, vocab: int, alpha: float, samples: int, seed: int = 0)
 
 
 def _worker(job: Dict) -> Dict:
-  from recsys_jax.async_ps.ps import ParameterServer
+  from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec
 
   dim, rows, cache = job["dim"], job["rows"], job.get("cache", 0)

@@ -42,7 +42,7 @@ if _ROOT not in sys.path:
 import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 
 from configs import default as default_config  # noqa: E402
-from recsys_jax.async_ps import optimizers  # noqa: E402
+from recsys_jax.async_ps.optim import optimizers  # noqa: E402
 from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData  # noqa: E402
 from recsys_jax.embeddings.frequency import FrequencyCounter  # noqa: E402
 

@@ -32,7 +32,7 @@ def child() -> None:
   sys.path.insert(0, _HERE)
   import bench_ps  # noqa: I001 - from this checkout of the experiments, the PS from PYTHONPATH
 
-  from recsys_jax.async_ps.ps import ParameterServer
+  from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec
 
   batches = bench_ps.zipf_batches(20, 100_000, 1.1, 4096, 26)

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from absl import app, flags
 
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
 
 _SIZES = flags.DEFINE_list("sizes_mb", ["15", "60", "240"], "Payload sizes (MiB of rows) to measure.")

@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from recsys_jax import checkpoint_files
-from recsys_jax.async_ps import snapshot
+from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.parallel import distributed
 
 

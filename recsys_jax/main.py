@@ -29,7 +29,7 @@ from ml_collections import config_flags
 
 from recsys_jax import train
 from recsys_jax.checkpoint import CheckpointError
-from recsys_jax.supervisor import EXIT_CONFIG
+from recsys_jax.launch.supervisor import EXIT_CONFIG
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config file name>).")

@@ -19,12 +19,12 @@ from typing import Any, Dict, Optional
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
-from recsys_jax.async_ps.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
 from recsys_jax.training.job import Job, build_job, build_ps
+from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step

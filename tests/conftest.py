@@ -84,7 +84,7 @@ def start():
   servers = []
 
   def _start(**kwargs):
-    from recsys_jax.async_ps import rpc  # grpc only for the tests that use it
+    from recsys_jax.async_ps.server import rpc  # grpc only for the tests that use it
 
     server, port, handlers = rpc.serve("127.0.0.1", 0, **kwargs)
     servers.append(server)

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 
-from recsys_jax.async_ps import snapshot
+from recsys_jax.async_ps.snapshot import directory as snapshot
 
 
 def checkpoint_contents(c, workdir, step):

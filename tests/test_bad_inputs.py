@@ -69,7 +69,7 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
   match = exp["match"].replace("{path}", re.escape(path))
   if name.startswith("wire/") and "method" in exp:  # decodes, and the server's checks refuse it
     from experiments.fuzzing.wire import _Aborted, _Context
-    from recsys_jax.async_ps import rpc
+    from recsys_jax.async_ps.server import rpc
 
     with open(path, "rb") as f:
       data = f.read()
@@ -221,7 +221,7 @@ def test_parquet_damaged_inside_names_the_file(tiny_config, tmp_path):
 
 
 def _small_ps():
-  from recsys_jax.async_ps.ps import ParameterServer
+  from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec
 
   return ParameterServer([TableSpec(name="user", dim=4), TableSpec(name="item", dim=2, optimizer="adam")], seed=1)
@@ -229,7 +229,8 @@ def _small_ps():
 
 def _remote_snapshot(tmp_path):
   """A RemotePS-layout snapshot (remote.json + server-0) of a PS with a few rows; returns (dir, rows)."""
-  from recsys_jax.async_ps import snapshot, snapshot_chain
+  from recsys_jax.async_ps.snapshot import chain as snapshot_chain
+  from recsys_jax.async_ps.snapshot import directory as snapshot
 
   ps = _small_ps()
   for t, dim in (("user", 4), ("item", 2)):
@@ -257,7 +258,7 @@ def _remote_snapshot(tmp_path):
   ],
 )
 def test_a_damaged_remote_ps_manifest_is_a_value_error_naming_it(tmp_path, content, match):
-  from recsys_jax.async_ps import snapshot_chain
+  from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 
   d, _ = _remote_snapshot(tmp_path)
   with open(os.path.join(d, "remote.json"), "wb") as f:
@@ -271,8 +272,9 @@ def test_a_damaged_remote_ps_manifest_is_a_value_error_naming_it(tmp_path, conte
   [(b'"crc32"', b'"crc33"'), (b'"shape": [', b'"shape": ["'), (b'"incremental": false', b'"incremental": 0')],
 )
 def test_a_manifest_damaged_into_other_valid_json_is_named_and_restores_nothing(tmp_path, old, new):
-  from recsys_jax.async_ps import snapshot, snapshot_chain
-  from recsys_jax.async_ps.service import ServiceError, ShardService
+  from recsys_jax.async_ps.server.service import ServiceError, ShardService
+  from recsys_jax.async_ps.snapshot import chain as snapshot_chain
+  from recsys_jax.async_ps.snapshot import directory as snapshot
 
   d, _ = _remote_snapshot(tmp_path)
   mpath = os.path.join(d, "server-0", "manifest.json")
@@ -297,7 +299,7 @@ def test_a_manifest_damaged_into_other_valid_json_is_named_and_restores_nothing(
 
 
 def test_an_intact_remote_snapshot_restores_every_row(tmp_path):
-  from recsys_jax.async_ps import snapshot_chain
+  from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 
   d, want = _remote_snapshot(tmp_path)
   ps = _small_ps()
@@ -363,8 +365,8 @@ def test_meta_damaged_into_other_valid_json_falls_back_to_the_previous_checkpoin
 def test_a_damaged_snapshot_on_remote_ps_servers_falls_back_to_the_previous_checkpoint(tmp_path):
   import jax.numpy as jnp
 
-  from recsys_jax.async_ps import rpc
-  from recsys_jax.async_ps.remote import RemotePS
+  from recsys_jax.async_ps.client.remote import RemotePS
+  from recsys_jax.async_ps.server import rpc
   from recsys_jax.checkpoint import Checkpointer
 
   server, port, _ = rpc.serve("127.0.0.1", 0, threads=4)
@@ -472,7 +474,7 @@ def test_fuzz_run_finds_no_crash_and_no_hang(tmp_path):
 
 
 def _fnv_reference(value: bytes, field: str) -> int:
-  from recsys_jax.async_ps.hashing import name_seed, splitmix64
+  from recsys_jax.hashing import name_seed, splitmix64
 
   h = int(name_seed(field))
   for byte in value:

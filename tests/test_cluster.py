@@ -298,7 +298,7 @@ def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failu
 
 def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
   """The job's servers demand a token only the user can read; SIGKILL of the launcher ends every child."""
-  from recsys_jax.async_ps.transport import RemotePSError, Transport
+  from recsys_jax.async_ps.client.transport import RemotePSError, Transport
 
   job = LauncherJob(str(tmp_path / "run"))
   token_file = None

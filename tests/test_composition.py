@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 
 from recsys_jax import train
-from recsys_jax.async_ps import snapshot
-from recsys_jax.async_ps.snapshot_chain import load_into
+from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.snapshot.chain import load_into
 from tests.run_outcome import preempted_copy, snapshot_rows
 
 OPTIONS = {

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from recsys_jax.async_ps import factory
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
 from tests.conftest import _Servers
 
@@ -112,7 +112,7 @@ def test_snapshot_and_restore_of_a_hung_server_end_within_their_bound(stopped, t
 
 def test_the_configs_snapshot_bound_follows_timeout_s(monkeypatch):
   from configs import tiny
-  from recsys_jax.async_ps import remote
+  from recsys_jax.async_ps.client import remote
 
   config = tiny.get_config()
   assert config.ps.snapshot_timeout_s == 0.0

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import optimizers
-from recsys_jax.async_ps.table import Table
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store.table import Table
 from recsys_jax.embeddings import device_optimizers
 from recsys_jax.embeddings.specs import TableSpec
 

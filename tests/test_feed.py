@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 from tests.run_outcome import outcome
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.hashing import splitmix64
-from recsys_jax.async_ps.idmap import IdMap
+from recsys_jax.async_ps.store.idmap import IdMap
+from recsys_jax.hashing import splitmix64
 
 U64_MAX = np.iinfo(np.uint64).max
 SPECIALS = np.array([0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1], np.uint64)

@@ -8,9 +8,10 @@ replaced (kept here as the reference), on tables built either way.
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import kernels, optimizers
-from recsys_jax.async_ps.hashing import splitmix64
-from recsys_jax.async_ps.idmap import IdMap
+from recsys_jax.async_ps import kernels
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store.idmap import IdMap
+from recsys_jax.hashing import splitmix64
 
 U64_MAX = np.iinfo(np.uint64).max
 SPECIALS = np.array([0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1], np.uint64)
@@ -379,23 +380,23 @@ def test_raw_kernels_refuse_mismatched_shapes():
 
 
 def test_editing_the_shared_numba_helpers_recompiles_the_cached_kernels(tmp_path):
-  """numba's cache checks only a kernel's own file; kernels_jit drops its dependents' caches."""
+  """numba's cache checks only a kernel's own file; kernels.jit drops its dependents' caches."""
   import os
   import subprocess
   import sys
 
-  from recsys_jax.async_ps import kernels_jit
+  from recsys_jax.async_ps.kernels import jit as kernels_jit
 
   pkg = tmp_path / "pkg"
   pkg.mkdir()
   (pkg / "__init__.py").write_text("")
   source = open(kernels_jit.__file__).read()
-  (pkg / "kernels_lookup.py").write_text("from pkg.kernels_jit import jit, VALUE\n\n\n@jit\ndef f():\n  return VALUE\n")
+  (pkg / "lookup.py").write_text("from pkg.jit import jit, VALUE\n\n\n@jit\ndef f():\n  return VALUE\n")
 
   def run(value):
-    (pkg / "kernels_jit.py").write_text(source + f"\nVALUE = {value}\n")
-    os.utime(pkg / "kernels_jit.py", ns=(value * 10**9, value * 10**9))  # a distinct mtime, whatever the clock
-    code = "from pkg.kernels_lookup import f; print(f(), sum(f.stats.cache_hits.values()))"
+    (pkg / "jit.py").write_text(source + f"\nVALUE = {value}\n")
+    os.utime(pkg / "jit.py", ns=(value * 10**9, value * 10**9))  # a distinct mtime, whatever the clock
+    code = "from pkg.lookup import f; print(f(), sum(f.stats.cache_hits.values()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()

@@ -1,4 +1,4 @@
-"""The one-machine launcher (recsys_jax/launch.py) with fake children, and the Kubernetes manifests.
+"""The one-machine launcher (recsys_jax/launch/cli.py) with fake children, and the Kubernetes manifests.
 
 The launcher tests run small ``python -c`` children in place of PS servers and trainers; the
 manifest tests check that what the pods run exists in the repository and that the numbers that
@@ -301,7 +301,7 @@ def test_launch_fails_when_a_server_is_not_ready():
 
 
 # --------------------------------------------------------------------------------------
-# Restarts (recsys_jax/restarts.py) with fake children. A marker file tells a child whether it
+# Restarts (recsys_jax/launch/restarts.py) with fake children. A marker file tells a child whether it
 # runs for the first time; the restart lines are checked whole.
 
 _RESTART_LINE = re.compile(r"^\[launch\] (.*); restart (\d+)/(\d+) from the last checkpoint$", re.M)

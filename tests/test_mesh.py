@@ -122,7 +122,7 @@ def _sgd(c):
 def _rows(c, workdir, ps=None, step=STEPS):
   """Every row of the PS snapshot of checkpoint ``step`` (in-process or remote PS servers'), by
   (table, id), read into ``ps`` (an in-process PS of config ``c``, whose rows it replaces) or a new one."""
-  from recsys_jax.async_ps import snapshot_chain
+  from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 
   with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
     chain = json.load(f)["ps_chain"]

@@ -24,8 +24,8 @@ import pytest
 from test_optimizers import CONFIGS as _REFERENCE_CONFIGS
 
 from configs import default
-from recsys_jax.async_ps import optimizers
-from recsys_jax.async_ps.table import Table
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store.table import Table
 from recsys_jax.data.base import FeatureInfo, Schema
 from recsys_jax.embeddings import device_optimizers
 from recsys_jax.training.specs import build_specs

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import optimizers
-from recsys_jax.async_ps.table import Table
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store.table import Table
 from recsys_jax.embeddings.specs import TableSpec
 
 N, DIM, STEPS = 40, 5, 20

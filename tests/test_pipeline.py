@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from recsys_jax.async_ps.pipeline import Aborted, Prefetcher, Pusher, StalenessGate
+from recsys_jax.training.pipeline import Aborted, Prefetcher, Pusher, StalenessGate
 
 GET_TIMEOUT = 10.0
 

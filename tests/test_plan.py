@@ -1,4 +1,4 @@
-"""The capacity planner (recsys_jax/plan.py): arithmetic, bottlenecks, Persia defaults, errors and the CLI."""
+"""The capacity planner (recsys_jax/plan/cli.py): arithmetic, bottlenecks, Persia defaults, errors and the CLI."""
 
 import dataclasses
 import json

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import initializers
-from recsys_jax.async_ps.hashing import name_seed
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.store import initializers
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from recsys_jax.hashing import name_seed
 
 U64_MAX = np.iinfo(np.uint64).max
 
@@ -372,7 +372,7 @@ def test_stats_while_another_thread_creates_rows():
   table's lock in stats this failed within 1M calls in each of 4 runs."""
   import threading
 
-  from recsys_jax.async_ps.table import Table
+  from recsys_jax.async_ps.store.table import Table
 
   table = Table(TableSpec(name="t", dim=4))
   done, errors = threading.Event(), []

@@ -17,11 +17,13 @@ import grpc
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import budget, optimizers, wire
-from recsys_jax.async_ps.errors import ServiceError
-from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.pushes import sum_pushes
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.server import budget
+from recsys_jax.async_ps.server.errors import ServiceError
+from recsys_jax.async_ps.server.pushes import sum_pushes
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,7 +399,7 @@ def test_a_servers_memory_per_call_is_bounded(servers):
     # Six clients pushing 120 MiB each at once stay within ~3x --max_inflight_mb (gRPC's copies).
     script = textwrap.dedent(f"""
       import sys, numpy as np
-      from recsys_jax.async_ps.remote import RemotePS
+      from recsys_jax.async_ps.client.remote import RemotePS
       from recsys_jax.embeddings.specs import TableSpec
       i = int(sys.argv[1]); n = 120 * 2**20 // 256
       ids = np.arange(10**9 + i * n, 10**9 + (i + 1) * n, dtype=np.uint64)
@@ -437,8 +439,12 @@ def test_after_the_warm_up_no_call_compiles_a_kernel():
   kind (every optimizer, two workers summed, bfloat16 on the wire, chunks, eviction) adds none."""
   script = textwrap.dedent("""
     import json, numpy as np
-    from recsys_jax.async_ps import kernels_lookup, kernels_update, optimizers, rpc, warmup
-    from recsys_jax.async_ps.remote import RemotePS
+    from recsys_jax.async_ps.kernels import lookup as kernels_lookup
+    from recsys_jax.async_ps.kernels import update as kernels_update
+    from recsys_jax.async_ps.optim import optimizers
+    from recsys_jax.async_ps.server import rpc
+    from recsys_jax.async_ps.server import warmup
+    from recsys_jax.async_ps.client.remote import RemotePS
     from recsys_jax.embeddings.specs import TableSpec
 
     def signatures():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from recsys_jax.async_ps import wire
-from recsys_jax.async_ps.ids import as_ids
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.store.ids import as_ids
 from recsys_jax.embeddings.specs import TableSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

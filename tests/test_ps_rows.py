@@ -14,10 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import optimizers, wire
-from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError
-from recsys_jax.async_ps.table import Table
+from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store.ps import ParameterServer
+from recsys_jax.async_ps.store.table import Table
 from recsys_jax.embeddings.specs import TableSpec
 
 KWARGS = {

@@ -12,10 +12,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import initializers, snapshot
-from recsys_jax.async_ps.hashing import name_seed
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.store import initializers
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from recsys_jax.hashing import name_seed
 
 U64_MAX = 2**64 - 1
 

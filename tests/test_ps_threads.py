@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.table import Table
-from recsys_jax.async_ps.workers import Workers, default_threads
+from recsys_jax.async_ps.store.ps import ParameterServer
+from recsys_jax.async_ps.store.table import Table
+from recsys_jax.async_ps.store.workers import Workers, default_threads
 from recsys_jax.embeddings.specs import TableSpec
 
 SEED = 11

@@ -14,10 +14,11 @@ import grpc
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import snapshot, wire
-from recsys_jax.async_ps.ps import ParameterServer
-from recsys_jax.async_ps.remote import RemotePS, RemotePSError, load_into
+from recsys_jax.async_ps import wire
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError, load_into
 from recsys_jax.async_ps.server import sum_pushes
+from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

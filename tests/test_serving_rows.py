@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps import snapshot
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 from recsys_jax.serving import rows as rows_lib
 

@@ -24,13 +24,27 @@ PACKAGE = ROOT / "recsys_jax"
 
 # Top to bottom. A unit may import units of its own layer or of layers below it.
 LAYERS = (
-  ("main", "serve", "launch", "restarts", "supervisor", "plan", "capacity"),  # entry points and what only they use
+  ("main", "serve", "launch", "plan"),  # entry points and what only they use
   ("train", "serving"),  # the loop; serving a trained model
   ("training",),  # the parts the loop is assembled from
   ("checkpoint", "checkpoint_files", "data"),
   ("async_ps",),
   ("models", "parallel", "embeddings", "metrics"),
+  ("hashing",),  # ids to rows: the data readers, the PS and serving must agree on it
 )
+
+# Inside async_ps, top to bottom: the store is below the client and the server, which both speak
+# the wire format and read snapshots; the kernels are below everything.
+ASYNC_PS_LAYERS = (
+  ("", "factory", "protocol"),  # the package's public surface; building a PS from a config
+  ("client", "server"),
+  ("snapshot",),
+  ("wire",),
+  ("store",),
+  ("optim",),
+  ("kernels",),
+)
+ASYNC_PS_RANK = {unit: len(ASYNC_PS_LAYERS) - i for i, layer in enumerate(ASYNC_PS_LAYERS) for unit in layer}
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 NO_JAX = ("jax", "jaxlib", "flax", "optax", "orbax", "chex")
 
@@ -101,6 +115,34 @@ def test_imports_run_one_way():
     if _unit(a) and _unit(b) and RANK.get(_unit(b), 0) > RANK.get(_unit(a), 0)
   ]
   assert not upward, "imports that run upward:\n" + "\n".join(sorted(upward))
+
+
+def _async_ps_unit(module: str) -> str:
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 else ""
+
+
+def test_inside_async_ps_imports_run_one_way():
+  edges, _ = _graph()
+  mods = [m for m in edges if _unit(m) == "async_ps"]
+  missing = sorted({_async_ps_unit(m) for m in mods} - set(ASYNC_PS_RANK))
+  assert not missing, f"async_ps units {missing} are in no layer of tests/test_structure.py ASYNC_PS_LAYERS"
+  upward = [
+    f"{a} imports {b} ({_async_ps_unit(b) or 'async_ps'} is above {_async_ps_unit(a)})"
+    for a in mods
+    for b in edges[a]
+    if _unit(b) == "async_ps" and ASYNC_PS_RANK[_async_ps_unit(b)] > ASYNC_PS_RANK[_async_ps_unit(a)]
+  ]
+  assert not upward, "imports inside async_ps that run upward:\n" + "\n".join(sorted(upward))
+
+
+def test_no_folder_holds_more_than_about_a_dozen_modules():
+  crowded = {
+    str(d.relative_to(ROOT)): n
+    for d in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    if (n := len([f for f in d.glob("*.py") if f.name not in ("__init__.py", "__main__.py")])) > 14
+  }
+  assert not crowded, f"folders with more modules than a reader can hold in mind (split by concept): {crowded}"
 
 
 def test_no_import_cycle():
@@ -181,7 +223,9 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_private_name_finder_sees_each_form(tmp_path):
   f = tmp_path / "m.py"
-  f.write_text("from recsys_jax.async_ps import snapshot as s\nfrom recsys_jax.async_ps.ps import _x\ns._spec()\n")
+  f.write_text(
+    "from recsys_jax.async_ps import snapshot as s\nfrom recsys_jax.async_ps.store.ps import _x\ns._spec()\n"
+  )
   known = _modules()
   path = PACKAGE / "_structure_probe_.py"  # under the package: the finder names paths relative to it
   path.write_text(f.read_text())
@@ -189,7 +233,7 @@ def test_the_private_name_finder_sees_each_form(tmp_path):
     uses = _private_uses(path, known)
   finally:
     path.unlink()
-  assert [u.split(" ", 1)[1] for u in uses] == ["from recsys_jax.async_ps.ps import _x", "s._spec"], uses
+  assert [u.split(" ", 1)[1] for u in uses] == ["from recsys_jax.async_ps.store.ps import _x", "s._spec"], uses
 
 
 def test_train_and_evaluate_fits_on_a_screen():
@@ -203,9 +247,9 @@ def test_the_graph_sees_real_imports():
   # The walker itself: a module that imports nothing of ours would make every check vacuous.
   edges, external = _graph()
   assert "recsys_jax.training.job" in edges["recsys_jax.train"]
-  assert "recsys_jax.async_ps.ps" in edges["recsys_jax.async_ps.factory"]
-  assert "recsys_jax.async_ps.remote" in edges["recsys_jax.async_ps.factory"]  # imported inside a function
-  assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.ps"]
+  assert "recsys_jax.async_ps.store.ps" in edges["recsys_jax.async_ps.factory"]
+  assert "recsys_jax.async_ps.client.remote" in edges["recsys_jax.async_ps.factory"]  # imported inside a function
+  assert "recsys_jax.embeddings.specs" in edges["recsys_jax.async_ps.store.ps"]
   assert "jax" in external["recsys_jax.train"] or "jax" in external["recsys_jax.training.steps"]
   assert os.path.basename(__file__) == "test_structure.py"
 

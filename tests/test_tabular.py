@@ -319,7 +319,7 @@ def test_number_parsing_matches_python_float():
 
 def test_string_hash_paths_agree_with_a_python_reference():
   """base.hash_strings: the ASCII fast path, the bytes path and a per-value Python FNV-1a agree."""
-  from recsys_jax.async_ps.hashing import name_seed, splitmix64
+  from recsys_jax.hashing import name_seed, splitmix64
 
   def ref(v, field):
     h = int(name_seed(field))

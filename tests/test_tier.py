@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.tier import DiskTier
+from recsys_jax.async_ps.store.tier import DiskTier
 
 U64_MAX = np.iinfo(np.uint64).max
 DIM = 8
@@ -355,6 +355,6 @@ def test_stats_and_index_size():
 
 
 def test_module_does_not_import_jax():
-  code = "import sys, recsys_jax.async_ps.tier; assert 'jax' not in sys.modules, 'jax imported'"
+  code = "import sys, recsys_jax.async_ps.store.tier; assert 'jax' not in sys.modules, 'jax imported'"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -16,7 +16,7 @@ import pytest
 from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax import train
 from recsys_jax.data import synthetic
-from recsys_jax.supervisor import EXIT_CONFIG
+from recsys_jax.launch.supervisor import EXIT_CONFIG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -398,7 +398,7 @@ def test_main_cli_runs_and_writes_summary(tmp_path):
 
 
 def test_main_cli_rejects_bad_override(tmp_path):
-  # EXIT_CONFIG: the launcher does not restart a job that would fail the same way (recsys_jax/restarts.py).
+  # EXIT_CONFIG: the launcher does not restart a job that would fail the same way (recsys_jax/launch/restarts.py).
   out = _main_cli(tmp_path, "--config.staleness=-3")
   assert out.returncode == EXIT_CONFIG
   assert "config.staleness" in out.stderr

@@ -105,7 +105,8 @@ class CheckpointTarget(Target):
     import jax
 
     from configs import tiny
-    from recsys_jax.async_ps import snapshot, snapshot_chain
+    from recsys_jax.async_ps.snapshot import chain as snapshot_chain
+    from recsys_jax.async_ps.snapshot import directory as snapshot
     from recsys_jax.checkpoint import Checkpointer
     from recsys_jax.training import job as job_lib
 
@@ -220,7 +221,7 @@ class CheckpointTarget(Target):
       shutil.rmtree(d, ignore_errors=True)
 
   def _fresh_ps(self):
-    from recsys_jax.async_ps.ps import ParameterServer
+    from recsys_jax.async_ps.store.ps import ParameterServer
 
     return ParameterServer(self.tables, seed=self.seed)
 
@@ -269,8 +270,8 @@ class CheckpointTarget(Target):
     return "clear"
 
   def _remote(self, root: str, target: str) -> str:
-    from recsys_jax.async_ps import snapshot_chain
-    from recsys_jax.async_ps.service import ServiceError, ShardService
+    from recsys_jax.async_ps.server.service import ServiceError, ShardService
+    from recsys_jax.async_ps.snapshot import chain as snapshot_chain
     from recsys_jax.embeddings.specs import TableSpec  # noqa: F401
 
     snap = os.path.join(root, "snap")

@@ -268,14 +268,16 @@ class WireTarget(Target):
   memory_limit_gib = 4.0
 
   def setup(self, workdir: str) -> None:
-    from recsys_jax.async_ps import rpc, wire  # noqa: F401 - compiled kernels warm up here
+    from recsys_jax.async_ps import wire  # noqa: F401 - compiled kernels warm up here
+    from recsys_jax.async_ps.server import rpc  # noqa: F401 - compiled kernels warm up here
 
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
     self._server(tempfile.mkdtemp(dir=workdir), True)  # numba compiles the PS kernels once
 
   def _server(self, root: str, configure: bool):
-    from recsys_jax.async_ps import rpc, wire
+    from recsys_jax.async_ps import wire
+    from recsys_jax.async_ps.server import rpc
 
     server = rpc.ShardServer(snapshot_root=root, max_wait_s=1.0)
     handler = {m: server._wrap(m, getattr(server, f"_rpc_{m.lower()}")) for m in wire.METHODS}

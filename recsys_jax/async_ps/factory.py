@@ -1,7 +1,7 @@
 """Builds the parameter server a config asks for: in-process shards or a remote-PS client.
 
-``config.ps.kind`` picks ``local`` (:class:`~recsys_jax.async_ps.ps.ParameterServer`) or
-``remote`` (:class:`~recsys_jax.async_ps.remote.RemotePS`); both offer one interface, so
+``config.ps.kind`` picks ``local`` (:class:`~recsys_jax.async_ps.store.ps.ParameterServer`) or
+``remote`` (:class:`~recsys_jax.async_ps.client.remote.RemotePS`); both offer one interface, so
 the trainer cannot tell which it has. No jax here: the trainer passes in its process index
 and count.
 """
@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Sequence
 
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
 
@@ -78,7 +78,7 @@ def build_ps(
       protect_steps=config.staleness + 1,
       threads=None if p.get("threads", -1) == -1 else int(p.threads),
     )
-  from recsys_jax.async_ps.remote import RemotePS  # grpc only where it is used
+  from recsys_jax.async_ps.client.remote import RemotePS  # grpc only where it is used
 
   addresses = [a.strip() for a in p.addresses.split(",") if a.strip()]
   if not addresses:

@@ -34,9 +34,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
-from recsys_jax.async_ps.hashing import name_seed, splitmix64
-from recsys_jax.async_ps.table_rows import slot_widths
+from recsys_jax.async_ps.store.rows import slot_widths
 from recsys_jax.embeddings.specs import TableSpec
+from recsys_jax.hashing import name_seed, splitmix64
 
 MAGIC = b"RPS1"
 VERSION = 1

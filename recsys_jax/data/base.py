@@ -26,7 +26,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protoco
 import numpy as np
 from absl import logging
 
-from recsys_jax.async_ps.hashing import name_seed, splitmix64
+from recsys_jax.hashing import name_seed, splitmix64
 
 Columns = Dict[str, Any]
 POLICIES = ("error", "skip")

@@ -56,7 +56,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from absl import logging
 
-from recsys_jax.async_ps import hashing, kernels_lookup
+from recsys_jax import hashing
+from recsys_jax.async_ps.kernels import lookup as kernels_lookup
 from recsys_jax.data import base, chunkfile, criteo, text_kernels
 
 HEAD_BYTES = 1 << 20

@@ -48,8 +48,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax.async_ps.hashing import name_seed, splitmix64
 from recsys_jax.data import base, text_kernels
+from recsys_jax.hashing import name_seed, splitmix64
 
 _NEWLINE = 10
 _PAD = 64

@@ -23,7 +23,7 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax.async_ps.hashing import name_seed, splitmix64, uniform01
+from recsys_jax.hashing import name_seed, splitmix64, uniform01
 
 TRAIN, EVAL = 0, 1
 

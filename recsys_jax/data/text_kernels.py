@@ -29,9 +29,9 @@ from typing import Optional, Tuple
 import numba
 import numpy as np
 
-from recsys_jax.async_ps.hashing import name_seed
-from recsys_jax.async_ps.kernels_lookup import splitmix64_one
+from recsys_jax.async_ps.kernels.lookup import splitmix64_one
 from recsys_jax.data import base
+from recsys_jax.hashing import name_seed
 
 _TAB, _NEWLINE, _MINUS, _PLUS, _ZERO = 9, 10, 45, 43, 48
 _MAX_DENSE_CHARS = 32

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import grpc
 
-from recsys_jax.async_ps import rpc
+from recsys_jax.async_ps.server import rpc
 from recsys_jax.serving.front import Front, FrontError
 
 SERVICE = "recsys_jax.serving.Predictor"

@@ -1,6 +1,6 @@
 """Embedding rows for serving, read from a checkpoint's PS snapshot chain on demand.
 
-The trainer's PS snapshots (:mod:`recsys_jax.async_ps.snapshot`) hold every table as parts of at
+The trainer's PS snapshots (:mod:`recsys_jax.async_ps.snapshot.directory`) hold every table as parts of at
 most 16k rows (zarr3 arrays ``ids`` and ``weights``, float32). A chain is one full snapshot and
 the incremental ones after it; for an id, the newest snapshot that names it wins (a row, or
 ``deleted``: then the id has no row).
@@ -44,9 +44,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
-from recsys_jax.async_ps import snapshot, snapshot_chain
-from recsys_jax.async_ps.hashing import name_seed
-from recsys_jax.async_ps.initializers import init_rows
+from recsys_jax.async_ps.snapshot import chain as snapshot_chain
+from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.store.initializers import init_rows
+from recsys_jax.hashing import name_seed
 from recsys_jax.serving.api import SnapshotGone
 
 INDEX_BYTES_PER_ID = 16

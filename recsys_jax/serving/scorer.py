@@ -27,7 +27,7 @@ import jax
 from absl import logging
 
 from recsys_jax import checkpoint as checkpoint_lib
-from recsys_jax.async_ps import snapshot_chain
+from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.serving import rows as rows_lib
 from recsys_jax.serving.batching import BatchScorer
 from recsys_jax.serving.encode import Encoder

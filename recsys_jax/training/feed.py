@@ -6,7 +6,7 @@
   the synthetic reader generates whole batches on them);
 - a *feeder* thread draws the reader's batches in order (cutting files into chunks, gathering
   each batch's records) and hands each batch's ``prepare`` (per-table dedup) to them;
-- the prefetcher (:class:`recsys_jax.async_ps.pipeline.Prefetcher`) takes the prepared batches
+- the prefetcher (:class:`recsys_jax.training.pipeline.Prefetcher`) takes the prepared batches
   in step order, waits on the staleness gate, looks their rows up and places them.
 
 Data flows one way, and nothing a worker computes depends on which worker computes it or when:

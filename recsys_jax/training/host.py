@@ -15,10 +15,10 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 
-from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training.feed import Feed
+from recsys_jax.training.pipeline import Prefetcher, StalenessGate
 from recsys_jax.training.stage_times import StageTimes
 
 

@@ -12,7 +12,7 @@ import ml_collections
 from flax.training import train_state
 
 from recsys_jax.async_ps import factory
-from recsys_jax.async_ps.ps import ParameterServer
+from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.models import MODELS

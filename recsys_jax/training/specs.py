@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Tuple
 
-from recsys_jax.async_ps import optimizers
+from recsys_jax.async_ps.optim import optimizers
 from recsys_jax.data.base import Schema
 from recsys_jax.embeddings.specs import FeatureSpec, SpecError, TableSpec, check_specs
 from recsys_jax.models.layers import LINEAR_SUFFIX

@@ -1,0 +1,648 @@
+"""One embedding table on one PS shard: ids, rows and optimizer slots in host RAM.
+
+Optionally bounded: a row capacity with eviction (LRU, or LFU with LRU tie-break), expiry of
+rows unseen for T steps, and admission (a row is created only once its id has been seen m
+times, counted in a count-min sketch, or with probability p; until then it reads as zeros
+and its gradient is dropped); those decisions and the state they keep are ``bounds``. With a
+disk tier, evicted rows spill to it and misses are read back, so the table can be larger than
+its RAM cache.
+
+Rows are stored in float32, bfloat16 or float16 (``TableSpec.storage_dtype``); the optimizer
+always computes in float32 and its slots stay float32. Every row also carries the step it was
+last looked up (for LRU and expiry), a lookup count (LFU) and a dirty flag (changed since the
+last snapshot, for incremental snapshots). Snapshots carry the first two as well, so a
+restored bounded table goes on exactly as the original would have.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import ml_dtypes
+import numpy as np
+
+from recsys_jax.async_ps import kernels
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.async_ps.store import initializers
+from recsys_jax.async_ps.store.bounds import SKETCH_DEPTH, lowest
+from recsys_jax.async_ps.store.idmap import IdMap
+from recsys_jax.async_ps.store.ids import check_distinct, distinct_ids
+from recsys_jax.async_ps.store.rows import Slots, check_rows
+from recsys_jax.embeddings.specs import TableSpec
+from recsys_jax.hashing import name_seed, splitmix64, uniform01
+
+_EVICT_FRACTION = 0.2  # evict down to 80% of capacity, so rebuilds are amortised
+
+_INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
+
+STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+"""``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
+
+
+class Table:
+  """A growable, optionally bounded table; ``lookup`` creates rows, ``apply`` runs the optimizer.
+
+  Thread-safe: one lock per table, so a prefetcher and a pusher can work on different
+  tables (or shards) at once; numpy drops the GIL for large copies. Admission, eviction and
+  expiry follow the ``bounds`` module's rules; snapshots, restores and ``export_rows`` /
+  ``import_rows`` carry rows with their optimizer slots (``rows``).
+
+  Args:
+    spec: the table's spec.
+    seed: global seed (row initialisation depends on table name, id and seed only).
+    capacity: rows this table may hold in RAM (0: unbounded).
+    tier: a ``DiskTier`` that evicted rows spill to, or None (evicted rows are dropped).
+    protect_steps: rows looked up within this many steps are never evicted (rows whose
+      gradients are still in flight at staleness k need k + 1).
+  """
+
+  def __init__(self, spec: TableSpec, seed: int = 0, capacity: int = 0, tier=None, protect_steps: int = 1):
+    self.spec = spec
+    self.seed = name_seed(spec.name, seed)
+    self.opt = optimizers.make(spec.optimizer, **dict(spec.optimizer_kwargs))
+    self.capacity = int(capacity)
+    self.tier = tier
+    self.protect_steps = int(protect_steps)
+    self.lock = threading.Lock()
+    self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
+    self._init_bounds()
+    self._clear(0)
+    self._deleted: List[np.ndarray] = []  # ids dropped (eviction without tier, expiry) since the last snapshot
+    self._spilled_ids: List[np.ndarray] = []  # rows that went to the tier since the last snapshot
+    self.counters = {
+      k: 0
+      for k in (
+        "lookups", "hits", "misses", "created", "tier_reads", "rejected", "admitted", "evictions",
+        "expirations", "spilled", "dropped_grads", "applied_rows",
+      )
+    }  # fmt: skip
+    self.timers = {"lookup_s": 0.0, "lookup_calls": 0, "apply_s": 0.0, "apply_calls": 0}
+
+  # -- storage ------------------------------------------------------------------------
+  def _clear(self, cap: int) -> None:
+    d = self.spec.dim
+    self._ids = IdMap(capacity=max(cap, 1), salt=int(self.seed))
+    self._weights = np.zeros((cap, d), self._wdtype)
+    self._slots: Dict[str, np.ndarray] = self.opt.init(cap, d)
+    self._last_seen = np.zeros((cap,), np.int64)
+    self._freq = np.zeros((cap,), np.uint32)
+    self._dirty = np.zeros((cap,), bool)
+
+  @property
+  def num_rows(self) -> int:
+    """Rows in RAM (not counting rows spilled to the tier)."""
+    return self._ids.size
+
+  def _reserve(self, n: int) -> None:
+    cap = self._weights.shape[0]
+    if n <= cap:
+      return
+    grow_to = 2 * cap
+    if self.capacity:  # a bounded table never needs much more than its capacity
+      grow_to = min(grow_to, self.capacity + self.capacity // 4)
+    cap = max(n, grow_to, 1024)
+    used = self.num_rows
+
+    def grown(a: np.ndarray) -> np.ndarray:
+      # Uninitialised on purpose: every row past ``used`` is written by _insert before it is read.
+      out = np.empty((cap,) + a.shape[1:], a.dtype)
+      out[:used] = a[:used]
+      return out
+
+    self._weights = grown(self._weights)
+    self._last_seen, self._freq, self._dirty = grown(self._last_seen), grown(self._freq), grown(self._dirty)
+    self._slots = {k: grown(v) for k, v in self._slots.items()}
+
+  def _init(self, ids: np.ndarray) -> np.ndarray:
+    s = self.spec
+    return initializers.init_rows(ids, s.dim, self.seed, s.initializer, s.init_scale)
+
+  def _insert(
+    self, ids: np.ndarray, weights: Optional[np.ndarray], slots: Optional[Mapping[str, np.ndarray]]
+  ) -> np.ndarray:
+    """Adds rows for absent ids: ``weights`` and ``slots`` given, or (None) their initial values."""
+    self._reserve(self.num_rows + ids.shape[0])
+    rows = self._ids.insert(ids)
+    if weights is not None:
+      self._weights[rows] = weights.astype(self._wdtype, copy=False)
+    if slots is not None:
+      for k in self._slots:
+        self._slots[k][rows] = slots[k]
+    if weights is None or slots is None:
+      # A block at a time, so creating many rows holds no temporaries of their full size.
+      for a in range(0, ids.shape[0], _INIT_BLOCK_ROWS):
+        r = rows[a : a + _INIT_BLOCK_ROWS]
+        if weights is None:
+          self._weights[r] = self._init(ids[a : a + _INIT_BLOCK_ROWS])
+        if slots is None:
+          fresh = self.opt.init(r.shape[0], self.spec.dim)
+          for k in self._slots:
+            self._slots[k][r] = fresh[k]
+    self._last_seen[rows] = self.step
+    self._freq[rows] = 0
+    self._dirty[rows] = True
+    return rows
+
+  def _keep_only(self, keep: np.ndarray) -> None:
+    """Compacts the table to the rows where ``keep`` is True (rebuilding the id map)."""
+    n = self.num_rows
+    idx = np.flatnonzero(keep[:n])
+    ids = self._ids.keys()[idx]
+    # In place, a bounded chunk at a time: idx is increasing, so row idx[j] >= j is read
+    # before anything overwrites it, and eviction needs no second copy of the cache.
+    arrays = [self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()]
+    step = 1 << 16
+    for a in range(0, idx.shape[0], step):
+      sel = idx[a : a + step]
+      if sel[0] == a and sel[-1] == a + sel.shape[0] - 1:
+        continue  # already in place
+      for arr in arrays:
+        arr[a : a + sel.shape[0]] = arr[sel]
+    self._ids = IdMap(capacity=max(ids.shape[0], 1), salt=int(self.seed))
+    self._ids.insert(ids)
+
+  # -- the interface ------------------------------------------------------------------
+  def lookup(
+    self, ids: np.ndarray, create: bool = True, step: Optional[int] = None, out: Optional[np.ndarray] = None
+  ) -> np.ndarray:
+    """Returns float32 rows [len(ids), dim] (a copy) for distinct ids, written into ``out`` if given.
+
+    Args:
+      ids: distinct uint64 ids.
+      create: training lookup: unseen ids get rows (subject to admission), rows spilled to
+        the tier come back into RAM, and recency/frequency are updated. With False
+        (evaluation), nothing changes: unseen ids read their initial value (zeros under
+        admission) and spilled rows are read from the tier in place.
+      step: the training step of this lookup (for LRU, expiry and admission by chance).
+      out: float32 [len(ids), dim] to write the rows into (e.g. the caller's slice of a step's
+        row buffer), so they are copied once; a fresh array if None.
+    """
+    t0 = time.perf_counter()
+    ids = np.asarray(ids, np.uint64)
+    if out is not None and (out.dtype != np.float32 or out.shape != (ids.shape[0], self.spec.dim)):
+      raise ValueError(
+        f"table {self.spec.name!r}: out is {out.dtype} {out.shape}, expected float32 ({ids.shape[0]}, {self.spec.dim})"
+      )
+    with self.lock:
+      if step is not None and create:
+        self.step = max(self.step, int(step))
+      if create and self._unstamped:
+        self._stamp()
+      rows = self._ids.find(ids)
+      hit = rows >= 0
+      n_miss = int((~hit).sum())
+      if out is None:
+        out = np.empty((ids.shape[0], self.spec.dim), np.float32)
+      if create:
+        self.counters["lookups"] += ids.shape[0]
+        self.counters["hits"] += ids.shape[0] - n_miss
+        self.counters["misses"] += n_miss
+        if self.tracks_use:
+          hr = rows[hit]
+          self._last_seen[hr] = self.step
+          self._freq[hr] += 1
+          self._dirty[hr] = True  # an incremental snapshot must carry the new last-seen and count
+      if n_miss:
+        # Positions only, narrowed in place: a request of millions of new ids keeps few arrays of its size.
+        rest = np.flatnonzero(~hit)
+        del hit
+        if self.tier is not None:
+          mids = ids[rest]
+          found, w, slots = self.tier.read(mids)
+          if create and found.any():
+            self.tier.remove(mids[found])
+            rows[rest[found]] = self._insert(mids[found], w[found], {k: v[found] for k, v in slots.items()})
+            self.counters["tier_reads"] += int(found.sum())
+          elif found.any():
+            out[rest[found]] = w[found]
+          rest = rest[~found]
+        if rest.shape[0] and create:
+          if self._admission:
+            ok = self._admit(ids[rest])
+            out[rest[~ok]] = 0.0
+            self.counters["rejected"] += int((~ok).sum())
+            rest = rest[ok]
+            self.counters["admitted"] += rest.shape[0]
+          if rest.shape[0]:
+            rows[rest] = self._insert(ids[rest], None, None)
+            self.counters["created"] += rest.shape[0]
+        elif rest.shape[0]:
+          # Rounded like a created row would be, so reading never depends on create.
+          out[rest] = 0.0 if self._admission else self._init(ids[rest]).astype(self._wdtype, copy=False)
+      if self._wdtype is np.float32:
+        kernels.gather_rows(self._weights, rows, out)  # skips rows == -1 (already filled)
+      else:
+        have = rows >= 0
+        out[have] = self._weights[rows[have]]
+      if create:
+        self._evict()
+    self.timers["lookup_s"] += time.perf_counter() - t0
+    self.timers["lookup_calls"] += 1
+    return out
+
+  def apply(self, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None, distinct: bool = False) -> None:
+    """Applies the row optimizer to distinct ids.
+
+    ``distinct=True``: the caller has checked that no id repeats (``ParameterServer.apply_many``
+    checks every table before changing any), so the check is not paid twice on the hot path.
+
+    Ids without a row in RAM (not admitted, or evicted since their lookup) have their
+    gradients dropped and counted in ``dropped_grads`` when the table is bounded or admits
+    selectively; for an unbounded table that is a caller's bug.
+
+    Raises:
+      KeyError: an unbounded table got a gradient for an id it never looked up.
+      ValueError: ``grads`` is not [len(ids), dim], or an id repeats (the table is unchanged).
+    """
+    del step
+    t0 = time.perf_counter()
+    ids = np.asarray(ids, np.uint64)
+    grads = np.asarray(grads, np.float32)
+    if grads.shape != (ids.shape[0], self.spec.dim):
+      raise ValueError(
+        f"table {self.spec.name!r}: gradient shape {grads.shape} does not match ({ids.shape[0]}, {self.spec.dim})"
+      )
+    # The update kernels take each row once: a repeat would be updated twice (float32) or
+    # keep only its last update (bfloat16), where its gradients were meant to be summed.
+    if not distinct:
+      check_distinct(ids, self.spec.name)
+    with self.lock:
+      rows = self._ids.find(ids)
+      missing = rows < 0
+      if missing.any():
+        if not (self.capacity or self._admission or self.spec.expire_after):
+          bad = ids[missing][:3].tolist()
+          raise KeyError(f"table {self.spec.name!r}: gradient for ids never looked up, e.g. {bad}")
+        self.counters["dropped_grads"] += int(missing.sum())
+        rows, grads = rows[~missing], grads[~missing]
+      if self.opt.fused is not None and self._wdtype is np.float32:
+        self.opt.fused(self._weights, self._slots, rows, grads)  # one pass, in place
+      else:  # reduced-precision storage: gather, update in float32, round, scatter
+        slots = {k: v[rows] for k, v in self._slots.items()}
+        w, slots = self.opt.update(self._weights[rows].astype(np.float32), slots, grads)
+        self._weights[rows] = w.astype(self._wdtype)
+        for k, v in slots.items():
+          self._slots[k][rows] = v
+      self._dirty[rows] = True
+      self.counters["applied_rows"] += rows.shape[0]
+    self.timers["apply_s"] += time.perf_counter() - t0
+    self.timers["apply_calls"] += 1
+
+  def stats(self) -> Dict[str, float]:
+    """Rows (RAM and tier), bytes in RAM, counters and mean latencies, under the table's lock (a
+    lookup on another thread may be growing the id map, whose slot arrays are briefly None)."""
+    with self.lock:
+      return self._stats()
+
+  def _stats(self) -> Dict[str, float]:
+    n = self.num_rows
+    slot_bytes = sum(v.dtype.itemsize * int(np.prod(v.shape[1:])) for v in self._slots.values())
+    row_bytes = self._weights.dtype.itemsize * self.spec.dim + slot_bytes + 8 + 8 + 4 + 1
+    tier_rows = len(self.tier) if self.tier is not None else 0
+    index_bytes = self._ids.capacity * 16 + (self.tier.index_nbytes() if self.tier is not None else 0)
+    c = self.counters
+    return {
+      "rows": n,
+      "tier_rows": tier_rows,
+      "bytes": n * row_bytes + index_bytes + (self._sketch.nbytes if self._sketch is not None else 0),
+      **c,
+      "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
+      "lookup_ms": 1e3 * self.timers["lookup_s"] / max(1, self.timers["lookup_calls"]),
+      "apply_ms": 1e3 * self.timers["apply_s"] / max(1, self.timers["apply_calls"]),
+    }
+
+  # Bounds: admission, eviction and expiry, and the state they keep (see the ``bounds`` module).
+  def _init_bounds(self) -> None:
+    s = self.spec
+    self._admission = s.admit_after > 1 or s.admit_probability < 1.0
+    self._sketch = np.zeros((SKETCH_DEPTH, s.admission_sketch_width), np.uint8) if s.admit_after > 1 else None
+    self._sketch_salts = splitmix64(np.arange(1, SKETCH_DEPTH + 1, dtype=np.uint64) ^ self.seed)
+    self.step = 0
+    self._last_expiry_check = 0
+    self._unstamped = False  # some rows were restored without a last-seen step
+
+  @property
+  def tracks_use(self) -> bool:
+    """Whether lookups keep each row's last-seen step and count (only eviction and expiry read them)."""
+    return bool(self.capacity or self.spec.expire_after)
+
+  # -- admission ----------------------------------------------------------------------
+  def _admit(self, ids: np.ndarray) -> np.ndarray:
+    """Which of these unseen ids may get a row now (counts them in the sketch first)."""
+    s = self.spec
+    ok = np.ones(ids.shape[0], bool)
+    if self._sketch is not None:
+      w = self._sketch.shape[1]
+      cols = (splitmix64(ids[None, :] ^ self._sketch_salts[:, None]) % np.uint64(w)).astype(np.int64)
+      flat = (np.arange(SKETCH_DEPTH)[:, None] * w + cols).ravel()
+      # Several ids of one call may share a cell: add their counts (a count-min sketch must
+      # never under-count), saturating at 255.
+      cells, n = np.unique(flat, return_counts=True)
+      sk = self._sketch.reshape(-1)
+      sk[cells] = np.minimum(sk[cells].astype(np.int64) + n, 255).astype(np.uint8)
+      ok &= sk[flat].reshape(SKETCH_DEPTH, -1).min(axis=0) >= s.admit_after
+    if s.admit_probability < 1.0:
+      u = uniform01(splitmix64(ids ^ self.seed ^ np.uint64(self.step * 0x9E3779B97F4A7C15 % 2**64)))
+      ok &= u < s.admit_probability
+    return ok
+
+  # -- bounds -------------------------------------------------------------------------
+  def _stamp(self) -> None:
+    """Rows restored without a last-seen step (older snapshots; rows that were in the tier, now
+    in RAM) count as seen at this, the first training lookup after the restore."""
+    n = self.num_rows
+    unknown = np.flatnonzero(self._last_seen[:n] < 0)
+    self._last_seen[unknown] = self.step
+    self._dirty[unknown] = True
+    self._unstamped = False
+
+  def _evict(self) -> None:
+    n = self.num_rows
+    s = self.spec
+    if s.expire_after and self.step - self._last_expiry_check >= max(1, s.expire_after // 8):
+      self._last_expiry_check = self.step
+      old = self._last_seen[:n] < self.step - s.expire_after
+      if old.any():
+        # Expired rows are forgotten (not spilled); rows already in the tier stay there.
+        self._deleted.append(self._ids.keys()[old].copy())
+        self.counters["expirations"] += int(old.sum())
+        self._keep_only(~old)
+        n = self.num_rows
+    if not self.capacity or n <= self.capacity:
+      return
+    target = int(self.capacity * (1 - _EVICT_FRACTION))
+    candidates = np.flatnonzero(self._last_seen[:n] < self.step - self.protect_steps + 1)
+    k = min(n - target, candidates.shape[0])
+    if k <= 0:
+      return
+    if s.eviction == "lfu":
+      score = self._freq[candidates].astype(np.int64) * (2**40) + self._last_seen[candidates]
+    else:
+      score = self._last_seen[candidates]
+    victims = np.sort(candidates[lowest(score, self._ids.keys()[candidates], k, self.seed)])
+    ids = self._ids.keys()[victims].copy()
+    if self.tier is not None:
+      self.tier.write(ids, self._weights[victims], {k2: v[victims] for k2, v in self._slots.items()})
+      self._spilled_ids.append(ids)
+      self.counters["spilled"] += k
+    else:
+      self._deleted.append(ids)
+    self.counters["evictions"] += k
+    keep = np.ones(n, bool)
+    keep[victims] = False
+    self._keep_only(keep)
+
+  # -- the table's state in snapshots ---------------------------------------------------
+  def bounds_state(self) -> Dict[str, Any]:
+    """The table's step, the step of its last expiry check and its admission sketch (or None)."""
+    with self.lock:
+      sketch = None if self._sketch is None else self._sketch.copy()
+      return {"step": int(self.step), "last_expiry_check": int(self._last_expiry_check), "sketch": sketch}
+
+  def check_bounds_state(self, state: Mapping[str, Any]) -> None:
+    """Raises ValueError if ``state`` cannot be restored into this table (a sketch of another shape)."""
+    sketch = state.get("sketch")
+    if sketch is not None and self._sketch is not None and np.shape(sketch) != self._sketch.shape:
+      raise ValueError(
+        f"table {self.spec.name!r}: snapshot admission sketch {np.shape(sketch)} does not match "
+        f"{self._sketch.shape} (was admission_sketch_width changed?)"
+      )
+
+  def restore_bounds_state(self, state: Mapping[str, Any]) -> None:
+    """Merges a ``bounds_state`` into this table's: the steps by max, the sketch cell by cell by max.
+
+    All three only grow during a run, so merging the states of a snapshot chain gives the last
+    one's. A sketch saved by a table without one (``admit_after`` was 1) leaves it as it is.
+    """
+    self.check_bounds_state(state)
+    sketch = state.get("sketch")
+    with self.lock:
+      self.step = max(self.step, int(state.get("step", 0)))
+      self._last_expiry_check = max(self._last_expiry_check, int(state.get("last_expiry_check", 0)))
+      if sketch is not None and self._sketch is not None:
+        np.maximum(self._sketch, np.asarray(sketch, np.uint8), out=self._sketch)
+
+  # Rows in bulk: snapshots and restores of the whole table, export and import of chosen rows.
+  def check_rows(
+    self, ids: Any, weights: Any, slots: Mapping[str, Any], what: str = "import"
+  ) -> Tuple[np.ndarray, np.ndarray, Slots]:
+    """``check_rows`` for this table's spec and optimizer."""
+    return check_rows(self.spec, ids, weights, slots, what)
+
+  # -- chosen rows with their slots ------------------------------------------------------
+  def export_rows(self, ids: Any, checked: bool = False) -> Tuple[np.ndarray, Slots]:
+    """Rows of distinct ids with their optimizer slots, from RAM or the tier; changes nothing.
+
+    An id without a row reads what ``lookup(create=False)`` reads (its initial value; zeros
+    under admission) with fresh optimizer slots (``opt.init``): what it would start from.
+    No counter, recency, count or dirty flag changes, and spilled rows stay in the tier.
+
+    Args:
+      ids: distinct ids (unsigned or non-negative integers), 1-D.
+      checked: the caller has passed them through ``ids.distinct_ids`` already.
+
+    Returns:
+      (float32 weights [n, dim], {slot: float32 [n, width]}), in the order of ``ids``.
+
+    Raises:
+      ValueError: ids that are not 1-D non-negative integers, or repeat.
+    """
+    if not checked:
+      ids = distinct_ids(ids, self.spec.name, "export ids")
+    n = ids.shape[0]
+    weights = np.empty((n, self.spec.dim), np.float32)
+    slots = self.opt.init(n, self.spec.dim)  # what ids without a row start from; the rest overwritten
+    with self.lock:
+      rows = self._ids.find(ids)
+      have = np.flatnonzero(rows >= 0)
+      weights[have] = self._weights[rows[have]]  # float32 exactly, from any storage dtype
+      for k, v in slots.items():
+        v[have] = self._slots[k][rows[have]]
+      rest = np.flatnonzero(rows < 0)
+      del rows, have
+      if rest.shape[0] and self.tier is not None:
+        found, w, tier_slots = self.tier.read(ids[rest])
+        weights[rest[found]] = w[found]
+        for k, v in slots.items():
+          v[rest[found]] = tier_slots[k][found]
+        rest = rest[~found]
+      if rest.shape[0]:
+        # Rounded like a created row would be, as ``lookup(create=False)`` reads it.
+        weights[rest] = 0.0 if self._admission else self._init(ids[rest]).astype(self._wdtype)
+    return weights, slots
+
+  def import_rows(self, ids: Any, weights: Any, slots: Mapping[str, Any], checked: bool = False) -> None:
+    """Sets the rows of distinct ids and their optimizer slots to the given values (an upsert).
+
+    Weights are rounded to the storage dtype; slots stay float32. Rows that exist (in RAM or
+    in the tier) take the values in place; those in RAM keep their last-seen step and count,
+    those in the tier come to RAM, as do ids without a row (created whatever the admission:
+    the row was trained elsewhere), counted as seen at the table's step. A bounded table with a
+    tier evicts at once (the new copies first), so RAM keeps its bound; without a tier it may
+    hold more rows than its capacity until its next training lookup evicts as usual.
+    The rows are dirty: the next incremental snapshot carries them.
+
+    Args:
+      ids: distinct ids (unsigned or non-negative integers), 1-D.
+      weights: [len(ids), dim] float32 values.
+      slots: every slot of the table's optimizer by name, [len(ids), width] float32 each.
+      checked: the caller has passed them through ``check_rows`` already.
+
+    Raises:
+      ValueError: naming the table and what is wrong (see ``check_rows``); nothing is written then.
+    """
+    if not checked:
+      ids, weights, slots = self.check_rows(ids, weights, slots, "import")
+    with self.lock:
+      rows = self._ids.find(ids)
+      have = np.flatnonzero(rows >= 0)
+      if have.shape[0]:
+        r = rows[have]
+        self._weights[r] = weights[have].astype(self._wdtype, copy=False)
+        for k, v in self._slots.items():
+          v[r] = slots[k][have]
+        self._dirty[r] = True
+      new = np.flatnonzero(rows < 0)
+      if new.shape[0]:
+        if self.tier is not None:  # its copy there is stale now (and a snapshot would carry both)
+          self.tier.remove(ids[new])
+        self._insert(ids[new], weights[new], {k: v[new] for k, v in slots.items()})
+        if self.tier is not None and self.capacity:
+          # Rows trained elsewhere (hot rows written back from the device) are a copy here: they may
+          # go to the tier first, so RAM keeps its bound (without a tier they wait for the next lookup).
+          self._last_seen[self._ids.find(ids[new])] = self.step - self.protect_steps
+          self._evict()
+
+  # -- snapshots ----------------------------------------------------------------------
+  def snapshot_parts(self, incremental: bool = False, max_rows: int = 1 << 14) -> Iterator[Dict[str, np.ndarray]]:
+    """Yields the table in parts of at most ``max_rows`` rows: ``ids`` [n], ``weights`` [n, dim]
+    (float32), one array per slot; the first part also carries ``deleted`` when incremental.
+
+    A bounded table's parts also carry what its bounds read of each row: with a capacity or
+    expiry, ``last_seen`` (int64; -1 for rows in the tier, which keep none) and ``freq``
+    (uint32); with a tier, ``spilled`` (bool: the row is in the tier, not in RAM). The table's
+    own state (step, expiry cadence, sketch) is ``bounds_state``.
+
+    Includes the rows spilled to the tier, read back ``max_rows`` at a time, so a snapshot
+    never holds more than one part in RAM. With ``incremental``, only rows changed (created,
+    updated, looked up, read back or spilled) since the previous snapshot, plus ``deleted``:
+    ids dropped since then (evicted without a tier, or expired). The table is locked until the
+    last part is taken; the change tracking is reset only when every part was taken.
+    """
+    with self.lock:
+      n = self.num_rows
+      sel = np.flatnonzero(self._dirty[:n]) if incremental else np.arange(n)
+      extra = np.zeros(0, np.uint64)
+      if self.tier is not None:
+        live = self.tier.live_ids()
+        if incremental:
+          spilled = np.unique(np.concatenate(self._spilled_ids)) if self._spilled_ids else extra
+          extra = spilled[np.isin(spilled, live)]
+          extra = extra[self._ids.find(extra) < 0]
+        else:
+          extra = live
+      deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.zeros(0, np.uint64)
+      if incremental:
+        # An id deleted and later re-created is among the rows; it is not deleted any more.
+        kept = np.concatenate([self._ids.keys()[sel], extra])
+        deleted = deleted[~np.isin(deleted, kept)]
+      first = True
+      for a in range(0, max(sel.shape[0], 1), max_rows):
+        rows = sel[a : a + max_rows]
+        part = {"ids": self._ids.keys()[rows], "weights": self._weights[rows].astype(np.float32)}
+        part.update({f"slot_{k}": v[rows] for k, v in self._slots.items()})
+        self._add_row_state(part, self._last_seen[rows], self._freq[rows], spilled=False)
+        if incremental and first:
+          part["deleted"] = deleted
+        first = False
+        yield part
+      for a in range(0, extra.shape[0], max_rows):
+        ids = extra[a : a + max_rows]
+        found, w, slots = self.tier.read(ids)
+        part = {"ids": ids[found], "weights": w[found]}
+        part.update({f"slot_{k}": v[found] for k, v in slots.items()})
+        m = int(found.sum())
+        self._add_row_state(part, np.full(m, -1, np.int64), np.zeros(m, np.uint32), spilled=True)
+        yield part
+      self._dirty[:n] = False
+      self._deleted, self._spilled_ids = [], []
+
+  def _add_row_state(self, part: Dict[str, np.ndarray], last_seen, freq, spilled: bool) -> None:
+    if self.tracks_use:
+      part["last_seen"], part["freq"] = last_seen, freq
+    if self.tier is not None:
+      part["spilled"] = np.full(last_seen.shape[0], spilled)
+
+  def snapshot(self, incremental: bool = False) -> Dict[str, np.ndarray]:
+    """The whole table in one dict (``snapshot_parts`` concatenated); see there."""
+    parts = list(self.snapshot_parts(incremental))
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "deleted"}
+    if incremental:
+      out["deleted"] = parts[0]["deleted"]
+    return out
+
+  def validate_snapshot(self, snap: Mapping[str, np.ndarray]):
+    """Checks a snapshot of this table; returns (ids, float32 weights, float32 slots).
+
+    Raises:
+      ValueError: naming the table and what is wrong (shapes, repeated ids, missing slots).
+    """
+    n = np.shape(snap["ids"])[0] if np.ndim(snap["ids"]) else 0
+    for k in ("last_seen", "freq", "spilled"):
+      if k in snap and np.shape(snap[k]) != (n,):
+        raise ValueError(f"table {self.spec.name!r}: snapshot {k} {np.shape(snap[k])} does not match ids ({n},)")
+    # Slots of another optimizer are left out, not refused (a snapshot restores into a table whose
+    # optimizer keeps fewer slots); missing ones are refused.
+    names = self.opt.init(0, self.spec.dim)
+    slots = {k: snap[f"slot_{k}"] for k in names if f"slot_{k}" in snap}
+    return self.check_rows(snap["ids"], snap["weights"], slots, "snapshot")
+
+  def restore(self, snap: Mapping[str, np.ndarray], merge: bool = False) -> None:
+    """Loads a ``snapshot()``: replaces the contents, or with ``merge`` upserts its rows and
+    removes its ``deleted`` ids (applying an incremental snapshot on top of a full one).
+
+    Rows go where they were (RAM or tier, by ``spilled``), with their last-seen step and
+    count; restored rows are not dirty. A full restore also resets the table's step, expiry
+    cadence and sketch (``restore_bounds_state`` brings them back). A snapshot without these
+    arrays (older ones) puts rows in RAM up to the capacity and the rest in the tier, and its
+    rows count as seen at the next training lookup.
+    """
+    ids, weights, slots = self.validate_snapshot(snap)
+    n = ids.shape[0]
+    last_seen = np.asarray(snap["last_seen"], np.int64) if "last_seen" in snap else np.full(n, -1, np.int64)
+    freq = np.asarray(snap["freq"], np.uint32) if "freq" in snap else np.zeros(n, np.uint32)
+    with self.lock:
+      if not merge:
+        self._clear(0)
+        self._init_bounds()
+        if self.tier is not None:
+          self.tier.remove(self.tier.live_ids())
+      else:
+        gone = np.concatenate([np.asarray(snap.get("deleted", np.zeros(0, np.uint64)), np.uint64), ids])
+        present = self._ids.find(gone)
+        if (present >= 0).any():
+          keep = np.ones(self.num_rows, bool)
+          keep[present[present >= 0]] = False
+          self._keep_only(keep)
+        if self.tier is not None:
+          self.tier.remove(gone)
+      # Without a tier every row goes to RAM, even past the capacity (a snapshot restored into
+      # more shards can give one shard more than its share); later lookups evict as usual.
+      if self.tier is None or not self.capacity:
+        to_ram = np.ones(n, bool)
+      elif "spilled" in snap:
+        to_ram = ~np.asarray(snap["spilled"], bool)
+      else:
+        to_ram = np.arange(n) < self.capacity - self.num_rows
+      ram = slice(None) if to_ram.all() else np.flatnonzero(to_ram)
+      if ids[ram].shape[0]:
+        rows = self._insert(ids[ram], weights[ram], {k: v[ram] for k, v in slots.items()})
+        self._last_seen[rows], self._freq[rows] = last_seen[ram], freq[ram]
+        self._unstamped |= self.tracks_use and bool((last_seen[ram] < 0).any())
+      if not to_ram.all():
+        disk = np.flatnonzero(~to_ram)
+        self.tier.write(ids[disk], weights[disk].astype(self._wdtype), {k: v[disk] for k, v in slots.items()})
+      self._dirty[: self.num_rows] = False
+      self._deleted, self._spilled_ids = [], []
