@@ -1,7 +1,7 @@
 """Where an experiment writes unless told: ``runs/experiments/`` under the current directory (ignored by git).
 
 So running one never overwrites the committed results in ``experiments/results/``; to update those, point its
-out flag there (e.g. ``--out=experiments/results/zoo_movielens.json``), as experiments/README.md's commands do.
+out flag there (e.g. ``--out=experiments/results/zoo_movielens.json``), as the commands in docs/experiments.md do.
 
 Every file a script writes for its reader (results, plots, logs, saved inputs) is announced by one stdout line
 ``wrote <absolute path>``, printed here so that the format is one everywhere (tests/test_experiments.py checks

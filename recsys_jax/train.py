@@ -1,6 +1,6 @@
 """Training and evaluation through the host parameter server: the loop.
 
-One step of data flows one way (DESIGN.md):
+One step of data flows one way:
   reader -> dedup per table -> PS lookup (k steps ahead, prefetcher thread)
   -> device_put -> jitted train_step (dense update + row gradients) -> pusher thread -> PS.
 

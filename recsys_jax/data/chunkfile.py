@@ -11,22 +11,18 @@ and the chunk's bad records: their total and the first :data:`MAX_FAULTS` of the
 ``(line, field, why)``, so that reading the chunk reports them to a :class:`base.BadRecords`
 exactly as parsing it would (same count, same first messages, same error under 'error').
 
-Why raw arrays read with one ``readinto``, not Arrow IPC or ``np.memmap`` (``experiments/
-bench_cache.py``, three runs on a loaded 2-core machine, a Criteo-shape chunk of 8192 records,
-2.16 MB, read back and every array copied): Arrow IPC took about as long as this read (0.79-1.37
-ms against 0.83-1.14 ms) and would still need a checksum of its own; ``np.memmap`` of the same
-arrays was faster alone (0.43-0.60 ms), but the stream copies every chunk into its shuffle window
-anyway, and a warm epoch read through mappings ran at 0.76-1.28x the samples/s of one read with
-``readinto`` (no gain beyond the noise), while a file truncated under a mapping kills the
-process (SIGBUS) where a read gets an error.
+Raw arrays read with one ``readinto``, not Arrow IPC or ``np.memmap``: Arrow IPC reads no
+faster and would still need a checksum of its own; a mapping gains nothing once the stream
+copies every chunk into its shuffle window, and a file truncated under a mapping kills the
+process (SIGBUS) where a read gets an error (``experiments/bench_cache.py``).
 
 The checksum is a wrapping 64-bit sum of the data's uint64 words (``sum64``), verified on every
-read: with the exact length in the header it catches any flipped bit and any truncation, at
-33-44 GB/s (0.05-0.07 ms a chunk), where zlib's crc32 runs at 2.2-3.6 GB/s (0.6-1.0 ms a chunk,
-3-12% of a warm chunk's time in the stream). What a sum misses (words swapped within a file) is
-not how files go bad. The header has its own crc32 (it is small). Files are written to a
-temporary name and renamed, so a reader never sees a half-written file under the real name;
-without fsync a crash can still leave a short or zeroed file, which the length and checksum catch.
+read: with the exact length in the header it catches any flipped bit and any truncation, at a
+tenth of the cost of zlib's crc32 (``experiments/bench_cache.py``). What a sum misses (words
+swapped within a file) is not how files go bad. The header has its own crc32 (it is small).
+Files are written to a temporary name and renamed, so a reader never sees a half-written file
+under the real name; without fsync a crash can still leave a short or zeroed file, which the
+length and checksum catch.
 """
 
 from __future__ import annotations

@@ -28,16 +28,9 @@ most 32 characters (``'I5'``), a categorical that is not 1 to 8 hex digits (``'C
 with several faults is reported once, for the first of them in that order.
 
 A chunk is parsed by a compiled kernel (:mod:`recsys_jax.data.text_kernels`: one pass over its
-bytes, no GIL held, 3.5 to 5 times less CPU than numpy) when every line in it is well formed; a
-chunk with a bad line goes to :meth:`CriteoFormat.parse_numpy`, which finds and reports them.
-The kernel's columns are bit for bit those of ``parse_numpy``, the reference.
-
-``parse_numpy`` is vectorised over a chunk with numpy: the lines are joined into one byte buffer, the
-delimiters located once, and the last 8 bytes of every field read as one big-endian uint64
-(an unaligned strided view of the buffer), which is checked and decoded 8 characters at a time
-with SWAR ("SIMD within a register") arithmetic; the rare longer dense values are decoded one
-by one. The helpers (:func:`split_fields`, :func:`field_words`, :func:`hash_fields`,
-:func:`first_fault`, :func:`report_faults`) are shared with :mod:`recsys_jax.data.avazu`.
+bytes, no GIL held; ``experiments/bench_readers.py`` times it against numpy) when every line in
+it is well formed; a chunk with a bad line goes to :meth:`CriteoFormat.parse_numpy`, which finds
+and reports them. The kernel's columns are bit for bit those of ``parse_numpy``, the reference.
 """
 
 from __future__ import annotations
@@ -388,7 +381,15 @@ class CriteoFormat:
     }
 
   def parse_numpy(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
-    """:meth:`parse` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on."""
+    """:meth:`parse` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on.
+
+    Vectorised over the chunk: the lines are joined into one byte buffer, the delimiters located
+    once, and the last 8 bytes of every field read as one big-endian uint64 (an unaligned strided
+    view of the buffer), which is checked and decoded 8 characters at a time with SWAR ("SIMD
+    within a register") arithmetic; the rare longer dense values are decoded one by one. The
+    helpers (:func:`split_fields`, :func:`field_words`, :func:`hash_fields`, :func:`first_fault`,
+    :func:`report_faults`) are shared with :mod:`recsys_jax.data.avazu`.
+    """
     lines = chunk.payload
     if not lines:
       return base.empty_columns(self.schema)

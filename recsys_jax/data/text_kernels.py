@@ -3,8 +3,8 @@
 :func:`criteo_columns` and :func:`avazu_columns` walk a chunk's joined bytes once, byte by byte,
 decoding and hashing each field as they go. They are compiled with numba (``nogil``, cached in
 ``__pycache__``, compiled on the first call), so host worker threads parse chunks side by side;
-the numpy path they replace (``parse_numpy``, kept as the reference) held the GIL between its
-many small array operations, and spent 3.5 to 5 times their CPU.
+the numpy path (``parse_numpy``, kept as the reference) holds the GIL between its many small
+array operations, and costs several times their CPU (``experiments/bench_readers.py``).
 
 Each gives up on the whole chunk (returns ``None``) at the first thing it does not accept: a line
 with another number of fields, or any value the format's rules call bad. The caller then parses

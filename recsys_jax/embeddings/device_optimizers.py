@@ -1,11 +1,11 @@
 """The parameter server's row optimizers in jax, for embedding rows that train on the device.
 
-Rows kept on the accelerator (the "hot set" of issue 15) must train exactly as they would on
-the PS, so that a row moving between the two sees one optimizer. ``make(name, clip, **kwargs)``
-takes the names and keyword hyper-parameters of ``async_ps.optimizers.make`` and returns a
+Rows kept on the accelerator (the hot set) must train exactly as they would on the PS, so that a
+row moving between the two sees one optimizer. ``make(name, clip, **kwargs)`` takes the names
+and keyword hyper-parameters of ``async_ps.optimizers.make`` and returns a
 ``DeviceRowOptimizer`` whose ``update`` is the PS's numpy ``update`` written in ``jax.numpy``:
-the same float32 operations in the same order, with the constants rounded on the host as the
-PS rounds them (adam's ``1 - b`` in float32 and ``1 - b^t`` as ``-expm1(t * log b)``; ftrl's
+the same float32 operations in the same order, with the constants rounded on the host as the PS
+rounds them (adam's ``1 - b`` in float32 and ``1 - b^t`` as ``-expm1(t * log b)``; ftrl's
 ``n^p`` as ``sqrt`` for p = 0.5, ``pow`` otherwise). The results agree with the PS's to float32
 rounding, not to the bit: under jit XLA contracts ``a * b + c`` into one fused multiply-add (on
 CPU as on GPU; no flag turns that off), and its ``expm1``, ``pow`` and sums are not numpy's.

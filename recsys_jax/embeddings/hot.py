@@ -6,10 +6,11 @@ tables of a group share its slots, so a table gets as many as its ids earn by fr
 budget is split across tables by measured access, without per-table tuning (``choose``).
 
 For a step, :meth:`HotSet.split` turns a deduplicated group into its cold part (the rows the
-parameter server looks up, laid end to end as before) and the hot slots the step touches. The
-step gathers ``concat(cold rows, hot_table[hot_idx])`` and the remapped inverse indexes it:
-entry ``i < bucket`` is cold row ``i``, entry ``bucket + j`` is hot slot ``hot_idx[j]``. So hot
-rows never travel host -> device; only their slot numbers do (4 bytes instead of 4 * dim).
+parameter server looks up, laid end to end as without a hot set) and the hot slots the step
+touches. The step gathers ``concat(cold rows, hot_table[hot_idx])`` and the remapped inverse
+indexes it: entry ``i < bucket`` is cold row ``i``, entry ``bucket + j`` is hot slot
+``hot_idx[j]``. So hot rows never travel host -> device; only their slot numbers do (4 bytes
+instead of 4 * dim).
 
 Nothing here touches a device or the PS: :mod:`recsys_jax.training.hot_rows` does.
 """

@@ -21,10 +21,11 @@ def dot_interaction(t: jax.Array) -> jax.Array:
   The gradient is written by hand. Autodiff of ``einsum(t, t)[:, i, j]`` transposes the pair
   selection into a scatter-add onto a zeroed [B, F, F] and the einsum into two batched matmuls,
   one of them against the transposed layout (XLA CPU: ~100 of the ~120 ms of DLRM's tiny step at
-  batch 8192, experiments/README.md). Here the backward gathers the pair gradients into the
-  symmetric [B, F, F] matrix G (zero diagonal) and takes one batched matmul, dt = G t: the
-  same value (each dt[f] sums g[f, h] t[h] over the same terms, grouped differently; float32
-  round-off apart), and gathers instead of scatter-adds on every backend (no atomics on GPU).
+  batch 8192: ``experiments/bench_step.py``, docs/experiments.md). Here the backward gathers the
+  pair gradients into the symmetric [B, F, F] matrix G (zero diagonal) and takes one batched
+  matmul, dt = G t: the same value (each dt[f] sums g[f, h] t[h] over the same terms, grouped
+  differently; float32 round-off apart), and gathers instead of scatter-adds on every backend (no
+  atomics on GPU).
   """
   i, j = np.triu_indices(t.shape[1], k=1)
   return jnp.einsum("bfd,bgd->bfg", t, t)[:, i, j]

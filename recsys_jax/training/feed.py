@@ -18,12 +18,8 @@ have read ahead.
 
 Threads, not processes: what they run mostly drops the GIL (numpy's loops, the compiled dedup
 kernel), they hand batches over without a copy, and the trainer never forks after jax started
-its threads. Measured on the idle 2-core machine this was built on (``python
-experiments/bench_feed.py --transfer``), parsing 8 Criteo chunks of 8192 records took 3.5 us a
-record inline, 2.4 on 2 threads, and 4.1 on 2 spawned processes (chunks sent, columns sent
-back), which also cost the trainer's process 0.85 us of CPU a record against 3.5 parsing them
-itself; pickling the columns alone is cheap (0.13 us a record there and back), the rest is the
-trip through the pipes.
+its threads; a worker process would cost the trainer more CPU per record in the trip through
+the pipes than parsing the record itself (``experiments/bench_feed.py --transfer``).
 """
 
 from __future__ import annotations

@@ -6,22 +6,22 @@ row has missed up to k updates. They are also most of the bytes the host sends t
 every step. So the most frequent ids of every table live on the device, in one table per row
 width (``HotSet`` says which id is in which slot), and train synchronously inside the jitted
 step with the PS's optimizer math (:mod:`recsys_jax.embeddings.device_optimizers`); the other
-rows go through the PS with staleness k, as before.
+rows go through the PS with staleness k.
 
-The flow of a step does not change direction: the prefetcher thread splits each step's
-distinct ids into cold rows, which it looks up, and hot slots, which the step reads on the
-device, and hands them to the counting thread, which counts them in step order (so the counts
-at a boundary are those of the steps before it: a re-choice first waits for them). Counting
-costs about as much as the PS lookup it saves (2-5 ms a step at ``configs/dlrm.py``'s shape), so
-it stays off the path a step waits on at k = 0. Every ``config.hot_every`` steps after ``config.hot_warmup_steps`` (a boundary), the
-training loop re-chooses the set between two steps: with every push of the earlier steps
-applied and the lookups of the boundary step held, leaving rows and their optimizer slots are
-written back into the PS, arriving rows are read from it into their slots, and only then are
-the held lookups let go. So no row is ever read where it is not current. Before a checkpoint
-or an evaluation every hot row is written back, so the PS snapshot is whole and a restore
-with another budget (or none) reads the same rows; the hot set and the counts are saved as a part of
-the checkpoint (written before its commit, checked at a resume), so a run resumed with the same
-budget goes on exactly as the one that saved it.
+The flow of a step does not change direction: the prefetcher thread splits each step's distinct
+ids into cold rows, which it looks up, and hot slots, which the step reads on the device, and
+hands them to the counting thread, which counts them in step order (so the counts at a boundary
+are those of the steps before it: a re-choice first waits for them). Counting costs about as
+much as the PS lookup it saves (``experiments/bench_train.py``), so it stays off the path a step
+waits on at k = 0. Every ``config.hot_every`` steps after ``config.hot_warmup_steps`` (a
+boundary), the training loop re-chooses the set between two steps: with every push of the
+earlier steps applied and the lookups of the boundary step held, leaving rows and their
+optimizer slots are written back into the PS, arriving rows are read from it into their slots,
+and only then are the held lookups let go. So no row is ever read where it is not current.
+Before a checkpoint or an evaluation every hot row is written back, so the PS snapshot is whole
+and a restore with another budget (or none) reads the same rows; the hot set and the counts are
+saved as a part of the checkpoint (written before its commit, checked at a resume), so a run
+resumed with the same budget goes on exactly as the one that saved it.
 
 With several trainer processes the counts are summed over all processes before a choice, so
 every process chooses the same set; process 0 writes rows back, and barriers order the moves.

@@ -2,9 +2,8 @@
 
 The numpy versions of these loops (``IdMap``'s vectorised probing rounds, gather -> update ->
 scatter through the pure ``RowOptimizer.update``) make many full passes over the touched rows
-and allocate a temporary per operation, which kept the PS at a few percent of memcpy
-bandwidth. Here each id is hashed and probed once, and each touched row is read and written
-once, in place.
+and allocate a temporary per operation. Here each id is hashed and probed once, and each
+touched row is read and written once, in place.
 
 The kernels live by path: ``lookup`` (the id map's hashing and probing, the row
 gather), ``update`` (the fused row-optimizer updates); ``jit`` holds the

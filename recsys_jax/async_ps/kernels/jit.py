@@ -6,7 +6,7 @@ types of that call, and cached in ``__pycache__``, so importing the kernel modul
 nothing. They use numpy's error model (x / 0 is inf or nan, as in numpy, not ZeroDivisionError;
 this also lets LLVM vectorise the row loops), and prefetch the table rows / slots that the
 iteration a few steps ahead will touch: the touched rows are random, so without it most time
-goes to waiting on cache misses one at a time (x2 to x4 on a table larger than the caches).
+goes to waiting on cache misses one at a time on a table larger than the caches.
 
 numba's cache checks only the source file of the cached kernel itself: after editing this
 module (a prefetch distance, ``prefetch_row``), the kernels of ``lookup`` and ``update`` would

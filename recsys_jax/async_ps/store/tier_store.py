@@ -21,9 +21,8 @@ from the RAM copies, and only committed rows are read from the store.
 
 A read fetches the store's rows with one tensorstore index-array read per array (the
 distinct rows, sorted) and gathers them in numpy. Reading every row of the covering chunks
-in one read and gathering (``read_method='chunks'``) is also available, but measured slower:
-20k random rows of 400k (dim 64 float32 + one 64-wide slot, file driver, 2 cores) took about
-30 ms against 150 ms from the page cache, and about 150 ms against 170 ms cold.
+in one read and gathering (``read_method='chunks'``) is also available, but slower (see
+docs/experiments.md).
 
 The arrays are always created fresh (deleting any previous ``weights/`` and ``slot_*/``
 arrays under the kvstore path).
