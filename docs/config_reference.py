@@ -22,8 +22,8 @@ MARKER = "<!-- config-fields -->"
 
 
 def _cell(text: str) -> str:
-  """Text safe inside a markdown table cell."""
-  return " ".join(str(text).split()).replace("|", "\\|")
+  """Text shown as written inside a markdown table cell: ``<workdir>`` is no HTML tag, ``admit_*`` no emphasis."""
+  return " ".join(str(text).split()).replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
 
 
 def _value(value) -> str:
