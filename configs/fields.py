@@ -94,8 +94,9 @@ def model_argument_docs(model: str) -> Dict[str, str]:
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Constant):
       texts[node.target.id] = " ".join(str(doc.value).split())
   defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-  return {
-    k: f"{texts.get(k, '(undocumented)')} ({model}'s argument; its default {defaults[k]!r})"
+  return {  # an argument without a default (DIN's ``history``) must be set by the config
+    k: f"{texts.get(k, '(undocumented)')} ({model}'s argument; "
+    + (f"its default {defaults[k]!r})" if k in defaults else "no default: the config sets it)")
     for k in texts.keys() | defaults.keys()
     if k not in ("parent", "name")
   }

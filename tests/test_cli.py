@@ -3,6 +3,7 @@ beside it in configs/default.py, and a mistyped ``--config.<field>`` is one ``er
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -98,6 +99,15 @@ def test_model_specific_fields_carry_their_meaning_from_the_model():
     "  --config.model.kwargs.num_cross=2\n      Number of cross layers. (dcn_v2's argument; its default 3)" in r.stdout
   )
   assert "(not in configs/default.py)" not in r.stdout
+
+
+def test_helpconfig_explains_every_config_including_arguments_without_a_default():
+  """DIN's ``history`` has no default in its class: --helpconfig said KeyError for configs/din.py."""
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    if "def get_config(" in open(path, encoding="utf-8").read():
+      assert "--config.model.kwargs." in fields.describe(path), path
+  text = fields.describe(os.path.join(ROOT, "configs", "din.py"))
+  assert "(din's argument; no default: the config sets it)" in text, text
 
 
 def test_one_flag_switches_the_model_and_its_kwargs_follow(tmp_path):

@@ -86,12 +86,12 @@ def test_serves_a_run_and_picks_up_its_new_checkpoints(tmp_path):
 
 
 def test_the_readmes_curl_example_works_as_written(tmp_path):
-  """The README's "Serving" commands, run as written but for the workdir, a short run and free ports."""
+  """The serving page's commands (docs/serving.md), run as written but for the workdir, a short run and free ports."""
   import re
   import shlex
 
-  text = open(os.path.join(ROOT, "README.md")).read()
-  block = text[text.index("## Serving") :]
+  text = open(os.path.join(ROOT, "docs", "serving.md")).read()
+  block = text[text.index("# Serving") :]
   block = block[block.index("```bash") + len("```bash") : block.index("```", block.index("```bash") + 7)]
   lines = [ln.split("#")[0].strip() for ln in block.strip().splitlines()]
   train_cmd, serve_cmd = lines[0], lines[1]
@@ -120,6 +120,6 @@ def test_the_readmes_curl_example_works_as_written(tmp_path):
     model = json.loads(subprocess.run(shlex.split(lines[2].replace("8501", str(hp))), capture_output=True).stdout)
     assert model["version"] == "step-2"
     sent = json.loads(re.search(r"-d '(.*)'", curl).group(1))["records"][0]
-    assert sorted(sent) == sorted(model["fields"]), "the README's record must name every field of the model"
+    assert sorted(sent) == sorted(model["fields"]), "the serving page's record must name every field of the model"
   finally:
     stop_server(p)

@@ -74,7 +74,7 @@ def _rss_run(workdir, steps, capacity):
 
 @pytest.mark.slow
 def test_peak_rss_stays_under_cache_plus_stated_overhead(tmp_path):
-  """README: peak RSS <= process baseline + RAM cache bytes + 128 MiB.
+  """docs/parameter-server.md (Memory bound): peak RSS <= process baseline + RAM cache bytes + 128 MiB.
 
   The baseline is the same job run for one step (Python, JAX, XLA, the data reader); the
   128 MiB covers the tier's write buffers (16 MiB), one snapshot part (16k rows), eviction
