@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from recsys_jax import checkpoint_files
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.parallel import distributed
 
@@ -111,10 +112,10 @@ class Checkpointer:
   def __init__(self, workdir: str, max_to_keep: int = 2, full_every: int = 1):
     if full_every < 1:
       raise ValueError(f"full_every must be >= 1, got {full_every}")
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    self.ps_directory = os.path.abspath(os.path.join(workdir, "ps_snapshots"))
-    self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
-    self.parts_directory = os.path.abspath(os.path.join(workdir, "checkpoint_parts"))
+    self.directory = workdir_lib.checkpoints(workdir)
+    self.ps_directory = workdir_lib.ps_snapshots(workdir)
+    self.damaged_directory = os.path.join(os.path.abspath(workdir), workdir_lib.CHECKPOINTS_DAMAGED)
+    self.parts_directory = os.path.join(os.path.abspath(workdir), workdir_lib.CHECKPOINT_PARTS)
     self._workdir = os.path.abspath(workdir)
     self.full_every = full_every
     self.max_to_keep = max_to_keep

@@ -28,6 +28,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from recsys_jax import train
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.checkpoint import CheckpointError
 from recsys_jax.launch.supervisor import EXIT_CONFIG
 
@@ -145,7 +146,7 @@ def _log_to_workdir(workdir: str, process_id: int):
   Returns:
     ``(path, write)``: the log file and a function that appends text to it.
   """
-  path = os.path.join(os.path.abspath(workdir), f"trainer_p{process_id}.log")
+  path = workdir_lib.trainer_log(workdir, process_id)
   try:
     os.makedirs(workdir, exist_ok=True)
     log = open(path, "a", buffering=1)

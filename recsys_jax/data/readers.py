@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.data import base, cache, stream, synthetic
 
 NAMES = ("synthetic", "criteo", "avazu", "csv", "parquet", "movielens")
@@ -185,7 +186,7 @@ def cache_root(data_config, workdir: Optional[str]) -> Optional[str]:
   if value is None or str(value).lower() in ("none", "off"):
     return None
   if value == "":
-    return os.path.join(workdir, "data_cache") if workdir else None
+    return os.path.join(workdir, workdir_lib.DATA_CACHE) if workdir else None
   value = os.path.expanduser(str(value))
   return value if os.path.isabs(value) or not workdir else os.path.join(workdir, value)
 

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store.initializers import init_rows
@@ -137,7 +138,7 @@ class _Part:
     self.all_chunks = all_chunks  # every chunk is stored: a missing one is an error, not zeros
 
 
-HELD = "serving_held"  # <workdir>/serving_held/<host>-<pid>/<version>-<random>/<snapshot>: what versions hold
+HELD = workdir_lib.SERVING_HELD  # <workdir>/serving_held/<host>-<pid>/<version>-<random>/<snapshot>: what versions hold
 
 
 def _alive(pid: int) -> bool:

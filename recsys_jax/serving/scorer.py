@@ -27,6 +27,7 @@ import jax
 from absl import logging
 
 from recsys_jax import checkpoint as checkpoint_lib
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.serving import rows as rows_lib
 from recsys_jax.serving.batching import BatchScorer
@@ -37,7 +38,7 @@ DEFAULT_CACHE_BYTES = 64 << 20
 
 
 def _step_dirs(workdir: str) -> List[int]:
-  d = os.path.join(workdir, "checkpoints")
+  d = workdir_lib.checkpoints(workdir)
   names = os.listdir(d) if os.path.isdir(d) else []
   return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
@@ -48,9 +49,9 @@ def read_meta(workdir: str, step: int) -> Dict[str, Any]:
   Raises:
     CheckpointError: naming the checkpoint, if it is incomplete or damaged.
   """
-  path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  path = workdir_lib.checkpoint(workdir, step)
   try:
-    with open(os.path.join(path, "meta", "metadata")) as f:
+    with open(workdir_lib.checkpoint_meta(workdir, step)) as f:
       meta = json.load(f)
   except (OSError, ValueError) as e:
     raise checkpoint_lib.CheckpointError(f"checkpoint {path}: meta cannot be read ({type(e).__name__}: {e})") from e
@@ -68,7 +69,7 @@ def read_meta(workdir: str, step: int) -> Dict[str, Any]:
 
 
 def chain_paths(workdir: str, meta: Dict[str, Any]) -> List[str]:
-  return [os.path.join(os.path.abspath(workdir), "ps_snapshots", n) for n in meta["ps_chain"]]
+  return [os.path.join(workdir_lib.ps_snapshots(workdir), n) for n in meta["ps_chain"]]
 
 
 def complete_steps(workdir: str) -> List[int]:
@@ -102,7 +103,7 @@ def newest_step(workdir: str) -> Optional[int]:
 def step_signature(workdir: str, step: int) -> Tuple[Tuple[str, int, int], ...]:
   """What changes when checkpoint ``step``'s files change (each file's path, size and mtime): a
   step that failed to load is tried again only then."""
-  top = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  top = workdir_lib.checkpoint(workdir, step)
   out = []
   for d, _, files in os.walk(top):
     for f in files:
@@ -209,11 +210,14 @@ def load_scorer(
       # Everything the version reads (its checkpoint and PS chain) is held (hard-linked) first
       # and read from there: a rotation after this point cannot touch it, one before fails here.
       # Its parts (the hot set) too: the checkpoint is read whole, and one missing a part is damaged.
-      parts = os.path.join("checkpoint_parts", str(s))
+      parts = workdir_lib.checkpoint_parts(workdir, s)
       held = rows_lib.hold(
-        [(os.path.join(workdir, "checkpoints", str(s)), os.path.join("checkpoints", str(s)))]
-        + ([(os.path.join(workdir, parts), parts)] if os.path.isdir(os.path.join(workdir, parts)) else [])
-        + [(p, os.path.join("ps_snapshots", os.path.basename(p))) for p in chain_paths(workdir, {"ps_chain": names})],
+        [(workdir_lib.checkpoint(workdir, s), os.path.join(workdir_lib.CHECKPOINTS, str(s)))]
+        + ([(parts, os.path.join(workdir_lib.CHECKPOINT_PARTS, str(s)))] if os.path.isdir(parts) else [])
+        + [
+          (p, os.path.join(workdir_lib.PS_SNAPSHOTS, os.path.basename(p)))
+          for p in chain_paths(workdir, {"ps_chain": names})
+        ],
         rows_lib.hold_root(workdir),
         f"step-{s}",
       )

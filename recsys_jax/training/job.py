@@ -11,6 +11,7 @@ import jax
 import ml_collections
 from flax.training import train_state
 
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps import factory
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.data import readers
@@ -118,7 +119,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
     )
   eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
   job = Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)
-  ckpt_dir = None if workdir is None else os.path.join(workdir, "checkpoints")
+  ckpt_dir = None if workdir is None else workdir_lib.checkpoints(workdir)
   if restore and ckpt_dir is not None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     _restore(job, config, workdir)
   return job

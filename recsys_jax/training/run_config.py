@@ -21,7 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ml_collections
 
-FILE = "config.json"
+from recsys_jax import workdir as workdir_lib
+
+FILE = workdir_lib.CONFIG
 _NUMBERED = re.compile(r"^config\.(\d+)\.json$")
 
 

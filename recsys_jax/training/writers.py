@@ -16,6 +16,8 @@ from absl import logging
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
+from recsys_jax import workdir as workdir_lib
+
 
 def say(msg: str) -> None:
   """A message for the person running the job (stderr, above the progress bar)."""
@@ -88,7 +90,7 @@ def read_metrics(workdir: str, kind: Optional[str] = None) -> List[Dict[str, Any
   A run writes one record per log interval and evaluation, so this reads a run that is going on
   as well as a finished one (a line still being written at the end is left out).
   """
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = os.path.join(workdir, workdir_lib.METRICS)
   out = []
   with open(path) as f:
     for i, line in enumerate(f, 1):
@@ -112,7 +114,7 @@ class Writers:
     self.on_metrics = on_metrics
     self._closed = False
     if self.enabled:
-      self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self.jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, kind: str, values: Dict[str, float]) -> None:
@@ -251,7 +253,7 @@ class Progress:
       "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
-      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      with open(os.path.join(self.workdir, workdir_lib.SUMMARY), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
