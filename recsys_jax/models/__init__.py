@@ -23,7 +23,7 @@ every parameter carries logical axis names (kernels ('embed', 'mlp'), biases ('m
 from ``config.model.kwargs``.
 """
 
-from recsys_jax.models.dcn import DCNv2
+from recsys_jax.models.dcn_v2 import DCNv2
 from recsys_jax.models.deepfm import DeepFM
 from recsys_jax.models.din import DIN
 from recsys_jax.models.dlrm import DLRM, EmbeddedDLRM
