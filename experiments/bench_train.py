@@ -103,7 +103,7 @@ from ml_collections import config_flags
 from recsys_jax import train
 from recsys_jax.async_ps.pipeline import Prefetcher, StalenessGate
 from recsys_jax.data import synthetic
-from recsys_jax.models import EmbeddedDLRM
+from recsys_jax.models.dlrm import EmbeddedDLRM
 from recsys_jax.parallel import mesh as mesh_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/dlrm.py", "The main job's ml_collections config file.")

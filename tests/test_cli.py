@@ -126,3 +126,12 @@ def test_one_flag_switches_the_model_and_its_kwargs_follow(tmp_path):
   )
   assert r.returncode == 2
   assert r.stderr.splitlines()[-1].startswith("error: config.model.kwargs.top: model 'dcn_v2' takes no such argument")
+
+
+def test_helpconfig_lists_the_models_and_a_required_model_argument():
+  """DIN's target has no default (--helpconfig of configs/din.py failed on it with a KeyError)."""
+  from configs import fields
+
+  text = fields.describe("configs/din.py")
+  assert "Name of the candidate-item pooled feature, e.g. 'movie'. (din's argument; required)" in text
+  assert "The models: dcn_v2, deepfm, din, dlrm, wide_deep." in text
