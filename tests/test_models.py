@@ -581,7 +581,7 @@ def models_dir(tmp_path, monkeypatch):
   monkeypatch.setenv(models.PATH_VARIABLE, str(d))
   yield d
   monkeypatch.delenv(models.PATH_VARIABLE)
-  for m in [m for m in sys.modules if m.startswith("recsys_jax.models.") and m.rsplit(".", 1)[1] == "logreg"]:
+  for m in [m for m in sys.modules if m.startswith("recsys_jax.models.") and str(d) in str(sys.modules[m].__file__)]:
     del sys.modules[m]
   assert models.names() == before  # gone with the variable
 
@@ -615,3 +615,57 @@ def test_a_model_added_as_one_module_trains(models_dir, tmp_path):
   c.model.kwargs.temperature = float("nan")
   with pytest.raises(ValueError, match=r"^config\.model\.kwargs\.temperature = nan: must be a finite number$"):
     validate_config(c)
+
+
+TYPED = """
+from typing import Callable, Optional, Sequence, Tuple
+
+import flax.linen as nn
+
+
+class Typed(nn.Module):
+  i: int = 1
+  f: float = 1.0
+  b: bool = True
+  s: str = "x"
+  widths: Sequence[int] = (1,)
+  names: Sequence[str] = ("a",)
+  maybe: Optional[int] = None
+  fixed: Tuple[int, ...] = (1,)
+  table: dict = None
+  fn: Callable = None
+
+
+MODEL = Typed
+"""
+
+
+@pytest.mark.parametrize(
+  "field, bad, what",
+  [
+    ("i", 2**31, "an integer >= 0"),
+    ("f", float("inf"), "a finite number"),
+    ("b", 0, "True or False"),
+    ("s", 1, "a string"),
+    ("widths", (1, -2), "a tuple of positive integers"),
+    ("names", ("a", 1), "a tuple of strings"),
+    ("maybe", "x", "None or an integer >= 0"),
+    ("fixed", (1.5,), "a tuple of positive integers"),
+    ("table", {"a": 1}, "of type dict, which a config cannot give"),
+    ("fn", None, "of type typing.Callable, which a config cannot give"),
+  ],
+)
+def test_every_field_type_is_checked(models_dir, tiny_config, field, bad, what):
+  """Each annotation a model's field may have: a good value passes, a bad one is refused naming the type."""
+  from recsys_jax.training.validation import validate_config
+
+  (models_dir / "typed.py").write_text(TYPED)
+  tiny_config.model.name = "typed"
+  good = dict(i=0, f=2, b=False, s="y", widths=[3, 4], names=("p", "q"), maybe=None, fixed=(2,))
+  tiny_config.model.kwargs = good
+  validate_config(tiny_config)
+  tiny_config.model.kwargs = {field: bad}
+  with pytest.raises(
+    ValueError, match=f"^config\\.model\\.kwargs\\.{field} = {re.escape(repr(bad))}: must be {re.escape(what)}$"
+  ):
+    validate_config(tiny_config)

@@ -193,9 +193,8 @@ def _accepts(annotation) -> Tuple[Callable[[Any], bool], str]:
         "a tuple of positive integers"
       )
     return (lambda v: isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)), "a tuple of strings"
-  if isinstance(annotation, type):
-    return (lambda v: isinstance(v, annotation)), f"a {annotation.__name__}"
-  return (lambda v: False), f"of type {annotation}, which a config cannot give"
+  shown = annotation.__name__ if isinstance(annotation, type) else annotation
+  return (lambda v: False), f"of type {shown}, which a config cannot give"
 
 
 def _check_model_kwargs(config) -> None:
@@ -210,7 +209,8 @@ def _check_model_kwargs(config) -> None:
       )
     ok, what = _accepts(takes[k].type)
     if not ok(v):
-      raise ValueError(f"config.model.kwargs.{k} = {v!r}: must be {what}")
+      shown = v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v  # one line, not its YAML
+      raise ValueError(f"config.model.kwargs.{k} = {shown!r}: must be {what}")
   for k, arg in takes.items():
     if arg.default is dataclasses.MISSING and k not in kwargs:
       raise ValueError(f"config.model.kwargs.{k}: model {config.model.name!r} needs it (it has no default)")
