@@ -142,9 +142,10 @@ def get_config() -> ml_collections.ConfigDict:
   # go in chunks (0: each server's --max_message_mb, which also caps this).
   c.ps.max_request_mb = 0.0
 
-  # The dense model, picked from recsys_jax.models.MODELS.
+  # The dense model: model.name names the module recsys_jax/models/<name>.py, whose MODEL is the class
+  # (docs/models.md); model.kwargs are its constructor arguments.
   c.model = ml_collections.ConfigDict()
-  c.model.name = "dlrm"  # dlrm, dcn_v2, deepfm, wide_deep or din (MODELS).
+  c.model.name = "dlrm"  # A module of recsys_jax/models/ that declares MODEL.
   c.model.kwargs = ml_collections.ConfigDict()
   c.model.kwargs.bottom = (64, 32, 16)  # Bottom MLP widths; the last equals embeddings.dim.
   c.model.kwargs.top = (128, 64)  # Top MLP hidden widths.

@@ -82,30 +82,32 @@ def model_argument_docs(model: str) -> Dict[str, str]:
   import inspect
   import textwrap
 
-  from recsys_jax.models import MODELS
+  from recsys_jax import models
 
-  cls = MODELS.get(model)
-  if cls is None:
+  if model not in models.names():
     return {}
-  body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+  takes = models.arguments(model)
+  body = ast.parse(textwrap.dedent(inspect.getsource(models.get(model)))).body[0].body
   texts = {}
   for node, after in zip(body, body[1:]):
     doc = getattr(after, "value", None)
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Constant):
       texts[node.target.id] = " ".join(str(doc.value).split())
-  defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-  return {  # an argument without a default (DIN's ``history``) must be set by the config
+  return {
     k: f"{texts.get(k, '(undocumented)')} ({model}'s argument; "
-    + (f"its default {defaults[k]!r})" if k in defaults else "no default: the config sets it)")
-    for k in texts.keys() | defaults.keys()
-    if k not in ("parent", "name")
+    + ("required)" if arg.default is dataclasses.MISSING else f"its default {arg.default!r})")
+    for k, arg in takes.items()
   }
 
 
 def describe(path: Optional[str] = None) -> str:
   """Every field of the config at ``path`` (default.py for None): ``--config.<field>=<value>`` and its meaning,
   in default.py's order, each section headed by its own text."""
+  from recsys_jax import models
+
   docs = field_docs()
+  line, text = docs["model.name"]
+  docs["model.name"] = (line, f"{text} The models: {', '.join(models.names())}.")
   config = load(path)
   for k, text in model_argument_docs(config.model.name).items():
     docs.setdefault(f"model.kwargs.{k}", (docs.get("model.kwargs", (1 << 30, ""))[0], text))

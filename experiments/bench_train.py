@@ -102,7 +102,7 @@ from ml_collections import config_flags
 
 from recsys_jax import train
 from recsys_jax.data import synthetic
-from recsys_jax.models import EmbeddedDLRM
+from recsys_jax.models.dlrm import EmbeddedDLRM
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training.pipeline import Prefetcher, StalenessGate
 

@@ -119,11 +119,11 @@ def _model_kwargs_follow_the_model(config) -> None:
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   if "model.name" not in overrides:
     return
-  from recsys_jax.training.validation import model_arguments  # a bad name is refused there, naming it
+  from recsys_jax import models
 
-  takes = model_arguments(config.model.name)
-  if takes is None:
-    return
+  if config.model.name not in models.names():
+    return  # validate_config refuses it, naming the models there are
+  takes = models.arguments(config.model.name)
   kwargs = config.model.kwargs
   drop = [k for k in kwargs if k not in takes and f"model.kwargs.{k}" not in overrides]
   if drop:

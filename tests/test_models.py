@@ -1,8 +1,16 @@
 """Tests for the model zoo: each model against a float64 numpy reimplementation from its own
 params, the interface every model shares (shapes, num_dense=0, gradients, logical axes,
-linear terms), and a short learning check."""
+linear terms), a short learning check, and the convention that finds them (a model added as
+one module plus one config trains)."""
 
+import ast
+import glob
+import importlib.util
 import itertools
+import math
+import os
+import re
+import sys
 
 import flax.linen as nn
 import jax
@@ -11,11 +19,17 @@ import numpy as np
 import optax
 import pytest
 
-from recsys_jax.models import DIN, DLRM, LINEAR_SUFFIX, MODELS, DCNv2, DeepFM, WideDeep, pool_sequences, split_linear
-from recsys_jax.models.deepfm import fm_interaction
+from recsys_jax import models
+from recsys_jax.models import LINEAR_SUFFIX, pool_sequences, split_linear
+from recsys_jax.models.dcn_v2 import DCNv2
+from recsys_jax.models.deepfm import DeepFM, fm_interaction
+from recsys_jax.models.din import DIN
+from recsys_jax.models.dlrm import DLRM, dot_interaction
 from recsys_jax.models.dlrm import MLP as DlrmMLP
-from recsys_jax.models.dlrm import dot_interaction
 from recsys_jax.models.layers import MLP
+from recsys_jax.models.wide_deep import WideDeep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 B = 6
 KEY = jax.random.PRNGKey(0)
@@ -288,7 +302,7 @@ def test_linear_models_need_their_linear_terms(cls):
 
 
 def test_other_models_take_no_linear_terms():
-  assert not any(cls.linear_terms for name, cls in MODELS.items() if name not in ("deepfm", "wide_deep"))
+  assert not any(models.get(name).linear_terms for name in models.names() if name not in ("deepfm", "wide_deep"))
 
 
 # ------------------------------------------------------------------------------------
@@ -381,7 +395,7 @@ def test_din_names_missing_features():
 # ------------------------------------------------------------------------------------
 # Every model: the shared interface.
 
-SMALL = {
+SMALL = {  # small widths; a model not here is tested with its defaults
   "dlrm": dict(bottom=(8, 4), top=(16,)),
   "dcn_v2": dict(num_cross=2, low_rank=2, deep=(16,)),
   "deepfm": dict(deep=(16,)),
@@ -395,21 +409,104 @@ def _model_inputs(name, rng, num_dense, b=B):
   dims = {"movie": 4, "user": 4, "site": 4} if name in EQUAL_DIMS else {"movie": 4, "user": 3, "site": 5}
   dense = rng.normal(size=(b, num_dense)).astype(np.float32)
   emb = _emb(rng, dims, b)
-  if MODELS[name].linear_terms:
+  if models.get(name).linear_terms:
     emb.update(_linear(rng, dims, b))
   seqs = {"history": _seq(rng, 4, b=b)}
   return dense, emb, seqs
 
 
-def test_every_model_is_registered():
-  assert MODELS == {"dlrm": DLRM, "dcn_v2": DCNv2, "deepfm": DeepFM, "wide_deep": WideDeep, "din": DIN}
-  assert sorted(SMALL) == sorted(MODELS)
+def test_every_model_is_found_by_the_convention():
+  """The models are the package's modules that assign MODEL at top level (read here from their
+  source, not imported), each the class its module defines; each has small test arguments, and
+  every config in configs/ names one of them."""
+  home = os.path.join(ROOT, "recsys_jax", "models")
+  declare = []
+  for path in glob.glob(os.path.join(home, "*.py")):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    if any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "MODEL" for t in n.targets) for n in tree.body):
+      declare.append(os.path.basename(path)[:-3])
+  assert models.names() == sorted(declare) and "layers" not in declare
+  for name in models.names():
+    cls = models.get(name)
+    assert issubclass(cls, nn.Module) and cls.__module__ == f"recsys_jax.models.{name}"
+  assert set(SMALL) <= set(models.names())
+  for path in glob.glob(os.path.join(ROOT, "configs", "*.py")):
+    spec = importlib.util.spec_from_file_location("_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "get_config"):
+      assert module.get_config().model.name in models.names(), path
 
 
-@pytest.mark.parametrize("name,num_dense", itertools.product(sorted(MODELS), [3, 0]))
+@pytest.mark.parametrize("name", ["dcn", "layers", "__init__", "../dlrm", "dlrm.py", ""])
+def test_an_unknown_model_is_one_line_naming_the_models(name):
+  from configs import tiny
+  from recsys_jax.training.validation import validate_config
+
+  want = f"unknown model {name!r}; choose one of ['dcn_v2', 'deepfm', 'din', 'dlrm', 'wide_deep']"
+  with pytest.raises(ValueError) as e:
+    models.get(name)
+  assert str(e.value) == want
+  c = tiny.get_config()
+  c.model.name = name
+  with pytest.raises(ValueError) as e:
+    validate_config(c)
+  assert str(e.value) == (
+    f"config.model.name = {name!r}: unknown model; choose one of ['dcn_v2', 'deepfm', 'din', 'dlrm', 'wide_deep']"
+  )
+
+
+def test_model_arguments_are_the_dataclass_fields_with_their_types():
+  from typing import Sequence
+
+  assert models.arguments("dcn_v2") == {
+    "num_cross": models.Argument(int, 3),
+    "low_rank": models.Argument(int, 0),
+    "structure": models.Argument(str, "stacked"),
+    "deep": models.Argument(Sequence[int], (256, 128)),
+  }
+  import dataclasses
+
+  din = models.arguments("din")
+  assert din["target"] == models.Argument(str, dataclasses.MISSING) and din["use_history"] == models.Argument(
+    bool, True
+  )
+
+
+@pytest.mark.parametrize(
+  "name, kwargs, error",
+  [
+    ("dlrm", {"bottom": (16, 0)}, r"config\.model\.kwargs\.bottom = \(16, 0\): must be a tuple of positive integers"),
+    ("dlrm", {"bottom": None}, r"config\.model\.kwargs\.bottom = None: must be a tuple of positive integers"),
+    (
+      "dlrm",
+      {"bogus": 1},
+      r"config\.model\.kwargs\.bogus: model 'dlrm' takes no such argument; it takes \['bottom', 'top'\]",
+    ),
+    ("dcn_v2", {"num_cross": -1}, r"config\.model\.kwargs\.num_cross = -1: must be an integer >= 0"),
+    ("dcn_v2", {"num_cross": True}, r"config\.model\.kwargs\.num_cross = True: must be an integer >= 0"),
+    ("dcn_v2", {"structure": 3}, r"config\.model\.kwargs\.structure = 3: must be a string"),
+    (
+      "din",
+      {"target": "cat_00", "history": "cat_01", "use_history": 1},
+      r"config\.model\.kwargs\.use_history = 1: must be True or False",
+    ),
+    ("din", {"history": "cat_01"}, r"config\.model\.kwargs\.target: model 'din' needs it \(it has no default\)"),
+  ],
+)
+def test_model_kwargs_are_checked_against_the_field_types(tiny_config, name, kwargs, error):
+  from recsys_jax.training.validation import validate_config
+
+  tiny_config.model.name = name
+  tiny_config.model.kwargs = kwargs
+  with pytest.raises(ValueError, match=f"^{error}$"):
+    validate_config(tiny_config)
+
+
+@pytest.mark.parametrize("name,num_dense", itertools.product(models.names(), [3, 0]))
 def test_every_model_interface(name, num_dense):
   rng = np.random.default_rng(13)
-  model = MODELS[name](**SMALL[name])
+  model = models.get(name)(**SMALL.get(name, {}))
   dense, emb, seqs = _model_inputs(name, rng, num_dense)
 
   boxed = jax.eval_shape(model.init, KEY, dense, emb, seqs)
@@ -433,12 +530,12 @@ def test_every_model_interface(name, num_dense):
   np.testing.assert_array_equal(np.asarray(g_seq["history"])[~mask], 0)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", models.names())
 def test_every_model_learns_a_teacher(name):
   """200 Adam steps on fixed inputs with labels from a random nonlinear teacher."""
   rng = np.random.default_rng(14)
   n = 128
-  model = MODELS[name](**SMALL[name])
+  model = models.get(name)(**SMALL.get(name, {}))
   dense, emb, seqs = _model_inputs(name, rng, 3, b=n)
   x = _np_concat(dense, pool_sequences(split_linear(emb)[0], seqs))
   w1, w2 = rng.normal(size=(x.shape[1], 8)), rng.normal(size=8)
@@ -463,3 +560,112 @@ def test_every_model_learns_a_teacher(name):
 
   first, final = train()
   assert final < 0.2 * first, (float(first), float(final))
+
+
+# ------------------------------------------------------------------------------------
+# A model added as one module plus one config: docs/models.md's example, trained.
+
+
+def _docs_block(path):
+  """The code block under `path`: in docs/models.md (the page's example is the one tested)."""
+  text = open(os.path.join(ROOT, "docs", "models.md"), encoding="utf-8").read()
+  return re.search(f"`{re.escape(path)}`:\n\n```python\n(.*?)```", text, re.S).group(1)
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+  """A directory on the models' search path (RECSYS_JAX_MODELS_PATH), not in the package."""
+  d = tmp_path / "models"
+  d.mkdir()
+  before = models.names()
+  monkeypatch.setenv(models.PATH_VARIABLE, str(d))
+  yield d
+  monkeypatch.delenv(models.PATH_VARIABLE)
+  for m in [m for m in sys.modules if m.startswith("recsys_jax.models.") and str(d) in str(sys.modules[m].__file__)]:
+    del sys.modules[m]
+  assert models.names() == before  # gone with the variable
+
+
+def test_a_model_added_as_one_module_trains(models_dir, tmp_path):
+  from recsys_jax import train
+  from recsys_jax.training.validation import validate_config
+
+  (models_dir / "logreg.py").write_text(_docs_block("recsys_jax/models/logreg.py"))
+  (tmp_path / "logreg_config.py").write_text(_docs_block("configs/logreg.py"))
+  assert len(_docs_block("recsys_jax/models/logreg.py").splitlines()) <= 25
+  spec = importlib.util.spec_from_file_location("logreg_config", tmp_path / "logreg_config.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  assert "logreg" in models.names() and models.get("logreg").__name__ == "LogReg"
+  assert models.arguments("logreg") == {"temperature": models.Argument(float, 1.0)}
+
+  c.num_steps, c.log_every, c.eval_samples, c.eval_batch_size = 4, 1, 512, 512
+  losses = []
+  record = lambda step, kind, values: kind == "train" and losses.append(values["loss"])  # noqa: E731
+  summary = train.train_and_evaluate(c, str(tmp_path / "run"), on_metrics=record)
+  assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+  assert summary["model"] == "logreg" and math.isfinite(summary["logloss"])
+  # Its parameters are the trained model's: one linear layer over 8 pooled features of width 8 and 13 dense.
+  params = train.build_job(c, str(tmp_path / "run")).state.params
+  shapes = jax.tree_util.tree_map(lambda x: x.shape, params)
+  assert shapes == {"logit": {"bias": (1,), "kernel": (c.data.num_dense + 8 * c.embeddings.dim, 1)}}, shapes
+
+  # Its float field is checked as one (an annotation the old string match did not list).
+  c.model.kwargs.temperature = float("nan")
+  with pytest.raises(ValueError, match=r"^config\.model\.kwargs\.temperature = nan: must be a finite number$"):
+    validate_config(c)
+
+
+TYPED = """
+from typing import Callable, Optional, Sequence, Tuple
+
+import flax.linen as nn
+
+
+class Typed(nn.Module):
+  i: int = 1
+  f: float = 1.0
+  b: bool = True
+  s: str = "x"
+  widths: Sequence[int] = (1,)
+  names: Sequence[str] = ("a",)
+  maybe: Optional[int] = None
+  fixed: Tuple[int, ...] = (1,)
+  table: dict = None
+  fn: Callable = None
+
+
+MODEL = Typed
+"""
+
+
+@pytest.mark.parametrize(
+  "field, bad, what",
+  [
+    ("i", 2**31, "an integer >= 0"),
+    ("f", float("inf"), "a finite number"),
+    ("b", 0, "True or False"),
+    ("s", 1, "a string"),
+    ("widths", (1, -2), "a tuple of positive integers"),
+    ("names", ("a", 1), "a tuple of strings"),
+    ("maybe", "x", "None or an integer >= 0"),
+    ("fixed", (1.5,), "a tuple of positive integers"),
+    ("table", {"a": 1}, "of type dict, which a config cannot give"),
+    ("fn", None, "of type typing.Callable, which a config cannot give"),
+  ],
+)
+def test_every_field_type_is_checked(models_dir, tiny_config, field, bad, what):
+  """Each annotation a model's field may have: a good value passes, a bad one is refused naming the type."""
+  from recsys_jax.training.validation import validate_config
+
+  (models_dir / "typed.py").write_text(TYPED)
+  tiny_config.model.name = "typed"
+  good = dict(i=0, f=2, b=False, s="y", widths=[3, 4], names=("p", "q"), maybe=None, fixed=(2,))
+  tiny_config.model.kwargs = good
+  validate_config(tiny_config)
+  tiny_config.model.kwargs = {field: bad}
+  with pytest.raises(
+    ValueError, match=f"^config\\.model\\.kwargs\\.{field} = {re.escape(repr(bad))}: must be {re.escape(what)}$"
+  ):
+    validate_config(tiny_config)

@@ -63,3 +63,7 @@ class DeepFM(nn.Module):
 
     deep = MLP(tuple(self.deep) + (1,), relu_last=False, name="deep")(concat_features(dense, main))[:, 0]
     return first + second + deep
+
+
+# The class config.model.name = "deepfm" builds (the convention of recsys_jax.models).
+MODEL = DeepFM

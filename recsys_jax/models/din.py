@@ -82,3 +82,7 @@ class DIN(nn.Module):
       parts.append(jnp.einsum("bl,bld->bd", w, values))
     x = jnp.concatenate(parts, axis=-1)
     return MLP(tuple(self.mlp) + (1,), relu_last=False, name="mlp")(x)[:, 0]
+
+
+# The class config.model.name = "din" builds (the convention of recsys_jax.models).
+MODEL = DIN

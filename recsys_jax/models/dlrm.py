@@ -101,3 +101,7 @@ class EmbeddedDLRM(nn.Module):
       for k, (name, v) in enumerate(zip(self.features, self.vocab_sizes))
     }
     return DLRM(self.bottom, self.top, name="dlrm")(dense, embs)
+
+
+# The class config.model.name = "dlrm" builds (the convention of recsys_jax.models).
+MODEL = DLRM

@@ -37,3 +37,7 @@ class WideDeep(nn.Module):
       wide = wide + linear[k][:, 0]
     deep = MLP(tuple(self.deep) + (1,), relu_last=False, name="deep")(concat_features(dense, main))[:, 0]
     return wide + deep
+
+
+# The class config.model.name = "wide_deep" builds (the convention of recsys_jax.models).
+MODEL = WideDeep

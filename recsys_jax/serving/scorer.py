@@ -116,7 +116,7 @@ class _Model:
   """What the config builds: schema, specs, model, eval step, and a dense state template."""
 
   def __init__(self, config):
-    from recsys_jax.models import MODELS
+    from recsys_jax import models
     from recsys_jax.parallel import mesh as mesh_lib
     from recsys_jax.training.specs import build_specs
     from recsys_jax.training.steps import group_features, init_state, make_eval_step
@@ -125,7 +125,7 @@ class _Model:
     # The schema from the format alone: the training files need not be here any more.
     self.encoder = Encoder(run_config.to_dict(config.data))
     self.schema = self.encoder.schema
-    model_cls = MODELS[config.model.name]
+    model_cls = models.get(config.model.name)
     self.tables, self.features, self.aliases = build_specs(
       config, self.schema, getattr(model_cls, "linear_terms", False)
     )

@@ -11,12 +11,12 @@ import jax
 import ml_collections
 from flax.training import train_state
 
+from recsys_jax import models
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps import factory
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
-from recsys_jax.models import MODELS
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training import steps as steps_lib
 from recsys_jax.training.feed import worker_count
@@ -74,7 +74,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
     CheckpointError: the workdir has checkpoints and none of them can be read.
   """
   reader = readers.build_reader(config, jax.process_index(), jax.process_count(), workdir)
-  model_cls = MODELS[config.model.name]
+  model_cls = models.get(config.model.name)
   tables, features, aliases = build_specs(config, reader.schema, getattr(model_cls, "linear_terms", False))
   tables_by_name = {t.name: t for t in tables}
   n_dev = jax.device_count()

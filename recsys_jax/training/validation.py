@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Optional
+import typing
+from collections import abc
+from typing import Any, Callable, Dict, Tuple
 
 import ml_collections
 import optax
 
+from recsys_jax import models
 from recsys_jax.data import readers
-from recsys_jax.models import MODELS
 
 # The type of every field of configs/default.py that something reads (ml_collections lets None
 # and bools through its own type check). A field absent from a config is not checked.
@@ -140,7 +142,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       "device_step",
       "choose 'model' or 'none' (no training: zero row gradients)",
     )
-  need(config.model.name in MODELS, "model.name", f"unknown model; choose one of {sorted(MODELS)}")
+  known = models.names()
+  need(config.model.name in known, "model.name", f"unknown model; choose one of {known}")
   _check_model_kwargs(config)
   need(config.data.name in readers.NAMES, "data.name", f"unknown data source; choose one of {readers.NAMES}")
   need(config.data.on_bad_record in ("error", "skip"), "data.on_bad_record", "choose 'error' or 'skip'")
@@ -169,37 +172,48 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
 
 
-# What each annotation of a model's fields accepts (widths and counts are int32 on the device).
-_KWARG_TYPES = {
-  "Sequence[int]": (
-    lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) and 0 < x < 2**31 for x in v),
-    "a tuple of positive integers",
-  ),
-  "int": (lambda v: _is_int(v) and 0 <= v < 2**31, "an integer >= 0"),
-  "bool": (lambda v: isinstance(v, bool), "True or False"),
-  "str": (lambda v: isinstance(v, str), "a string"),
-}
-
-
-def model_arguments(name: str) -> Optional[Dict[str, Any]]:
-  """The constructor arguments of model ``name`` (argument -> annotation), or None for no such model."""
-  cls = MODELS.get(name)
-  if cls is None:
-    return None
-  return {f.name: f.type for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")}
+def _accepts(annotation) -> Tuple[Callable[[Any], bool], str]:
+  """What a value of a model argument annotated ``annotation`` must be, and its description: widths
+  and counts are int32 on the device, a sequence of integers holds widths (positive)."""
+  origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+  if annotation is bool:
+    return (lambda v: isinstance(v, bool)), "True or False"
+  if annotation is int:
+    return (lambda v: _is_int(v) and 0 <= v < 2**31), "an integer >= 0"
+  if annotation is float:
+    return (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)), "a finite number"
+  if annotation is str:
+    return (lambda v: isinstance(v, str)), "a string"
+  if origin is typing.Union and type(None) in args and len(args) == 2:
+    inner, what = _accepts(next(a for a in args if a is not type(None)))
+    return (lambda v: v is None or inner(v)), f"None or {what}"
+  if origin in (abc.Sequence, tuple, list) and args and args[0] in (int, str) and set(args) <= {args[0], ...}:
+    if args[0] is int:
+      return (lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) and 0 < x < 2**31 for x in v)), (
+        "a tuple of positive integers"
+      )
+    return (lambda v: isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)), "a tuple of strings"
+  shown = annotation.__name__ if isinstance(annotation, type) else annotation
+  return (lambda v: False), f"of type {shown}, which a config cannot give"
 
 
 def _check_model_kwargs(config) -> None:
-  """Every ``config.model.kwargs`` entry is an argument of the model, of its type."""
-  fields = model_arguments(config.model.name)
-  for k, v in dict(config.model.kwargs).items():
-    if k not in fields:
+  """Every ``config.model.kwargs`` entry is an argument of the model (one of its dataclass fields),
+  of that field's type; a required argument is given."""
+  takes = models.arguments(config.model.name)
+  kwargs = dict(config.model.kwargs)
+  for k, v in kwargs.items():
+    if k not in takes:
       raise ValueError(
-        f"config.model.kwargs.{k}: model {config.model.name!r} takes no such argument; it takes {sorted(fields)}"
+        f"config.model.kwargs.{k}: model {config.model.name!r} takes no such argument; it takes {sorted(takes)}"
       )
-    ok, what = _KWARG_TYPES.get(str(fields[k]), (lambda v: True, ""))
+    ok, what = _accepts(takes[k].type)
     if not ok(v):
-      raise ValueError(f"config.model.kwargs.{k} = {v!r}: must be {what}")
+      shown = v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v  # one line, not its YAML
+      raise ValueError(f"config.model.kwargs.{k} = {shown!r}: must be {what}")
+  for k, arg in takes.items():
+    if arg.default is dataclasses.MISSING and k not in kwargs:
+      raise ValueError(f"config.model.kwargs.{k}: model {config.model.name!r} needs it (it has no default)")
 
 
 def _get(config, dotted: str):

@@ -73,3 +73,7 @@ class DCNv2(nn.Module):
     else:
       h = jnp.concatenate([cross, MLP(self.deep, name="deep")(x0)], axis=-1)
     return dense_layer(1, name="logit")(h)[:, 0]
+
+
+# The class config.model.name = "dcn_v2" builds (the convention of recsys_jax.models).
+MODEL = DCNv2
