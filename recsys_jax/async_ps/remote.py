@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from recsys_jax.async_ps import chunking, snapshot_chain, wire
-from recsys_jax.async_ps.ids import as_ids, check_out
+from recsys_jax.async_ps.ids import as_ids, check_distinct, check_out
 from recsys_jax.async_ps.remote_rows import RemoteRows
 from recsys_jax.async_ps.snapshot_chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot_chain import MANIFEST as MANIFEST
@@ -279,7 +279,7 @@ class RemotePS(RemoteRows):
     Raises:
       KeyError: an unknown table.
       ValueError: gradients that are not [len(ids), dim]; ids that are not unsigned or
-        non-negative integers; repeated ids in a push sent in chunks (nothing is sent then).
+        non-negative integers, or repeat (nothing is sent then).
       RemotePSError: a server failed or refused.
     """
     arrays = {}
@@ -290,6 +290,8 @@ class RemotePS(RemoteRows):
         raise ValueError(
           f"table {t!r}: gradient shape {g.shape} does not match ({np.shape(i)[0]}, {self.specs[t].dim})"
         )
+      # Here, not only on the servers: a server refusing its part would leave the others' applied.
+      check_distinct(i, t)
       arrays[t] = (i, g)
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
     routes = chunking.route({t: i for t, (i, _) in arrays.items()}, self.shard_of, self.num_shards)
