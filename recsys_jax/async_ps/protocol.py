@@ -15,8 +15,9 @@ Common ground of every method:
 - A table is named by its ``TableSpec.name``; a name the store does not hold raises
   ``KeyError`` naming it, before anything changes.
 - Ids are 1-D unsigned (or non-negative) integers, taken as uint64; float, bool or negative
-  ids raise ``ValueError`` naming the table. Ids of one call must be distinct (a repeat raises
-  ``ValueError`` naming the table and the id, and nothing changes).
+  ids raise ``ValueError`` naming the table. Ids of one call must be distinct: a push, an export
+  or an import with a repeat raises ``ValueError`` naming the table and the id, and nothing
+  changes; a lookup does not pay for the check (a repeat there is the caller's bug).
 - Rows are float32 ``[n, dim]`` in the order of the ids, whatever the table's storage dtype
   (a bfloat16 table's rows are its stored values, widened exactly). Optimizer slots are always
   float32, ``{slot: [n, width]}`` with the widths of ``optimizers.make(...).init``.
@@ -58,7 +59,7 @@ class RowReader(Protocol):
     ``create=False`` reads and changes nothing: an id without a row reads its initial value
     from (table, id, seed), rounded to the table's storage dtype (zeros for a table with
     admission, whose unseen ids have no row yet); that row is not stored. ``create=True`` is a
-    training lookup: an id without a row gets one (its initial value, the one a read returned),
+    training lookup: an id without a row gets one (its initial value) where the table admits it,
     counted towards admission and capacity; a read-only reader refuses it with ``ValueError``.
     ``step``: the training step of the lookup; with bounded staleness k, a store shared by
     workers first waits until the pushes of every worker's steps <= step - k - 1 are applied,
@@ -99,8 +100,11 @@ class RowStore(RowReader, Protocol):
 
     For each table, every id's row and slots take one optimizer update with its gradient, as
     ``optimizers.make(spec.optimizer, **spec.optimizer_kwargs).update`` computes it in float32,
-    the result stored in the table's storage dtype. An id without a row gets its initial row
-    first (as a ``create`` lookup would). ``step``: the training step (with several workers it is
+    the result stored in the table's storage dtype. An id without a row (never looked up with
+    ``create``): a bounded table (capacity, expiry or admission) drops its gradient and counts it
+    in ``dropped_grads`` (an evicted row's late gradient); an unbounded one raises ``KeyError``
+    naming the table and the id, a caller's bug (other shards' or servers' parts of that push
+    may have been applied by then: the conformance suite's xfail says so). ``step``: the training step (with several workers it is
     required, and a store applies a step's pushes once every worker's is in); None: applied now.
     Every table is checked before any changes: gradients that are not float ``[len(ids), dim]``
     raise ``ValueError`` naming the table and both shapes; a repeated id raises ``ValueError``
