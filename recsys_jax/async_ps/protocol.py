@@ -33,6 +33,8 @@ from typing import Any, Dict, Mapping, Optional, Protocol, Sequence, Tuple, runt
 
 import numpy as np
 
+from recsys_jax.embeddings.specs import TableSpec
+
 Ids = Mapping[str, np.ndarray]
 """{table: distinct uint64 ids [n]}."""
 Rows = Dict[str, np.ndarray]
@@ -82,14 +84,17 @@ class RowReader(Protocol):
 
 @runtime_checkable
 class RowStore(RowReader, Protocol):
-  """The parameter server the trainer talks to: reads, trains, exports and snapshots rows.
+  """The parameter server the trainer talks to: reads, trains, exports and snapshots rows."""
 
-  Attributes: ``specs`` ({table name: ``TableSpec``}, the tables it holds) and ``num_shards``
-  (shards or servers its ids are routed over; row values never depend on it).
-  """
+  @property
+  def specs(self) -> Mapping[str, TableSpec]:
+    """{table name: ``TableSpec``}: the tables it holds."""
+    ...
 
-  specs: Mapping[str, Any]
-  num_shards: int
+  @property
+  def num_shards(self) -> int:
+    """Shards or servers its ids are routed over (row values never depend on it)."""
+    ...
 
   def lookup(self, table: str, ids: np.ndarray, create: bool = True, step: Optional[int] = None) -> np.ndarray:
     """``lookup_many({table: ids}, create, step)[table]``: float32 ``[len(ids), dim]``."""

@@ -17,6 +17,7 @@ from recsys_jax.async_ps import optimizers
 from recsys_jax.async_ps.protocol import RowReader, RowStore
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
+from recsys_jax.serving.rows import SnapshotRows, table_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 11
@@ -390,14 +391,12 @@ def test_loading_what_is_no_snapshot_names_the_directory(make, snapdir):
 def reader(request, tmp_path):
   """A ``RowReader`` holding what ``_train`` left (serving: read from the reference's snapshot)."""
   if request.param == "serving":
-    from recsys_jax.serving import rows as rows_lib
-
     ref = _reference()
     _train(ref)
     ref.save_snapshot(str(tmp_path / "snap"))
     ref.close()
-    tables = {s.name: rows_lib.table_info(s) for s in SPECS}
-    yield rows_lib.SnapshotRows([str(tmp_path / "snap")], tables, SEED, cache_bytes=2 << 10)
+    tables = {s.name: table_info(s) for s in SPECS}
+    yield SnapshotRows([str(tmp_path / "snap")], tables, SEED, cache_bytes=2 << 10)
     return
   ps = _new_store(request.param, request, tmp_path / "tier")
   _train(ps)
@@ -407,6 +406,7 @@ def reader(request, tmp_path):
 
 def test_reader_implements_the_protocol(reader):
   assert isinstance(reader, RowReader)
+  assert isinstance(reader, RowStore) == (not isinstance(reader, SnapshotRows))  # serving only reads
 
 
 def test_reader_reads_the_reference_rows(reader):
