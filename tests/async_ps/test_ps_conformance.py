@@ -256,6 +256,7 @@ def test_a_training_sequence_gives_the_reference_rows_and_slots(make):
   every row and slot equal, bit for bit (no implementation rounds, reorders a sum or loses a
   slot on its way), and the same row counts."""
   ps, ref = make(), _reference()
+  start = ps.stats()  # a remote store's servers count since they started: compare what this adds
   touched = _train(ps)
   _train(ref)
   _assert_same(_export(ps, touched), _export(ref, touched))
@@ -264,6 +265,12 @@ def test_a_training_sequence_gives_the_reference_rows_and_slots(make):
   for t in want:
     assert got[t]["rows"] + got[t]["tier_rows"] == want[t]["rows"] == touched[t].shape[0], t
     assert {"rows", "tier_rows", "bytes", "lookups", "hits", "hit_rate", "lookup_ms", "apply_ms"} <= set(got[t])
+    counted = {k: got[t][k] - start[t][k] for k in ("lookups", "created", "applied_rows")}
+    assert counted == {k: want[t][k] for k in counted}, t
+    if make.kind == "tiered":  # rows went to the tier and came back from it
+      assert got[t]["spilled"] > 0 and got[t]["tier_reads"] > 0, got[t]
+    else:
+      assert got[t]["hits"] - start[t]["hits"] == want[t]["hits"], t
 
 
 def test_snapshot_then_load_into_a_fresh_store_gives_the_same_rows_and_slots(make, snapdir):
