@@ -34,7 +34,6 @@ from absl import logging
 
 from recsys_jax import checkpoint_files
 from recsys_jax import workdir as workdir_lib
-from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.parallel import distributed
 
 
@@ -176,19 +175,19 @@ class Checkpointer:
     if primary:
       shutil.rmtree(path, ignore_errors=True)  # an orphan from a crash after the PS write
     checkpoint_files.fault_point("before_snapshot", step, self._workdir)
-    if hasattr(ps, "save_snapshot"):
-      # Remote PS servers: one process asks them; each waits until every trainer's pushes of
-      # the steps before ``step`` are applied, so the snapshot is one cut.
+    # Remote PS servers: one process asks them; each waits until every trainer's pushes of
+    # the steps before ``step`` are applied, so the snapshot is one cut. (An in-process PS has
+    # one trainer process.)
+    try:
       if primary:
         ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
-    else:
-      try:
-        snapshot.save(ps, path, incremental=not full, meta={"step": int(step)})
-      except Exception as e:
-        raise CheckpointError(
-          f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
-          f"its PS snapshot {path}: {checkpoint_files.cause(e)}"
-        ) from e
+    except ConnectionError:
+      raise  # a PS server out of reach says nothing about the checkpoint
+    except Exception as e:
+      raise CheckpointError(
+        f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
+        f"its PS snapshot {path}: {checkpoint_files.cause(e)}"
+      ) from e
     checkpoint_files.fault_point("before_parts", step, self._workdir)
     meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
     meta["meta_crc32"] = meta_checksum(meta)
@@ -350,12 +349,9 @@ class Checkpointer:
     chain = list(meta.get("ps_chain", []))
     paths = [os.path.join(self.ps_directory, n) for n in chain]
     try:
-      if hasattr(ps, "load_snapshot"):  # remote PS servers: loaded once, then every trainer goes on
-        if jax.process_index() == 0:
-          ps.load_snapshot(paths, step=int(step))
-        distributed.barrier(f"ps restored at step {step}")
-      else:
-        snapshot.load(ps, paths)
+      if jax.process_index() == 0:  # remote PS servers: loaded once, then every trainer goes on
+        ps.load_snapshot(paths, step=int(step))
+      distributed.barrier(f"ps restored at step {step}")
     except ConnectionError as e:
       # A server that answered that the snapshot is damaged or missing was reached: the checkpoint
       # is at fault (and a restore of an older one clears the server's partial tables).

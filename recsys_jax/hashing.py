@@ -33,3 +33,28 @@ def name_seed(name: str, seed: int = 0) -> np.uint64:
 def uniform01(h: np.ndarray) -> np.ndarray:
   """Maps uint64 hashes to float64 uniforms in [0, 1) using the top 53 bits."""
   return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+_SERVER_SALT = np.uint64(0xD1B54A32D192ED03)
+
+
+def server_of(table: str, ids: np.ndarray, seed: int, num_servers: int) -> np.ndarray:
+  """The server (of ``num_servers``) that holds each id of ``table``: int64, ids' shape.
+
+  A salted splitmix64 hash independent of the in-process ``ParameterServer.shard_of`` (so a
+  server's local shards stay balanced); client, servers and snapshot restores all route by it.
+
+  Args:
+    table: the table name (salts the hash, so tables spread independently).
+    ids: uint64 ids.
+    seed: the global seed the PS was configured with.
+    num_servers: the number of servers.
+
+  Returns:
+    The server index of each id.
+  """
+  if num_servers == 1:
+    return np.zeros(np.shape(ids), np.int64)
+  salt = splitmix64(np.uint64(name_seed(table, seed)) ^ _SERVER_SALT)
+  h = splitmix64(np.asarray(ids, np.uint64) ^ salt)
+  return ((h >> np.uint64(16)) % np.uint64(num_servers)).astype(np.int64)

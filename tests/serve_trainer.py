@@ -27,6 +27,7 @@ def _link_tree(src: str, dst: str) -> None:
 
 def main(workdir: str, archive: str, num_steps: int, every: int) -> None:
   from recsys_jax import checkpoint, train
+  from recsys_jax.async_ps.snapshot import directory as snapshot
   from recsys_jax.training import run_config
 
   config = run_config.load(workdir)
@@ -34,7 +35,7 @@ def main(workdir: str, archive: str, num_steps: int, every: int) -> None:
     config.num_steps, config.checkpoint_every = num_steps, every
     config.max_checkpoints, config.checkpoint_full_every = 2, 2
     config.eval_every = 0
-  rotate, save = checkpoint.Checkpointer._rotate, checkpoint.snapshot.save
+  rotate, save = checkpoint.Checkpointer._rotate, snapshot.save
 
   def archived_save(ps, path, *args, **kwargs):
     # Linked as soon as written, before its checkpoint exists: the test deletes the snapshots of
@@ -57,7 +58,7 @@ def main(workdir: str, archive: str, num_steps: int, every: int) -> None:
     os.replace(tmp, os.path.join(archive, str(step)))
     rotate(self)
 
-  checkpoint.Checkpointer._rotate, checkpoint.snapshot.save = archived_rotate, archived_save
+  checkpoint.Checkpointer._rotate, snapshot.save = archived_rotate, archived_save
   train.train_and_evaluate(config, workdir)
 
 

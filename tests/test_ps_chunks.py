@@ -251,7 +251,7 @@ def test_the_client_refuses_what_chunks_could_not_check(start):
     repeated = np.concatenate([np.arange(2000), [7]]).astype(np.uint64)
     with pytest.raises(ValueError, match=r"lookup: table 'user': ids are not distinct \(e.g. 7\)"):
       ps.lookup_many({"user": repeated}, True, 0)
-    with pytest.raises(ValueError, match=r"push: table 'user': ids are not distinct"):
+    with pytest.raises(ValueError, match=r"table 'user': ids are not distinct \(e.g. 7\)"):
       ps.apply_many({"user": (repeated, np.zeros((2001, 8), np.float32))}, 0)
     assert handlers.service.state()["applied_step"] is None  # nothing reached the server
     with pytest.raises(ValueError, match="one id of table 'user' takes 8 bytes of request and 32 of answer"):

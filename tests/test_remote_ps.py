@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from recsys_jax import hashing
 from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError, load_into
 from recsys_jax.async_ps.server import sum_pushes
@@ -449,10 +450,10 @@ def test_wire_round_trip_and_checks():
     wire.spec_from_json({"name": "t", "dim": 2, "colour": 1})
   # Routing: stable, balanced, and independent of the in-process PS's shard hash.
   ids = np.arange(30000, dtype=np.uint64)
-  counts = np.bincount(wire.server_of("user", ids, SEED, 3), minlength=3)
+  counts = np.bincount(hashing.server_of("user", ids, SEED, 3), minlength=3)
   assert counts.min() > 9000
   local = ParameterServer(SPECS, num_shards=2, seed=SEED).shard_of("user", ids)
-  inside = local[wire.server_of("user", ids, SEED, 2) == 0]
+  inside = local[hashing.server_of("user", ids, SEED, 2) == 0]
   assert 0.45 < inside.mean() < 0.55  # a server's ids still spread over its local shards
 
 

@@ -76,10 +76,10 @@ def test_chain_rows_equal_the_restored_ps_newest_wins(tmp_path, dtype, admit):
     q = np.unique(np.concatenate([v, unseen, deleted[t]]))
     want = ref.lookup_many({t: q}, create=False)[t]
     got = np.empty_like(want)
-    rows.lookup_many({t: q}, {t: got})
+    rows.lookup_many({t: q}, out={t: got})
     np.testing.assert_array_equal(got, want)
     got2 = np.empty_like(want)
-    rows.lookup_many({t: q[::-1]}, {t: got2})  # again, now partly from the cache, another order
+    rows.lookup_many({t: q[::-1]}, out={t: got2})  # again, now partly from the cache, another order
     np.testing.assert_array_equal(got2, want[::-1])
   assert rows.held_rows() <= rows.capacity_rows() <= 200 + 200 * 8 // 4
 
@@ -92,9 +92,9 @@ def test_reading_the_older_snapshot_first_would_differ(tmp_path):
   q = snapshot.read(chain[0])["a"]["ids"]
   q = np.sort(q[~np.isin(q, deleted["a"])])
   new = np.empty((q.shape[0], 8), np.float32)
-  rows_lib.SnapshotRows(chain, _tables(specs), 3, 1 << 20).lookup_many({"a": q}, {"a": new})
+  rows_lib.SnapshotRows(chain, _tables(specs), 3, 1 << 20).lookup_many({"a": q}, out={"a": new})
   old = np.empty_like(new)
-  rows_lib.SnapshotRows(chain[:1], _tables(specs), 3, 1 << 20).lookup_many({"a": q}, {"a": old})
+  rows_lib.SnapshotRows(chain[:1], _tables(specs), 3, 1 << 20).lookup_many({"a": q}, out={"a": old})
   assert 0.3 < (new != old).any(axis=1).mean() < 0.7
 
 
@@ -162,7 +162,7 @@ def test_a_table_larger_than_the_cache_is_served_within_bounded_rss(tmp_path):
     q = np.unique(probe[rng.integers(0, n, 4096)])
     out = np.empty((q.shape[0], dim), np.float32)
     t0 = time.perf_counter()
-    rows.lookup_many({"t": q}, {"t": out})
+    rows.lookup_many({"t": q}, out={"t": out})
     spent += time.perf_counter() - t0
     np.testing.assert_array_equal(
       out, (q[:, None] % np.uint64(1000)).astype(np.float32) + np.arange(dim, dtype=np.float32)

@@ -34,13 +34,12 @@ LAYERS = (
 )
 
 # Inside async_ps, top to bottom: the store is below the client and the server, which both speak
-# the wire format and read snapshots; the kernels are below everything.
+# the wire format; the kernels are below everything.
 ASYNC_PS_LAYERS = (
   ("", "factory", "protocol"),  # the package's public surface; building a PS from a config
   ("client", "server"),
-  ("snapshot",),
   ("wire",),
-  ("store",),
+  ("store", "snapshot"),  # the in-process PS saves and loads itself through snapshot; snapshots restore stores
   ("optim",),
   ("kernels",),
 )

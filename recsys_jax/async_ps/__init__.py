@@ -9,7 +9,8 @@ Its rooms, bottom to top (``tests/test_structure.py`` keeps imports running down
 - ``snapshot``: snapshot directories and the chains of them a checkpoint names.
 - ``client`` (``RemotePS``) and ``server`` (the shard server process,
   ``python -m recsys_jax.async_ps.server``).
-- ``factory``: the PS a config asks for, in process or remote.
+- ``factory``: the PS a config asks for, in process or remote; ``protocol``: the interface every
+  store implements (``RowStore``) and the read-only one serving implements (``RowReader``).
 
 The names below are the package's public surface; they load on first use, so importing one
 room does not import the others (the server process starts without gRPC client code, the
@@ -22,6 +23,8 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+  "RowReader": "recsys_jax.async_ps.protocol",
+  "RowStore": "recsys_jax.async_ps.protocol",
   "ParameterServer": "recsys_jax.async_ps.store.ps",
   "Table": "recsys_jax.async_ps.store.table",
   "RemotePS": "recsys_jax.async_ps.client.remote",

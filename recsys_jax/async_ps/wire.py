@@ -19,9 +19,7 @@ INVALID_ARGUMENT). Array names are ``<kind>/<table>`` (``ids/user``, ``grads/use
 ``rows/user``; ``weights/user`` and ``slot_<name>/user``, rows with their optimizer slots,
 always float32); a table name may itself contain ``/``.
 
-Routing lives here too because client and servers must agree on it: an id of a table goes to
-server ``server_of(table, id, seed, K)`` of K, a salted splitmix64 hash independent of the
-in-process ``ParameterServer.shard_of`` (so a server's local shards stay balanced).
+Routing is ``hashing.server_of``: client, servers and snapshot restores must agree on it.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import numpy as np
 
 from recsys_jax.async_ps.store.rows import slot_widths
 from recsys_jax.embeddings.specs import TableSpec
-from recsys_jax.hashing import name_seed, splitmix64
 
 MAGIC = b"RPS1"
 VERSION = 1
@@ -60,8 +57,6 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16")
 """Dtypes rows and gradients may travel in (converted from and back to float32 at the ends)."""
 
 FLOAT_DTYPES = frozenset(WIRE_DTYPES)
-
-_SERVER_SALT = np.uint64(0xD1B54A32D192ED03)
 
 
 class WireError(ValueError):
@@ -408,23 +403,3 @@ def spec_differences(a: TableSpec, b: TableSpec) -> Sequence[str]:
     Field names, in declaration order (empty if equal).
   """
   return [f.name for f in dataclasses.fields(TableSpec) if getattr(a, f.name) != getattr(b, f.name)]
-
-
-# -- routing -----------------------------------------------------------------------------
-def server_of(table: str, ids: np.ndarray, seed: int, num_servers: int) -> np.ndarray:
-  """The server (of ``num_servers``) that holds each id of ``table``: int64, ids' shape.
-
-  Args:
-    table: the table name (salts the hash, so tables spread independently).
-    ids: uint64 ids.
-    seed: the global seed the PS was configured with.
-    num_servers: the number of servers.
-
-  Returns:
-    The server index of each id.
-  """
-  if num_servers == 1:
-    return np.zeros(np.shape(ids), np.int64)
-  salt = splitmix64(np.uint64(name_seed(table, seed)) ^ _SERVER_SALT)
-  h = splitmix64(np.asarray(ids, np.uint64) ^ salt)
-  return ((h >> np.uint64(16)) % np.uint64(num_servers)).astype(np.int64)

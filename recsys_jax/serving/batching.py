@@ -136,7 +136,7 @@ class BatchScorer:
       for name, ids, off in g.tables:
         wanted[name], into[name] = ids, r[off : off + ids.shape[0]]
       rows[str(dim)] = r
-    self.rows.lookup_many(wanted, into)
+    self.rows.lookup_many(wanted, out=into)
     batch = {
       "dense": np.asarray(cols["dense"], np.float32),
       "inverse": {str(d): g.inverse for d, g in groups.items()},

@@ -349,8 +349,24 @@ class SnapshotRows:
       self.tables[t] = tr
     self.lock = threading.Lock()
 
-  def lookup_many(self, wanted: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
-    """Rows of each table's distinct ids into ``out[table]`` (float32 [n, dim])."""
+  def lookup_many(
+    self,
+    wanted: Mapping[str, np.ndarray],
+    create: bool = False,
+    step: Optional[int] = None,
+    out: Optional[Mapping[str, np.ndarray]] = None,
+  ) -> Dict[str, np.ndarray]:
+    """Rows of each table's distinct ids (float32 [n, dim]), into ``out[table]`` if given;
+    ``async_ps.protocol.RowReader.lookup_many`` read-only: ``create`` must be False, ``step`` is
+    ignored (a snapshot has every push of its step)."""
+    del step
+    if create:
+      raise ValueError("SnapshotRows is read-only: lookup_many(create=True) cannot create rows")
+    for t in wanted:
+      if t not in self.tables:
+        raise KeyError(f"unknown table {t!r}; this snapshot holds {sorted(self.tables)}")
+    if out is None:
+      out = {t: np.empty((np.shape(v)[0], self.tables[t].dim), np.float32) for t, v in wanted.items()}
     unseen: List[Any] = []
     with self.lock:  # the caches are shared by every thread that scores with this scorer
       for t, ids in wanted.items():
@@ -371,6 +387,22 @@ class SnapshotRows:
       for _, dest, pos, got in us:
         dest[pos] = rows[at : at + got.shape[0]]
         at += got.shape[0]
+    return dict(out)
+
+  def stats(self) -> Dict[str, Dict[str, float]]:
+    """Per table: ``rows`` (ids with a row in the chain), ``tier_rows`` (0: none is spilled),
+    ``cache_rows`` (rows cached now) and the cache's ``hits`` and ``misses``."""
+    with self.lock:
+      return {
+        n: {
+          "rows": int(t.ids.shape[0]),
+          "tier_rows": 0,
+          "cache_rows": t.cache.held(),
+          "hits": t.cache.hits,
+          "misses": t.cache.misses,
+        }
+        for n, t in self.tables.items()
+      }
 
   def held_rows(self) -> int:
     """Rows held in the caches now (never more than ``capacity_rows()``)."""

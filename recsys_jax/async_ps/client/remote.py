@@ -4,7 +4,7 @@ It offers what ``ParameterServer`` offers the trainer (``lookup_many``, ``apply_
 ``lookup``, ``apply``, ``export_rows_many`` and ``import_rows_many``,
 ``stats``, ``close``, ``specs``, ``num_shards``) plus
 ``save_snapshot`` / ``load_snapshot``, so the trainer cannot tell which one it holds. Each id
-of a table goes to server ``wire.server_of(table, id, seed, len(addresses))``; a call sends
+of a table goes to server ``hashing.server_of(table, id, seed, len(addresses))``; a call sends
 one request per server, all servers in parallel, and puts the answers back in the caller's
 order. Rows come from (table, id, seed) as in-process, so a RemotePS over any number of
 servers returns what a ``ParameterServer`` with the same specs and seed returns.
@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from recsys_jax import hashing
 from recsys_jax.async_ps import wire
 from recsys_jax.async_ps.client import chunking
 from recsys_jax.async_ps.client.transport import RemotePSError as RemotePSError
@@ -60,7 +61,7 @@ from recsys_jax.async_ps.snapshot.chain import FORMAT as FORMAT
 from recsys_jax.async_ps.snapshot.chain import MANIFEST as MANIFEST
 from recsys_jax.async_ps.snapshot.chain import load_into as load_into
 from recsys_jax.async_ps.snapshot.chain import snapshot_parts as snapshot_parts
-from recsys_jax.async_ps.store.ids import as_ids, check_out, distinct_ids, route
+from recsys_jax.async_ps.store.ids import as_ids, check_distinct, check_out, distinct_ids, route
 from recsys_jax.async_ps.store.rows import check_rows
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -251,7 +252,7 @@ class RemotePS:
       int64 server indices, shaped like ``ids``.
     """
     self._check(table)
-    return wire.server_of(table, ids, self.seed, self.num_shards)
+    return hashing.server_of(table, ids, self.seed, self.num_shards)
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
@@ -348,7 +349,7 @@ class RemotePS:
     Raises:
       KeyError: an unknown table.
       ValueError: gradients that are not [len(ids), dim]; ids that are not unsigned or
-        non-negative integers; repeated ids in a push sent in chunks (nothing is sent then).
+        non-negative integers, or repeat (nothing is sent then).
       RemotePSError: a server failed or refused.
     """
     arrays = {}
@@ -359,6 +360,8 @@ class RemotePS:
         raise ValueError(
           f"table {t!r}: gradient shape {g.shape} does not match ({np.shape(i)[0]}, {self.specs[t].dim})"
         )
+      # Here, not only on the servers: a server refusing its part would leave the others' applied.
+      check_distinct(i, t)
       arrays[t] = (i, g)
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
     routes = route({t: i for t, (i, _) in arrays.items()}, self.shard_of, self.num_shards)

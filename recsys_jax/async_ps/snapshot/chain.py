@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from recsys_jax.async_ps import wire
+from recsys_jax import hashing
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store import bounds
 
@@ -138,10 +138,10 @@ def restore_server(ps, links: Sequence[Sequence[str]], seed: int, me: int, num_s
       for table, part in snapshot.iter_parts(d):
         if table not in ps.specs:
           raise ValueError(f"snapshot {d} holds table {table!r}, which this server does not declare")
-        keep = wire.server_of(table, part["ids"], seed, num_servers) == me
+        keep = hashing.server_of(table, part["ids"], seed, num_servers) == me
         sub = {key: v[keep] for key, v in part.items() if key != "deleted"}
         if "deleted" in part:
-          sub["deleted"] = part["deleted"][wire.server_of(table, part["deleted"], seed, num_servers) == me]
+          sub["deleted"] = part["deleted"][hashing.server_of(table, part["deleted"], seed, num_servers) == me]
         ps.restore({table: sub}, merge=True)
         rows[table] += int(keep.sum())
   ps.restore_bounds_states(bounds_for(links[-1], me, num_servers))

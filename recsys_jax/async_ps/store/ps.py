@@ -3,9 +3,9 @@
 An id goes to shard ``hash(table, id) mod N``; each shard holds its part of every table
 (``Table``), with its own lock, so the tables of a call, and their shards, are worked in
 parallel by a thread pool (``workers.Workers``; the row kernels drop the GIL), dealt by rows;
-no result depends on the thread count. The interface (``lookup_many``, ``apply_many``,
-``lookup``, ``apply``, ``export_rows_many``, ``import_rows_many``, ``snapshot``, ``restore``,
-``stats``) is what the trainer talks to; a remote client offers the same methods, so the
+no result depends on the thread count. The interface (``protocol.RowStore``: ``lookup_many``,
+``apply_many``, ``export_rows_many``, ``import_rows_many``, ``save_snapshot``, ``load_snapshot``,
+``stats``...) is what the trainer talks to; ``RemotePS`` implements the same protocol, so the
 trainer cannot tell which one it has. Row values never depend on the shard count: initial rows come from
 (table, id, seed), and snapshots restore into any number of shards.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -313,6 +314,31 @@ class ParameterServer:
         sub = {k: np.asarray(v)[sel] for k, v in part.items() if k != "deleted"}
         sub["deleted"] = deleted[d_sel]
         self.shards[s][t].restore(sub, merge=merge)
+
+  def save_snapshot(
+    self, directory: str, incremental: bool = False, meta: Optional[Dict[str, Any]] = None, step: Optional[int] = None
+  ) -> Dict[str, int]:
+    """``snapshot.save`` of this PS into ``directory`` (``RemotePS.save_snapshot``'s call, so the
+    trainer saves either the same way); returns rows written per table.
+
+    ``step`` is taken for the interface's sake: every push made here is applied already.
+    """
+    del step
+    from recsys_jax.async_ps.snapshot import directory as snapshot  # tensorstore only where needed
+
+    return snapshot.save(self, directory, incremental, meta)
+
+  def load_snapshot(self, chain: Sequence[str], step: Optional[int] = None) -> None:
+    """Restores a chain of snapshots taken in-process (``snapshot.load``) or by a ``RemotePS``
+    over any number of servers (``snapshot_chain.load_into``); ``step`` as ``save_snapshot``'s."""
+    del step
+    from recsys_jax.async_ps.snapshot import chain as snapshot_chain
+    from recsys_jax.async_ps.snapshot import directory as snapshot
+
+    if any(os.path.exists(os.path.join(d, snapshot_chain.MANIFEST)) for d in chain):
+      snapshot_chain.load_into(self, chain)  # parts written by PS servers
+    else:
+      snapshot.load(self, chain)
 
   def bounds_states(self) -> Dict[str, List[Dict[str, Any]]]:
     """Per table, each shard's ``Table.bounds_state`` (step, last expiry check, admission
