@@ -24,7 +24,7 @@ from recsys_jax.async_ps.pushes import sum_pushes
 from recsys_jax.async_ps.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 3
 SPECS = [
   TableSpec(name="user", dim=8, optimizer="adagrad", optimizer_kwargs=(("learning_rate", 0.1),)),

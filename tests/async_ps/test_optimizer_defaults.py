@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimizers import CONFIGS as _REFERENCE_CONFIGS
 
 from configs import default
 from recsys_jax.async_ps import optimizers
@@ -29,6 +28,7 @@ from recsys_jax.async_ps.table import Table
 from recsys_jax.data.base import FeatureInfo, Schema
 from recsys_jax.embeddings import device_optimizers
 from recsys_jax.training.specs import build_specs
+from tests.async_ps.test_optimizers import CONFIGS as _REFERENCE_CONFIGS
 
 VOCAB, BATCH, STEPS = 24, 40, 10
 # float32 against float64 (every form, weights and slots): measured at most 0.3 of this tolerance.

@@ -20,7 +20,7 @@ from recsys_jax.async_ps.remote import RemotePS, RemotePSError, load_into
 from recsys_jax.async_ps.server import sum_pushes
 from recsys_jax.embeddings.specs import TableSpec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 7
 SPECS = [
   TableSpec(name="user", dim=8, optimizer="adagrad", optimizer_kwargs=(("learning_rate", 0.1),)),

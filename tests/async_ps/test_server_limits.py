@@ -18,7 +18,7 @@ from recsys_jax.async_ps.ids import as_ids
 from recsys_jax.async_ps.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECS = [TableSpec(name="user", dim=4), TableSpec(name="item", dim=2)]
 C = grpc.StatusCode
 

@@ -356,5 +356,5 @@ def test_stats_and_index_size():
 
 def test_module_does_not_import_jax():
   code = "import sys, recsys_jax.async_ps.tier; assert 'jax' not in sys.modules, 'jax imported'"
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

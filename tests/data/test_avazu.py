@@ -7,10 +7,10 @@ import string
 
 import numpy as np
 import pytest
-from test_criteo import write as write_lines
 
 from recsys_jax.data import base
 from recsys_jax.data.avazu import HASHED_COLUMNS, HEADER, AvazuFormat, HeaderError
+from tests.data.test_criteo import write as write_lines
 
 FMT = AvazuFormat()
 HEADER_LINE = (

@@ -186,8 +186,7 @@ def digest(batch_list):
 
 _CHILD = """
 import sys
-sys.path.insert(0, {tests!r})
-from test_data_cache import CriteoFormat, batches, cache, digest
+from tests.data.test_cache import CriteoFormat, batches, cache, digest
 i, procs = int(sys.argv[1]), int(sys.argv[2])
 b, bad = batches(cache.CachedFormat(CriteoFormat(), {root!r}), {paths!r}, process_index=i, process_count=procs)
 print(digest(b), bad.count)
@@ -196,8 +195,10 @@ print(digest(b), bad.count)
 
 def test_concurrent_processes_share_one_cache(tmp_path, sources):
   root, procs = str(tmp_path / "cache"), 3
-  script = _CHILD.format(tests=os.path.dirname(__file__), root=root, paths=sources)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path]))
+  script = _CHILD.format(root=root, paths=sources)
+  env = dict(
+    os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(__file__))), *sys.path])
+  )
   children = [
     subprocess.Popen([sys.executable, "-c", script, str(i), str(procs)], stdout=subprocess.PIPE, text=True, env=env)
     for i in range(procs)

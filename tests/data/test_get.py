@@ -15,7 +15,7 @@ import pytest
 
 from recsys_jax.data import get
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_zip(path, source, change=None):

@@ -17,8 +17,8 @@ uninterrupted launcher run, and resume its last attempt from the newest checkpoi
 last kill landed.
 
 ``config.ps.timeout_s`` stays at its default: the launcher sees a dead child as its exit, not
-through the trainers' deadlines (tests/test_cluster.py times those). The default suite's form of
-this test, one kill between checkpoints, is in tests/test_cluster.py.
+through the trainers' deadlines (tests/e2e/test_cluster.py times those). The default suite's form of
+this test, one kill between checkpoints, is in tests/e2e/test_cluster.py.
 """
 
 import functools
@@ -29,7 +29,8 @@ import signal
 import time
 
 import pytest
-from launcher_job import RESTART, STARTED, LauncherJob, running
+
+from tests.helpers.launcher_job import RESTART, STARTED, LauncherJob, running
 
 SEED = 13
 CHILDREN = ("ps-0", "ps-1", "worker-0", "worker-1")

@@ -21,11 +21,11 @@ import grpc
 import jax
 import numpy as np
 import pytest
-from launcher_job import RESTART, LauncherJob, running
 
 from recsys_jax import train
+from tests.helpers.launcher_job import RESTART, LauncherJob, running
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port():
@@ -135,11 +135,11 @@ def test_two_servers_two_trainers_match_the_in_process_run(in_process, launched)
 
 
 def test_a_server_sigkilled_between_checkpoints_restarts_and_ends_like_no_kill(launched, tmp_path):
-  """The default suite's form of tests/test_chaos.py: the same launcher job with one restart
+  """The default suite's form of tests/e2e/test_chaos.py: the same launcher job with one restart
   allowed; PS server 1 is SIGKILLed between checkpoints (once checkpoint 20 and both trainers'
   hot-set files are written). One restart, naming it; the job resumes from the newest checkpoint
   left and ends with the auc, logloss and steps (==) of the uninterrupted job."""
-  from test_chaos import _checkpoints, _new_checkpoint, _started_in, _wait
+  from tests.e2e.test_chaos import _checkpoints, _new_checkpoint, _started_in, _wait
 
   workdir = str(tmp_path / "run")
   job = LauncherJob(workdir, *CHECKPOINT_EVERY, "--max_restarts=1", num_steps=None)
@@ -195,9 +195,8 @@ def test_two_trainers_with_hot_rows_give_the_weights_and_rows_of_one_process_wit
 
   Several trainers need the remote PS: ``ps.kind='local'`` with two processes is refused (each
   would train its own tables)."""
-  from test_mesh import _dense_params, _rows, _sgd
-
   from configs import tiny
+  from tests.parallel.test_mesh import _dense_params, _rows, _sgd
 
   c = _sgd(tiny.get_config())
   c.num_steps = HOT_STEPS
@@ -293,7 +292,7 @@ def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failu
   assert s["auc"] == ref["auc"] and s["logloss"] == ref["logloss"], (s["auc"], ref["auc"])
 
 
-# -- the launcher in the background (tests/launcher_job.py) ---------------------------------------
+# -- the launcher in the background (tests/helpers/launcher_job.py) -------------------------------
 
 
 def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
@@ -338,7 +337,7 @@ def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
 def test_a_stopped_server_stops_the_job_within_timeout_s(tmp_path):
   """SIGSTOP of a server (hung, not dead): each trainer ends non-zero within ps.timeout_s, naming it."""
   timeout = 5.0  # the servers' first lookup compiles their kernels: seconds on a loaded machine
-  # --max_restarts=0: the first failure ends the job (a restart would be a new job, tests/test_chaos.py).
+  # --max_restarts=0: the first failure ends the job (a restart would be a new job, tests/e2e/test_chaos.py).
   job = LauncherJob(str(tmp_path / "run"), f"--config.ps.timeout_s={timeout}", "--max_restarts=0")
   try:
     addresses = job.wait_for(r"^\[launch\] servers ready at (\S+)$")[1].split(",")

@@ -33,7 +33,7 @@ import pytest
 from recsys_jax import train
 from recsys_jax.async_ps import snapshot
 from recsys_jax.async_ps.snapshot_chain import load_into
-from tests.run_outcome import preempted_copy, snapshot_rows
+from tests.helpers.run_outcome import preempted_copy, snapshot_rows
 
 OPTIONS = {
   "hot": ("off", "on"),

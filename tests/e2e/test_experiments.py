@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 
 # script -> (flags, keys its last JSON line must have). "{tmp}" is the test's tmp_path.
@@ -90,10 +90,10 @@ WRITES = {
 }
 # script -> the test file that runs it (as a script, in the default suite).
 ELSEWHERE = {
-  "hot_hit_rate.py": "tests/test_hot_hit_rate.py",
-  "bench_scorer.py": "tests/test_experiments.py",  # test_scorer_and_server_small: it trains the run bench_serve serves
-  "bench_serve.py": "tests/test_experiments.py",
-  "bench_feed.py": "tests/test_experiments.py",  # test_bench_feed_names_a_failed_setting_and_exits_1
+  "hot_hit_rate.py": "tests/e2e/test_hot_hit_rate.py",
+  "bench_scorer.py": "tests/e2e/test_experiments.py",  # test_scorer_and_server_small: it trains the run bench_serve serves
+  "bench_serve.py": "tests/e2e/test_experiments.py",
+  "bench_feed.py": "tests/e2e/test_experiments.py",  # test_bench_feed_names_a_failed_setting_and_exits_1
 }
 # Modules in experiments/ that are not scripts: nothing to run.
 EXEMPT = {"outputs.py": "where the scripts write (imported by them, no main): run with every script that imports it"}

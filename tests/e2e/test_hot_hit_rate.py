@@ -13,7 +13,7 @@ import numpy as np
 from configs import default as default_config
 from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WARMUP, EVAL, BATCH = 3, 2, 128
 BUDGETS = [1 << 10, 4 << 10, 16 << 10, 1 << 30]  # 8, 32, 128 rows of 128 B, and all
 

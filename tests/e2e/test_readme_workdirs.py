@@ -9,7 +9,7 @@ import os
 import re
 import shlex
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def training_commands(text: str):

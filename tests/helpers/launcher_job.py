@@ -1,6 +1,6 @@
 """Test helper: ``python -m recsys_jax.launch`` in the background, its lines collected and parsed.
 
-Used by tests/test_cluster.py and tests/test_chaos.py (not a test module itself).
+Used by tests/e2e/test_cluster.py, tests/e2e/test_chaos.py and tests/launch/test_launch.py (not a test module itself).
 """
 
 import os
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTED = re.compile(r"^\[launch\] started (\S+) \(pid (\d+)\)")
 RESTART = re.compile(r"^\[launch\] (.*); restart (\d+)/(\d+) from the last checkpoint$")
 

@@ -9,7 +9,7 @@ names mixed versions.
 A "workdir" of this model holds files ``ckpt-<step>`` (JSON options: ``broken``: the load
 fails; ``delay_s``: predict sleeps that long; ``load_s``: loading takes that long).
 ``load_scorer``/``newest_step`` here have the signatures of ``recsys_jax.serving.scorer``'s, so
-``python -m recsys_jax.serve --model_module=tests.serve_fakes`` serves it.
+``python -m recsys_jax.serve --model_module=tests.helpers.serve_fakes`` serves it.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def load_scorer(workdir: str, step: Optional[int] = None) -> LinearScorer:
 
 
 def main(argv: Sequence[str]) -> None:
-  """A trainer's stand-in: ``python tests/serve_fakes.py WORKDIR EVERY_S COUNT [N_DENSE N_CAT]`` publishes
+  """A trainer's stand-in: ``python tests/helpers/serve_fakes.py WORKDIR EVERY_S COUNT [N_DENSE N_CAT]`` publishes
   COUNT new checkpoints, one every EVERY_S seconds, after the newest one there."""
   workdir, every_s, count = argv[0], float(argv[1]), int(argv[2])
   shape = {"n_dense": int(argv[3]), "n_cat": int(argv[4])} if len(argv) > 3 else {}

@@ -1,6 +1,6 @@
 """One load-test client process: predict requests back to back for a while, over HTTP and gRPC in turn.
 
-    python tests/serve_load_client.py HTTP_PORT GRPC_PORT SECONDS OUT_JSON SEED [IDS_JSON]
+    python -m tests.helpers.serve_load_client HTTP_PORT GRPC_PORT SECONDS OUT_JSON SEED [IDS_JSON]
 
 Writes ``{"answers": [[seed, n, version, scores], ...], "failures": [text, ...]}``; the test
 checks each answer against ``serve_fakes.reference`` for the version it names, or, with IDS_JSON
@@ -15,9 +15,9 @@ import sys
 import time
 
 import numpy as np
-import serve_fakes as F
 
 from recsys_jax.serving.client import GrpcClient, HttpClient
+from tests.helpers import serve_fakes as F
 
 
 def id_records(spec, n: int, seed: int):

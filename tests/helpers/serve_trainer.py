@@ -1,6 +1,6 @@
 """A trainer resuming in a served workdir, for the serving load test (issue 25).
 
-    python tests/serve_trainer.py WORKDIR ARCHIVE NUM_STEPS CHECKPOINT_EVERY
+    python tests/helpers/serve_trainer.py WORKDIR ARCHIVE NUM_STEPS CHECKPOINT_EVERY
 
 Resumes the run in WORKDIR (its config.json) with ``max_checkpoints=2`` and
 ``checkpoint_full_every=2``, so the trainer's rotation deletes checkpoints and the PS snapshots only

@@ -19,11 +19,11 @@ import time
 
 import pytest
 import yaml
-from launcher_job import running
 
 from recsys_jax import launch
+from tests.helpers.launcher_job import running
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(ROOT, "deploy", "k8s")
 PY = sys.executable
 

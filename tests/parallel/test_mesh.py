@@ -12,7 +12,7 @@ import pytest
 
 from recsys_jax import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 5
 
 
@@ -39,8 +39,7 @@ from absl import logging; logging.set_verbosity(logging.WARNING)
 import jax
 from configs import tiny
 from recsys_jax import train
-sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from test_mesh import _dense_params
+from tests.parallel.test_mesh import _dense_params
 out, report = sys.argv[1], {}
 from recsys_jax.data import synthetic
 from recsys_jax.parallel import mics
@@ -150,9 +149,8 @@ _SGD_RUN = r"""
 import json, sys
 from configs import tiny
 from recsys_jax import train
-sys.path.insert(0, "tests")
 import numpy as np
-from test_mesh import HOT_STEPS, _dense_params, _hot, _sgd
+from tests.parallel.test_mesh import HOT_STEPS, _dense_params, _hot, _sgd
 c = _hot(_sgd(tiny.get_config()))
 c.mesh.replica, c.mesh.fsdp, c.micro_steps = 2, 4, 2
 s = train.train_and_evaluate(c, sys.argv[1])

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from recsys_jax.parallel import mics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 DIMS = (13, 24, 10, 3)  # leaves of 312, 24, 240, 10, 30, 3 elements: some need padding for p = 8
 GLOBAL_BATCH = 64

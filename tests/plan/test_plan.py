@@ -11,7 +11,7 @@ import pytest
 from recsys_jax import plan
 from recsys_jax.plan import Inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # 1e9 params, dim 64, fp32 + one fp32 Adagrad slot, 16 B/row overhead, 1 GB hosts half usable.
 SMALL = Inputs(

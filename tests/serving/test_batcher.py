@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
-import serve_fakes as F
 
 from recsys_jax.serving.api import RequestError, SnapshotGone
 from recsys_jax.serving.batcher import Batcher
 from recsys_jax.serving.reload import ModelHolder, NoModel
+from tests.helpers import serve_fakes as F
 
 
 def _check(answer, recs):

@@ -13,11 +13,11 @@ import socket
 
 import grpc
 import pytest
-import serve_fakes as F
 
 from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
 from recsys_jax.serving.grpc_service import SERVICE
 from recsys_jax.serving.server import Serving
+from tests.helpers import serve_fakes as F
 
 GOOD = {"i1": 1.5, "i2": -2, "i3": 0.25, "c1": "a", "c2": "b"}
 

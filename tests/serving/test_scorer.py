@@ -18,7 +18,6 @@ import sys
 
 import numpy as np
 import pytest
-import test_serve_requests
 
 from recsys_jax import train
 from recsys_jax.data import base
@@ -27,6 +26,7 @@ from recsys_jax.serving.api import RequestError
 from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
 from recsys_jax.training import run_config
 from recsys_jax.training.run_checkpoints import RunCheckpoints
+from tests.serving import test_requests as test_serve_requests
 
 _HEX = "0123456789abcdef"
 

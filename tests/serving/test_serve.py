@@ -1,6 +1,6 @@
 """``python -m recsys_jax.serve`` as a process: its ready line, its errors for bad flags, and a load test.
 
-The server serves ``serve_fakes``' linear model (``--model_module=tests.serve_fakes``), so
+The server serves ``serve_fakes``' linear model (``--model_module=tests.helpers.serve_fakes``), so
 every answer can be checked against the version it names. The load test runs two client
 processes (each over HTTP and gRPC in turn) while new checkpoints appear (and one broken one):
 no request may fail, every answer's scores must all come from the version it names, and each
@@ -19,12 +19,12 @@ import sys
 import time
 
 import pytest
-import serve_fakes as F
 
 from recsys_jax.serving.client import GrpcClient, HttpClient
+from tests.helpers import serve_fakes as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAKE = "--model_module=tests.serve_fakes"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE = "--model_module=tests.helpers.serve_fakes"
 
 
 def _run(*args, timeout=120):
@@ -152,7 +152,7 @@ def _load_test(tmp_path, seconds):
   try:
     clients = [
       subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "serve_load_client.py"), str(hp), str(gp), str(seconds)]
+        [sys.executable, "-m", "tests.helpers.serve_load_client", str(hp), str(gp), str(seconds)]
         + [str(tmp_path / f"client{c}.json"), str(c + 1)],
         cwd=ROOT,
       )

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 import pytest
-from test_serve_process import ROOT, start_server, stop_server
 
 from recsys_jax.serving import scorer as scorer_lib
 from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
+from tests.serving.test_serve import ROOT, start_server, stop_server
 
 
 def _train(workdir, steps):

@@ -103,12 +103,12 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
 
 # -- the load test: a trainer rotating and the test deleting what the server serves -------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _archive(w, step, archive):
   """Hard-links checkpoint ``step`` of ``w`` (and its parts, chain and config) into ``archive/<step>``."""
-  from serve_trainer import _link_tree
+  from tests.helpers.serve_trainer import _link_tree
 
   dst = os.path.join(archive, str(step))
   _link_tree(os.path.join(w, "checkpoints", str(step)), os.path.join(dst, "checkpoints", str(step)))
@@ -122,7 +122,7 @@ def _archive(w, step, archive):
 
 def _start_server(w, *args):
   """The real model server on ``w`` (no fake model), once it printed its ready line."""
-  from test_serve_process import start_server
+  from tests.serving.test_serve import start_server
 
   return start_server(w, *args, model_module=None)
 
@@ -167,10 +167,9 @@ def _load_with_trainer(run, tmp_path, seconds):
   import sys
   import time
 
-  from serve_load_client import id_records
-
   from recsys_jax.serving.client import HttpClient
   from recsys_jax.serving.encode import Encoder
+  from tests.helpers.serve_load_client import id_records
 
   w = _copy(run, tmp_path)
   archive = str(tmp_path / "archive")
@@ -184,7 +183,7 @@ def _load_with_trainer(run, tmp_path, seconds):
   # A 10 KiB row cache: nearly every row is read from the snapshots at each request.
   server, hp, gp, version = _start_server(w, "--reload_every_s=0.2", "--cache_mb=0.01", "--max_wait_ms=2")
   trainer = subprocess.Popen(
-    [sys.executable, os.path.join(ROOT, "tests", "serve_trainer.py"), w, archive, "1000000", "4"],
+    [sys.executable, os.path.join(ROOT, "tests", "helpers", "serve_trainer.py"), w, archive, "1000000", "4"],
     cwd=ROOT,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
@@ -201,7 +200,7 @@ def _load_with_trainer(run, tmp_path, seconds):
     assert trainer.poll() is None, trainer.communicate()[1][-3000:]
     clients = [
       subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "serve_load_client.py"), str(hp), str(gp), str(seconds)]
+        [sys.executable, "-m", "tests.helpers.serve_load_client", str(hp), str(gp), str(seconds)]
         + [str(tmp_path / f"client{c}.json"), str(c + 1), str(tmp_path / "ids.json")],
         cwd=ROOT,
       )

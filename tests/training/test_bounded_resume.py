@@ -17,7 +17,7 @@ from recsys_jax import train
 from recsys_jax.async_ps import snapshot
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
-from tests.run_outcome import preempted_copy, snapshot_rows
+from tests.helpers.run_outcome import preempted_copy, snapshot_rows
 
 # -- the parameter server ---------------------------------------------------------------
 

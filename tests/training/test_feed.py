@@ -11,7 +11,7 @@ import pytest
 
 from recsys_jax.async_ps.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
-from tests.run_outcome import outcome
+from tests.helpers.run_outcome import outcome
 
 # -- lookups into the caller's buffer ---------------------------------------------------------------
 

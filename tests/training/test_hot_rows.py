@@ -15,7 +15,7 @@ import pytest
 
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.embeddings import hot as hot_lib
-from tests.run_outcome import checkpoint_contents, outcome
+from tests.helpers.run_outcome import checkpoint_contents, outcome
 
 STEPS = 50
 

@@ -13,7 +13,7 @@ import pytest
 from configs import tiny
 from recsys_jax import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _short(c, steps=2):

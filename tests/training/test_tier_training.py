@@ -9,7 +9,7 @@ import pytest
 
 from recsys_jax import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _last_ps_record(workdir):

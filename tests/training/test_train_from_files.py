@@ -9,7 +9,7 @@ import pytest
 from recsys_jax import train
 from recsys_jax.data import base
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("dlrm", "dcn_v2", "deepfm", "wide_deep", "din")
 SMALL_KWARGS = {
   "dlrm": {"bottom": (16, 8), "top": (32,)},
