@@ -29,8 +29,6 @@ missing) in a temporary directory, then:
 Prints a table, then, last on stdout, one JSON line of every figure.
 """
 
-# ruff: noqa: E402
-
 from __future__ import annotations
 
 import copy
@@ -38,18 +36,12 @@ import functools
 import hashlib
 import os
 import platform
-import sys
 import tempfile
 import time
 import zlib
 from typing import Callable, Dict
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (_ROOT, os.path.join(_ROOT, "experiments")):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)  # `configs`, `recsys_jax` and `bench_readers` when run as experiments/bench_cache.py
-
-import bench_readers
+import bench_readers  # experiments/bench_readers.py, beside this script
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

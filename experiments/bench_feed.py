@@ -73,8 +73,6 @@ Prints a table, then one JSON line per setting: ``feed_samples_per_s``, ``source
 ``floor_samples_per_s``, ``floor_ratio``, ``load_avg``.
 """
 
-# ruff: noqa: E402
-
 from __future__ import annotations
 
 import itertools
@@ -87,15 +85,13 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
+from absl import app, flags
+from bench_ps import memcpy_bandwidth  # experiments/bench_ps.py (its flags too)
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-import numpy as np
-from absl import app, flags
-
-sys.path.insert(0, _HERE)
-from bench_ps import memcpy_bandwidth  # noqa: I001 - defines its flags before ours
-import outputs  # experiments/outputs.py: where results go
 
 _SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "synthetic"], "Sources: tsv, cache, synthetic.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["2048", "8192", "65536"], "Batch sizes.")
@@ -145,10 +141,10 @@ def write_criteo(path: str, records: int, seed: List[int]) -> None:
   if os.path.exists(path):
     return
   code = (
-    f"import sys, os, numpy as np; sys.path.insert(0, {_HERE!r}); from bench_readers import criteo_text; "
-    f"open({path + '.tmp'!r}, 'wb').write(criteo_text({records}, np.random.default_rng({seed})))"
+    "import numpy as np; from bench_readers import criteo_text; "
+    f"open({os.path.abspath(path) + '.tmp'!r}, 'wb').write(criteo_text({records}, np.random.default_rng({seed})))"
   )
-  subprocess.run([sys.executable, "-c", code], check=True)
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=_HERE)  # -c imports from its cwd: bench_readers
   os.replace(path + ".tmp", path)
   outputs.wrote(path)
 
@@ -181,10 +177,10 @@ def interval_steps(records: List[Dict[str, Any]], after: int, upto: int) -> List
 
 def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   """Runs the main job for one setting; returns its figures (see the module docstring)."""
-  sys.path.insert(0, s["code_root"])
   import jax
   from absl import logging
 
+  # configs and recsys_jax of s["code_root"]: child() runs this process with PYTHONPATH set to it
   from configs import dlrm
   from recsys_jax import train
   from recsys_jax.data import readers

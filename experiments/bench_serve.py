@@ -26,10 +26,10 @@ interval of the bench. ``first_answer_ms``: the round trip of the first answer f
 version (a version's first batch of a shape compiles it unless the server warmed it), against
 ``poll_p50_ms``, the median round trip of the polls. ``--batches=`` (empty) measures freshness alone.
 
-``--model_module=tests.serve_fakes`` serves the test suite's linear model instead (a workdir of
+``--model_module=tests.helpers.serve_fakes`` serves the test suite's linear model instead (a workdir of
 ``ckpt-<step>`` files with ``{"n_dense": 13, "n_cat": 26}``: Criteo's fields), which measures
 the front (HTTP/gRPC, JSON, micro-batching, the reload) with a model that costs next to nothing;
-its trainer stand-in is ``python tests/serve_fakes.py W EVERY_S COUNT 13 26``.
+its trainer stand-in is ``python tests/helpers/serve_fakes.py W EVERY_S COUNT 13 26``.
 
 A table on stderr and one JSON line per setting on stdout (also appended to ``--json_out``).
 """

@@ -22,19 +22,12 @@ differences). Prints one JSON line per variant: median ``step_ms`` over ``--repe
 ``vs_old`` (its median / old's), ``load_avg`` before and after.
 """
 
-# ruff: noqa: E402
-
 from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +39,7 @@ from recsys_jax.embeddings import pooling
 from recsys_jax.models import dlrm
 from recsys_jax.training import job as job_lib
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "dlrm.py"), "The job's config.")
 _BATCH = flags.DEFINE_integer("batch_size", 8192, "Batch size.")
 _BOTTOM = flags.DEFINE_integer("bottom", 16, "Width of the one bottom MLP layer (0: the config's MLPs).")

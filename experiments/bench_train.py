@@ -75,8 +75,6 @@ chosen as a run chooses it (``HotRows.resume`` from nothing, then ``rechoose`` a
 The baseline supports one-hot features only (``config.data.multi_hot`` empty).
 """
 
-# ruff: noqa: E402
-
 from __future__ import annotations
 
 import copy
@@ -87,10 +85,6 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)  # `configs` and `recsys_jax` when run as experiments/bench_train.py
 
 import jax
 import numpy as np

@@ -54,7 +54,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")

@@ -33,29 +33,21 @@ minute on 2 cores.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import outputs  # experiments/outputs.py, beside this script: where results go
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+from recsys_jax.parallel import mics
+from recsys_jax.parallel.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
-
-from recsys_jax.parallel import mics  # noqa: E402
-from recsys_jax.parallel.mesh import make_mesh  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 MICRO_STEPS = [1, 4]
@@ -151,6 +143,9 @@ def main(argv=None):
   parser.add_argument("--png", default=outputs.default("comm_volume.png"))
   parser.add_argument("--json_out", default=outputs.default("comm_volume.json"))
   args = parser.parse_args(argv)
+  # Eight CPU devices for the meshes: set before the first device query starts jax's backend.
+  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
   assert jax.device_count() == 8, jax.devices()
   try:
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]

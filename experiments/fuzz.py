@@ -20,18 +20,12 @@ line per target and a last JSON line with the totals. Exits 1 if anything crashe
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
-from absl import app, flags  # noqa: E402
-
-from experiments.fuzzing import harness  # noqa: E402
+import outputs  # experiments/outputs.py, beside this script: where results go
+from absl import app, flags
+from fuzzing import harness  # experiments/fuzzing/, beside this script
 
 _BUDGET = flags.DEFINE_float("budget_s", 0.0, "Total seconds, split evenly over the targets (0: use --examples).")
 _EXAMPLES = flags.DEFINE_integer("examples", 100, "Inputs per target (an upper bound when --budget_s is set).")

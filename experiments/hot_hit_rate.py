@@ -33,18 +33,13 @@ import time
 from typing import Dict, List, Sequence
 
 import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
-
-from configs import default as default_config  # noqa: E402
-from recsys_jax.async_ps.optim import optimizers  # noqa: E402
-from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData  # noqa: E402
-from recsys_jax.embeddings.frequency import FrequencyCounter  # noqa: E402
+from configs import default as default_config
+from recsys_jax.async_ps.optim import optimizers
+from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData
+from recsys_jax.embeddings.frequency import FrequencyCounter
 
 _DEFAULT_BUDGETS = [f"{1 << k}MiB" for k in range(11)]  # 1 MiB .. 1 GiB
 

@@ -4,7 +4,7 @@ So running one never overwrites the committed results in ``experiments/results/`
 out flag there (e.g. ``--out=experiments/results/zoo_movielens.json``), as the commands in docs/experiments.md do.
 
 Every file a script writes for its reader (results, plots, logs, saved inputs) is announced by one stdout line
-``wrote <absolute path>``, printed here so that the format is one everywhere (tests/test_experiments.py checks
+``wrote <absolute path>``, printed here so that the format is one everywhere (tests/e2e/test_experiments.py checks
 each such line names a non-empty file). Scratch files a script removes before it exits are not announced.
 """
 

@@ -27,22 +27,13 @@ updates the committed ones); prints a table and, last, one JSON line.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 
-import matplotlib
+import outputs  # experiments/outputs.py, beside this script: where results go
+from absl import app, flags, logging
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
-
-from configs import dlrm, movielens  # noqa: E402
-from recsys_jax import train  # noqa: E402
+from configs import dlrm, movielens
+from recsys_jax import train
 
 _FULL = flags.DEFINE_bool("full", False, "Synthetic data at the main job's 2000 steps (about 10 minutes a run).")
 _STALENESS = flags.DEFINE_list("staleness", ["0", "1", "4", "16"], "k values; 0 is synchronous.")
@@ -127,6 +118,11 @@ def _style(r: dict, ks: list) -> dict:
 
 
 def plot(results: dict, ks: list, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.5 * len(results)), squeeze=False)
   for row, (name, runs) in enumerate(results.items()):
     for r in runs:

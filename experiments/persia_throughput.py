@@ -18,19 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 
-import matplotlib
+import bench_distributed  # experiments/bench_distributed.py: its --config and --steps flags, and one launcher run
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_distributed  # noqa: E402  (its --config and --steps flags, and one launcher run)
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
 
 _OUT_T = flags.DEFINE_string(
   "throughput_out", outputs.default("persia_throughput"), "Output path without extension (.json, .png)."
@@ -61,6 +53,11 @@ def main(argv):
     ps = "in-process" if r["ps_servers"] == 0 else str(r["ps_servers"])
     print(f"| {mode} | {r['trainers']} | {ps} | {r['samples_per_sec']:,.0f} | {r['samples_per_sec'] / base:.2f} |")
   os.makedirs(os.path.dirname(_OUT_T.value) or ".", exist_ok=True)
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
   labels = ["in-process" if s == 0 else f"{w} tr x {s} PS" for k, w, s in settings if k == 0]
   fig, ax = plt.subplots(figsize=(8, 4))
   for j, k in enumerate((0, 4)):

@@ -21,16 +21,13 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 _ROW_BYTES = 7 * 64 * 4  # lookup: 2 rows; apply: gradient + row and slot read and written (bench_ps)
 
 
 def child() -> None:
   """Serves 'go I' (time batch I) and 'memcpy' lines on stdin, one JSON answer each."""
+  import bench_ps  # from this checkout of the experiments (the script's folder), the PS from PYTHONPATH
   import numpy as np
-
-  sys.path.insert(0, _HERE)
-  import bench_ps  # noqa: I001 - from this checkout of the experiments, the PS from PYTHONPATH
 
   from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec

@@ -13,23 +13,18 @@ updates the committed one) and, last, one JSON line.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 import time
 
+import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import numpy as np  # noqa: E402
-import outputs  # noqa: E402  (experiments/outputs.py, beside this script: where results go)
-
-from configs import dcn_v2, deepfm, din, movielens, wide_deep  # noqa: E402
-from recsys_jax import metrics, train  # noqa: E402
-from recsys_jax.data import base  # noqa: E402
-from recsys_jax.data.get import find_movielens  # noqa: E402
-from recsys_jax.data.movielens import MovieLensFormat  # noqa: E402
+from configs import dcn_v2, deepfm, din, movielens, wide_deep
+from recsys_jax import metrics, train
+from recsys_jax.data import base
+from recsys_jax.data.get import find_movielens
+from recsys_jax.data.movielens import MovieLensFormat
 
 RUNS = {
   "dlrm": movielens.get_config,

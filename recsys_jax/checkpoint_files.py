@@ -2,7 +2,7 @@
 in one line, and the named points of a save at which tests kill the process or fill the disk.
 
 Used by :mod:`recsys_jax.checkpoint`; the fault points do nothing unless their environment
-variable names them (tests/test_checkpoint_cut.py).
+variable names them (tests/test_checkpoint.py).
 """
 
 from __future__ import annotations

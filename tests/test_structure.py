@@ -253,13 +253,13 @@ def test_the_graph_sees_real_imports():
   assert os.path.basename(__file__) == "test_structure.py"
 
 
-_OURS = ("recsys_jax", "configs", "experiments")
+_OURS = ("recsys_jax", "configs", "experiments", "tests")
 _SKIPS = ("skip", "xfail", "importorskip")
 
 
 def _is_ours(module) -> bool:
   return isinstance(module, str) and module.split(".")[0] in _OURS + tuple(
-    p.stem for p in (ROOT / "tests").glob("*.py")
+    p.stem for p in (ROOT / "tests").rglob("*.py")
   )
 
 
@@ -289,10 +289,10 @@ def _skips_on_missing_project_modules(tree: ast.AST) -> list[int]:
 def test_no_test_skips_a_project_module_that_fails_to_import():
   """A broken import in the project must fail the suite, not skip the tests that would show it."""
   found = {}
-  for path in sorted((ROOT / "tests").glob("*.py")):
+  for path in sorted((ROOT / "tests").rglob("*.py")):
     lines = _skips_on_missing_project_modules(ast.parse(path.read_text(), str(path)))
     if lines:
-      found[path.name] = lines
+      found[str(path.relative_to(ROOT))] = lines
   assert not found, f"skips on a project module's import (file: lines): {found}"
 
 
@@ -306,3 +306,16 @@ def test_the_skip_finder_sees_each_form():
     assert _skips_on_missing_project_modules(ast.parse(src)) == [1], src
   fine = 'np = pytest.importorskip("numpy")\ntry:\n  import tqdm\nexcept ImportError:\n  tqdm = None'
   assert _skips_on_missing_project_modules(ast.parse(fine)) == []
+
+
+def test_tests_mirror_the_package():
+  """A folder of tests/ is named after a unit of recsys_jax (a subpackage, or a top-level module such as
+  launch or plan) or is e2e/ (whole runs) or helpers/ (modules the tests share, no tests); each is a package,
+  so two test files of one name in two folders do not collide under pytest."""
+  units = {p.stem for p in PACKAGE.iterdir() if (p.is_dir() and p.name != "__pycache__") or p.suffix == ".py"}
+  folders = [p for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name not in ("__pycache__", "corpus")]
+  stray = sorted(p.name for p in folders if p.name not in units | {"e2e", "helpers"})
+  assert not stray, f"tests/ folders named after no unit of recsys_jax: {stray} (tests mirror the package)"
+  no_init = [str(p.relative_to(ROOT)) for p in [ROOT / "tests", *folders] if not (p / "__init__.py").exists()]
+  assert not no_init, f"test folders without __init__.py: {no_init}"
+  assert not list((ROOT / "tests" / "helpers").glob("test_*.py")), "tests/helpers/ holds shared modules, not tests"

@@ -354,7 +354,7 @@ def test_a_checkpoint_whose_arrays_do_not_match_their_checksums_is_not_used(tiny
   assert f"checkpoints/20 is damaged: {name} (written" in err and "resuming from checkpoint 10" in err, err[-2000:]
 
 
-@pytest.mark.slow  # -m slow: tests/test_checkpoint_cut.py fails saves at each write in the default run, older checkpoints kept
+@pytest.mark.slow  # -m slow: tests/test_checkpoint.py fails saves at each write in the default run, older checkpoints kept
 def test_a_save_that_does_not_read_back_deletes_no_older_checkpoint(tiny_config, tmp_path, monkeypatch):
   tiny_config.num_steps = 20
   tiny_config.checkpoint_every = 10
@@ -412,7 +412,7 @@ def test_main_cli_rejects_bad_override(tmp_path):
     assert "Traceback" not in out.stderr, bad
 
 
-@pytest.mark.slow  # -m slow: tests/test_mesh.py compares every weight and row on 8 devices with one in the default run
+@pytest.mark.slow  # -m slow: tests/parallel/test_mesh.py compares every weight and row on 8 devices with one in the default run
 def test_eight_simulated_devices_match_one_device(uninterrupted, tmp_path):
   """The batch split over 8 CPU devices trains to the single-device metrics."""
   single, _ = uninterrupted
@@ -436,7 +436,7 @@ def test_dense_staleness_applies_each_gradient_that_many_steps_late(tiny_config,
   """Persia's fully asynchronous baseline: with SGD and d = 2, after 3 steps the dense parameters
   are those of one synchronous step (zeros, zeros, then step 0's gradient), and after 2 still
   the initial ones."""
-  from test_mesh import _dense_params
+  from tests.parallel.test_mesh import _dense_params
 
   tiny_config.optimizer.name = "sgd"
   tiny_config.optimizer.learning_rate = 0.5

@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 import numpy as np
 from hypothesis import strategies as st
 
-from experiments.fuzzing.harness import Crash, Target, clear_error
+from .harness import Crash, Target, clear_error
 
 LAYOUTS = ("full", "chain", "remote")
 

@@ -23,7 +23,7 @@ from typing import Any, List
 
 from hypothesis import strategies as st
 
-from experiments.fuzzing.harness import Crash, Target, clear_error
+from .harness import Crash, Target, clear_error
 
 BUILD_EVERY = 8
 FEATURE_KEYS = ("table", "dim", "combiner", "kind", "bogus")

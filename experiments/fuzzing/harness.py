@@ -242,9 +242,8 @@ def supervise(
       cmd = [sys.executable, os.path.join(ROOT, "experiments", "fuzz.py"), f"--worker={target}", f"--seed={seed}"]
       cmd += [f"--first_round={next_round}", f"--until={until}", f"--examples={max_examples - stats['tried']}"]
       cmd += [f"--state_dir={state}"]
-      env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
       with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, start_new_session=True)
       in_flight: Optional[Dict[str, Any]] = None
       limit = setup_limit_s
       buf = b""
@@ -336,10 +335,10 @@ def _tail(path: str, n: int = 1500) -> str:
 
 
 TARGETS = {
-  "readers": "experiments.fuzzing.readers:ReadersTarget",
-  "config": "experiments.fuzzing.config:ConfigTarget",
-  "checkpoint": "experiments.fuzzing.checkpoint:CheckpointTarget",
-  "wire": "experiments.fuzzing.wire:WireTarget",
+  "readers": ".readers:ReadersTarget",
+  "config": ".config:ConfigTarget",
+  "checkpoint": ".checkpoint:CheckpointTarget",
+  "wire": ".wire:WireTarget",
 }
 
 
@@ -348,7 +347,7 @@ def make_target(name: str) -> Target:
   import importlib
 
   module, _, cls = TARGETS[name].partition(":")
-  return getattr(importlib.import_module(module), cls)()
+  return getattr(importlib.import_module(module, __package__), cls)()
 
 
 def replay(path: str) -> Dict[str, Any]:

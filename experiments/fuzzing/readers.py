@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 import numpy as np
 from hypothesis import strategies as st
 
-from experiments.fuzzing.harness import Crash, Target, clear_error
+from .harness import Crash, Target, clear_error
 
 FORMATS = ("criteo", "avazu", "csv", "parquet", "movielens")
 CSV_COLUMNS = ("label", "d1", "d2", "c1", "tags", "hist")

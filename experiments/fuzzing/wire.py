@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 import numpy as np
 from hypothesis import strategies as st
 
-from experiments.fuzzing.harness import Crash, Target, clear_error
+from .harness import Crash, Target, clear_error
 
 TABLES = (
   {"name": "user", "dim": 4, "optimizer": "adagrad", "optimizer_kwargs": [["learning_rate", 0.1]]},

@@ -6,7 +6,7 @@ in one line and starts the whole job again: fresh servers (empty, on the ports `
 ``make_workers`` give, fresh ones with port 0) and fresh trainers. The trainers share the workdir,
 so they resume from its newest intact checkpoint and load its PS snapshot into the new servers;
 with no checkpoint yet they start from step 0. Trainers that start from the same checkpoint replay
-the same steps, so a restarted run ends as an uninterrupted one would (tests/test_chaos.py).
+the same steps, so a restarted run ends as an uninterrupted one would (tests/e2e/test_chaos.py).
 
 Which failures are restarted (the rule, also in the README):
 

@@ -6,7 +6,7 @@ holds, finite numbers) and then handed to the reader's own parser, so the hashin
 multi-hot padding cannot drift from what the model was trained on:
 
 A JSON ``null`` is a missing value, for every field of a format whose files can leave one empty: it
-is scored exactly as the reader scores the empty field (``tests/test_serving_encode.py`` compares
+is scored exactly as the reader scores the empty field (``tests/serving/test_encode.py`` compares
 the two record by record).
 
 - ``criteo``: ``I1``..``I13`` an int or a decimal string, ``C1``..``C26`` a hex string (``""`` or

@@ -1,0 +1,360 @@
+"""DiskTier against a plain dict reference: round trips, reduced precision, remove, compaction, threads."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from recsys_jax.async_ps.store.tier import DiskTier
+
+U64_MAX = np.iinfo(np.uint64).max
+DIM = 8
+SLOTS = {"acc": 3, "mom": DIM}
+
+
+def _spec(driver, tmp_path):
+  return {"driver": "memory"} if driver == "memory" else {"driver": "file", "path": str(tmp_path / "tier")}
+
+
+def _rows(rng, n):
+  w = rng.standard_normal((n, DIM), dtype=np.float32)
+  s = {k: rng.standard_normal((n, width), dtype=np.float32) for k, width in SLOTS.items()}
+  return w, s
+
+
+def _pool(rng, n):
+  ids = np.unique(rng.integers(0, U64_MAX, size=n, dtype=np.uint64, endpoint=True))
+  return np.concatenate([ids, np.array([0, 1, 2**63, U64_MAX], np.uint64)])
+
+
+class _Reference:
+  """dict id -> (weights, slots) with the garbage the tier should count."""
+
+  def __init__(self):
+    self.rows = {}
+    self.garbage = 0
+
+  def write(self, ids, w, s):
+    # A repeat inside one batch is dropped before writing (last wins): not garbage.
+    self.garbage += sum(k in self.rows for k in set(ids.tolist()))
+    for i, k in enumerate(ids.tolist()):
+      self.rows[k] = (w[i], {name: v[i] for name, v in s.items()})
+
+  def remove(self, ids):
+    for k in set(ids.tolist()):
+      if self.rows.pop(k, None) is not None:
+        self.garbage += 1
+
+  def check(self, tier, ids):
+    found, w, s = tier.read(ids)
+    assert found.dtype == np.bool_ and found.shape == ids.shape
+    assert w.dtype == np.float32 and w.shape == (ids.shape[0], DIM)
+    expect_found = np.array([k in self.rows for k in ids.tolist()], bool)
+    np.testing.assert_array_equal(found, expect_found)
+    exp_w = np.zeros_like(w)
+    exp_s = {name: np.zeros((ids.shape[0], width), np.float32) for name, width in SLOTS.items()}
+    for i, k in enumerate(ids.tolist()):
+      if k in self.rows:
+        exp_w[i] = self.rows[k][0]
+        for name in SLOTS:
+          exp_s[name][i] = self.rows[k][1][name]
+    np.testing.assert_array_equal(w, exp_w)
+    assert set(s) == set(SLOTS)
+    for name in SLOTS:
+      assert s[name].dtype == np.float32
+      np.testing.assert_array_equal(s[name], exp_s[name])
+
+
+@pytest.mark.parametrize("read_method", ["index", "chunks"])
+@pytest.mark.parametrize("driver", ["memory", "file"])
+def test_random_round_trip_matches_dict(driver, read_method, tmp_path):
+  rng = np.random.default_rng(0)
+  pool = _pool(rng, 1500)
+  never = _pool(np.random.default_rng(99), 300)
+  never = never[~np.isin(never, pool)]
+  # Small chunks and capacity: batches straddle chunks, capacity grows, reads hit the RAM
+  # tail, uncommitted writes and the store.
+  tier = DiskTier(
+    _spec(driver, tmp_path), DIM, SLOTS, chunk_rows=32, initial_rows=64, min_compact_rows=10**9, read_method=read_method
+  )
+  ref = _Reference()
+  for step in range(12):
+    n = int(rng.integers(1, 400))
+    ids = rng.choice(pool, size=n)  # repeats within the batch and across batches
+    w, s = _rows(rng, n)
+    tier.write(ids, w, s)
+    ref.write(ids, w, s)
+    if step % 4 == 3:
+      tier.flush()
+    q = np.concatenate([rng.choice(pool, size=200), rng.choice(never, size=50)])
+    rng.shuffle(q)
+    ref.check(tier, q)
+  tier.flush()
+  ref.check(tier, pool)
+  ref.check(tier, never)
+  st = tier.stats()
+  assert len(tier) == len(ref.rows) == st["live_rows"]
+  assert st["garbage_rows"] == ref.garbage
+  assert st["bytes_read"] > 0 and st["pending_rows"] == 0
+  assert st["bytes_written"] >= st["disk_rows"] * (DIM + sum(SLOTS.values())) * 4
+  if driver == "file":
+    for name in ("weights", "slot_acc", "slot_mom"):
+      assert os.path.exists(tmp_path / "tier" / name / "zarr.json")
+  tier.close()
+
+
+def test_duplicate_ids_in_one_batch_last_wins():
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=4)
+  ids = np.array([5, 7, 5, 5], np.uint64)
+  w, s = _rows(np.random.default_rng(1), 4)
+  tier.write(ids, w, s)
+  found, got, slots = tier.read(np.array([5, 7], np.uint64))
+  assert found.all() and len(tier) == 2
+  np.testing.assert_array_equal(got, w[[3, 1]])
+  np.testing.assert_array_equal(slots["acc"], s["acc"][[3, 1]])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", np.float16])
+def test_reduced_precision_matches_numpy_cast(dtype):
+  rng = np.random.default_rng(2)
+  ids = _pool(rng, 500)
+  w = (rng.standard_normal((ids.shape[0], DIM)) * 30).astype(np.float32)
+  w[0, :3] = [1e-8, 7e4, -65519.0]  # fp16 underflow and overflow behave as numpy's cast
+  _, s = _rows(rng, ids.shape[0])
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, dtype=dtype, chunk_rows=64)
+  with np.errstate(over="ignore"):
+    tier.write(ids[:300], w[:300], {k: v[:300] for k, v in s.items()})
+    tier.flush()
+    tier.write(ids[300:], w[300:], {k: v[300:] for k, v in s.items()})
+  found, got, slots = tier.read(ids[::-1])
+  assert found.all()
+  cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+  with np.errstate(over="ignore"):
+    expect = w[::-1].astype(cast).astype(np.float32)
+  np.testing.assert_array_equal(got, expect)
+  for name in SLOTS:  # slots stay float32 whatever the weights' dtype
+    np.testing.assert_array_equal(slots[name], s[name][::-1])
+  st = tier.stats()
+  # Whole chunks, plus the partial chunk flushed after 300 rows (its rows are written twice);
+  # the last partial chunk is not flushed.
+  assert st["bytes_written"] == (st["disk_rows"] // 64 * 64 + 300 % 64) * (DIM * 2 + sum(SLOTS.values()) * 4)
+
+
+def test_remove_forgets_ids_and_counts_garbage():
+  rng = np.random.default_rng(3)
+  ids = _pool(rng, 600)
+  w, s = _rows(rng, ids.shape[0])
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=50, min_compact_rows=10**9)
+  ref = _Reference()
+  tier.write(ids, w, s)
+  ref.write(ids, w, s)
+  tier.flush()
+  gone = rng.choice(ids, size=200, replace=False)
+  unknown = np.array([12345, 67890], np.uint64)
+  unknown = unknown[~np.isin(unknown, ids)]
+  n_removed = tier.remove(np.concatenate([gone, gone[:10], unknown]))
+  ref.remove(gone)
+  assert n_removed == 200 and len(tier) == ids.shape[0] - 200
+  assert tier.stats()["garbage_rows"] == ref.garbage == 200
+  ref.check(tier, ids)
+  assert tier.remove(gone) == 0
+  # A removed id written again is found again, with its new row.
+  w2, s2 = _rows(rng, 20)
+  tier.write(gone[:20], w2, s2)
+  ref.write(gone[:20], w2, s2)
+  ref.check(tier, ids)
+  assert len(tier) == len(ref.rows)
+
+
+def test_remove_rebuilds_the_index_when_dead_entries_dominate():
+  rng = np.random.default_rng(4)
+  ids = _pool(rng, 20000)
+  w, s = _rows(rng, ids.shape[0])
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=256, min_compact_rows=10**9)
+  tier.write(ids, w, s)
+  big = tier.index_nbytes()
+  keep = ids[:500]
+  tier.remove(ids[500:])
+  assert tier.index_nbytes() < big / 4
+  found, got, _ = tier.read(ids)
+  np.testing.assert_array_equal(found, np.arange(ids.shape[0]) < 500)
+  np.testing.assert_array_equal(got[:500], w[:500])
+  assert len(tier) == keep.shape[0]
+
+
+@pytest.mark.parametrize("driver", ["memory", "file"])
+def test_compact_preserves_live_rows_and_drops_garbage(driver, tmp_path):
+  rng = np.random.default_rng(5)
+  pool = _pool(rng, 800)
+  tier = DiskTier(_spec(driver, tmp_path), DIM, SLOTS, chunk_rows=16, min_compact_rows=10**9)
+  ref = _Reference()
+  for _ in range(8):
+    ids = rng.choice(pool, size=300, replace=False)
+    w, s = _rows(rng, 300)
+    tier.write(ids, w, s)
+    ref.write(ids, w, s)
+  gone = rng.choice(pool, size=100, replace=False)
+  tier.remove(gone)
+  ref.remove(gone)
+  before = tier.stats()
+  assert before["garbage_rows"] == ref.garbage > before["live_rows"]
+  tier.compact()
+  after = tier.stats()
+  assert after["garbage_rows"] == 0 and after["compactions"] == 1
+  assert after["live_rows"] == after["disk_rows"] == len(ref.rows)
+  assert after["capacity_rows"] < before["capacity_rows"]
+  ref.check(tier, pool)
+  if driver == "file":  # chunks past the live rows are deleted
+    chunk_files = sum(len(f) for d, _, f in os.walk(tmp_path / "tier" / "weights") if "zarr.json" not in f)
+    assert chunk_files <= -(-len(ref.rows) // 16)
+  # Appending after a compaction keeps working, across the rewritten partial chunk.
+  ids = rng.choice(pool, size=50, replace=False)
+  w, s = _rows(rng, 50)
+  tier.write(ids, w, s)
+  ref.write(ids, w, s)
+  tier.flush()
+  ref.check(tier, pool)
+
+
+def test_write_compacts_automatically():
+  rng = np.random.default_rng(6)
+  pool = _pool(rng, 300)
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=16, min_compact_rows=100)
+  ref = _Reference()
+  for _ in range(25):
+    ids = rng.choice(pool, size=150, replace=False)
+    w, s = _rows(rng, 150)
+    tier.write(ids, w, s)
+    ref.write(ids, w, s)
+    st = tier.stats()
+    assert st["garbage_rows"] <= 2 * max(st["live_rows"], 100)
+  assert tier.stats()["compactions"] >= 3
+  ref.check(tier, pool)
+
+
+def test_concurrent_reads_see_every_completed_write():
+  """A writer rewrites ids with versioned rows; a reader checks each row is a whole, recent version."""
+  ids = _pool(np.random.default_rng(7), 400)
+  n = ids.shape[0]
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=16, min_compact_rows=200)
+  done = np.full(n, -1, np.int64)  # latest version whose write() has returned, per id
+  errors = []
+  reads = [0]  # completed reads; the writer waits on it every other batch so the two interleave
+  cond = threading.Condition()
+  stop = threading.Event()  # set if the reader fails, so the writer ends at once
+
+  def row(idx, version):
+    # Column 0 holds the version; the rest is a function of (id, version).
+    w = (idx[:, None] * 31 + version[:, None] * 7 + np.arange(DIM)).astype(np.float32)
+    w[:, 0] = version
+    return w, {name: w[:, :width] + 0.5 for name, width in SLOTS.items()}
+
+  def writer():
+    rng = np.random.default_rng(8)
+    try:
+      for v in range(60):
+        if stop.is_set():
+          return
+        idx = rng.choice(n, size=80, replace=False)
+        w, s = row(idx, np.full(80, v))
+        tier.write(ids[idx], w, s)
+        done[idx] = v
+        if v % 2 == 0:  # odd batches run free, racing the reader
+          with cond:
+            seen = reads[0]
+            cond.wait_for(lambda seen=seen: reads[0] >= seen + 2 or stop.is_set(), timeout=5)
+    except Exception as e:  # reported by the main thread
+      errors.append(e)
+
+  t = threading.Thread(target=writer, daemon=True)
+  t.start()
+  rng = np.random.default_rng(9)
+  found_while_writing = 0
+  try:
+    for _ in range(5000):
+      alive = t.is_alive()
+      idx = rng.choice(n, size=100, replace=False)
+      floor = done[idx].copy()
+      found, w, s = tier.read(ids[idx])
+      version = np.where(found, w[:, 0], -1).astype(np.int64)
+      assert (version >= floor).all(), "a read missed a completed write"
+      exp_w, exp_s = row(idx[found], version[found])
+      np.testing.assert_array_equal(w[found], exp_w)
+      for name in SLOTS:
+        np.testing.assert_array_equal(s[name][found], exp_s[name])
+      found_while_writing += alive and found.any()
+      with cond:
+        reads[0] += 1
+        cond.notify_all()
+      if not alive:
+        break
+  finally:
+    stop.set()
+    with cond:
+      cond.notify_all()
+    t.join(timeout=30)
+  assert not errors, errors
+  assert not t.is_alive()
+  assert found_while_writing >= 20
+  assert tier.stats()["compactions"] >= 1
+  found, w, _ = tier.read(ids)
+  np.testing.assert_array_equal(np.where(found, w[:, 0], -1), done)
+
+
+def test_clear_errors(tmp_path):
+  with pytest.raises(ValueError, match="nope"):
+    DiskTier({"driver": "nope"}, DIM, SLOTS)
+  with pytest.raises(ValueError, match="kvstore spec"):
+    DiskTier({"driver": "file", "path": 3}, DIM, SLOTS)
+  with pytest.raises(ValueError, match="int8"):
+    DiskTier({"driver": "memory"}, DIM, SLOTS, dtype="int8")
+  with pytest.raises(ValueError, match="float64"):
+    DiskTier({"driver": "memory"}, DIM, SLOTS, dtype=np.float64)
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS)
+  ids = np.arange(4, dtype=np.uint64)
+  w, s = _rows(np.random.default_rng(10), 4)
+  with pytest.raises(ValueError, match=r"\(4, 7\).*\(4, 8\)"):
+    tier.write(ids, w[:, :7], s)
+  with pytest.raises(ValueError, match=r"'acc'.*\(3, 3\).*\(4, 3\)"):
+    tier.write(ids, w, {**s, "acc": s["acc"][:3]})
+  with pytest.raises(ValueError, match="slots"):
+    tier.write(ids, w, {"acc": s["acc"]})
+  with pytest.raises(ValueError, match="1-D"):
+    tier.read(ids[None])
+  assert len(tier) == 0
+  tier.close()
+  tier.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    tier.read(ids)
+
+
+def test_stats_and_index_size():
+  tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=8)
+  empty = tier.stats()
+  assert set(empty) >= {"live_rows", "garbage_rows", "bytes_written", "bytes_read", "writes", "reads", "index_bytes"}
+  assert empty["live_rows"] == empty["garbage_rows"] == empty["bytes_written"] == 0
+  small = tier.index_nbytes()
+  rng = np.random.default_rng(11)
+  ids = _pool(rng, 5000)
+  tier.write(ids, *_rows(rng, ids.shape[0]))
+  tier.read(ids[:10])
+  st = tier.stats()
+  assert st["writes"] == 1 and st["reads"] == 1 and st["live_rows"] == ids.shape[0]
+  assert tier.index_nbytes() == st["index_bytes"] > small
+  assert st["index_bytes"] >= ids.shape[0] * 8 * 3  # keys, slot table and disk rows
+  row_bytes = (DIM + sum(SLOTS.values())) * 4
+  assert st["bytes_written"] == ids.shape[0] // 8 * 8 * row_bytes  # whole chunks only
+  assert st["pending_rows"] >= ids.shape[0] % 8
+  tier.flush()
+  st = tier.stats()
+  assert st["bytes_written"] == ids.shape[0] * row_bytes and st["pending_rows"] == 0
+
+
+def test_module_does_not_import_jax():
+  code = "import sys, recsys_jax.async_ps.store.tier; assert 'jax' not in sys.modules, 'jax imported'"
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -1,0 +1,272 @@
+"""Hot rows on the device against runs without them: the same rows and weights, whatever moves.
+
+With k = 0 a hot row trains exactly as it would on the PS (synchronously, with the same optimizer
+math), so a run whose hot set holds every row it has seen, re-chosen every few steps (rows and
+their optimizer slots moving to the device and back each time), must end where a run without a
+hot set ends: dense weights and every PS row, within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from recsys_jax.embeddings import dedup as dedup_lib
+from recsys_jax.embeddings import hot as hot_lib
+from tests.helpers.run_outcome import checkpoint_contents, outcome
+
+STEPS = 50
+
+
+def _config(tiny_config, hot_bytes, **kw):
+  c = tiny_config
+  c.num_steps = STEPS
+  c.checkpoint_every = 30  # checkpoints after steps 30 and 50
+  c.log_every = 10
+  c.eval_samples = 4096
+  c.eval_batch_size = 4096
+  c.host_workers = 1
+  c.hot_rows_bytes = hot_bytes
+  c.hot_warmup_steps = 3
+  c.hot_every = 70  # slots stay free: re-chosen every 70 // 10 = 7 steps from step 3; rows move both ways
+  c.hot_min_count = 1
+  for k, v in kw.items():
+    c[k] = v
+  return c
+
+
+def _assert_close(a, b, what, tol=1e-5):
+  assert a.keys() == b.keys(), what
+  for k in a:
+    if isinstance(a[k], dict):
+      _assert_close(a[k], b[k], f"{what}/{k}", tol)
+    elif a[k].dtype.kind == "f":
+      np.testing.assert_allclose(a[k], b[k], rtol=tol, atol=tol, err_msg=f"{what}/{k}")
+    else:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}/{k}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The tiny job for 50 steps at k = 0 without hot rows, and with a budget for every row."""
+  from configs import tiny
+
+  tmp = tmp_path_factory.mktemp("hot")
+  out = {}
+  for name, hot_bytes in (("cold", 0), ("hot", 1 << 22)):
+    c = _config(tiny.get_config(), hot_bytes)
+    out[name] = (c, str(tmp / name), outcome(c, str(tmp / name)))
+  return out
+
+
+def test_a_hot_set_of_every_row_at_k0_equals_the_run_without_one(runs):
+  (_, _, (s_cold, l_cold, p_cold, r_cold)), (_, _, (s_hot, l_hot, p_hot, r_hot)) = runs["cold"], runs["hot"]
+  _assert_close(p_hot, p_cold, "dense")
+  _assert_close(r_hot, r_cold, "rows")  # weights and optimizer slots of every row, written back
+  assert [s for s, _ in l_hot] == [s for s, _ in l_cold]
+  np.testing.assert_allclose([x for _, x in l_hot], [x for _, x in l_cold], rtol=1e-5)
+  assert s_hot["auc"] == pytest.approx(s_cold["auc"], abs=1e-4)
+
+
+def test_the_hot_set_really_held_the_rows(runs):
+  """Not a vacuous equality: most lookups were served on the device, and rows moved."""
+  import json
+  import os
+
+  _, workdir, _ = runs["hot"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    hot = json.load(f)["hot"]
+  assert hot["hot_hit_rate"] > 0.8, hot
+  assert hot["hot_rows_held"] > 1000
+  choices = hot["choices"]
+  assert [c["step"] for c in choices] == [3, 10, 17, 24, 31, 38, 45]
+  assert choices[0]["promoted"] > 500 and sum(c["promoted"] for c in choices[1:]) > 0
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    logged = [r for r in map(json.loads, f) if r["kind"] == "train"]
+  assert all("hot_hit_rate" in r and "h2d_row_bytes_per_step" in r for r in logged)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 12])
+def test_restore_into_another_budget_reads_the_same_rows(runs, budget):
+  """The checkpoint after step 30 holds the hot rows (written back before the snapshot): restored
+  with no hot set or a small one, every row and slot equals the run without hot rows at 30."""
+  from configs import tiny
+
+  c_cold, cold_dir, _ = runs["cold"]
+  _, hot_dir, _ = runs["hot"]
+  other = _config(tiny.get_config(), budget)
+  p_ref, r_ref = checkpoint_contents(c_cold, cold_dir, 30)
+  p, r = checkpoint_contents(other, hot_dir, 30)
+  _assert_close(p, p_ref, "dense")
+  _assert_close(r, r_ref, "rows")
+
+
+def _resumed(runs, tmp_path, damage=None, drop=50):
+  """The hot run resumed from its checkpoint at 30 (the one at ``drop`` removed, or, with ``drop``
+  None, set aside for its damaged hot set) and run to 50."""
+  import os
+  import shutil
+
+  c, hot_dir, _ = runs["hot"]
+  workdir = str(tmp_path / "resumed")
+  shutil.copytree(hot_dir, workdir, ignore=shutil.ignore_patterns("probe_*"))
+  if drop:
+    shutil.rmtree(os.path.join(workdir, "checkpoints", str(drop)))
+  saved = os.path.join(workdir, "checkpoint_parts", "30" if drop else "50", "hot_rows_p0.npz")
+  assert os.path.getsize(saved) > 1000
+  if damage:
+    damage(workdir, saved)
+  return outcome(c.copy_and_resolve_references(), workdir)
+
+
+def _assert_same_run(runs, got):
+  _, _, (s_hot, _, p_hot, r_hot) = runs["hot"]
+  s, _, p, r = got
+  for k in p_hot:
+    np.testing.assert_array_equal(p[k], p_hot[k], err_msg=k)
+  for t in r_hot:
+    for k in r_hot[t]:
+      np.testing.assert_array_equal(r[t][k], r_hot[t][k], err_msg=f"{t}/{k}")
+  assert s["auc"] == s_hot["auc"] and s["logloss"] == s_hot["logloss"]
+
+
+def test_a_resumed_run_goes_on_exactly_as_the_one_that_saved(runs, tmp_path):
+  """The hot set and its counts are saved with the checkpoint: resumed at 30, the run holds the
+  same rows in the same slots and re-chooses as the uninterrupted one did, to the bit."""
+  _assert_same_run(runs, _resumed(runs, tmp_path))
+
+
+def test_a_damaged_hot_set_file_sets_its_checkpoint_aside(runs, tmp_path, capsys):
+  """The hot set is a part of its checkpoint: truncated, the checkpoint at 50 is damaged, named in
+  one line and set aside; the run resumes from 30 and ends exactly as the uninterrupted one."""
+  import os
+
+  def truncate(workdir, path):
+    with open(path, "r+b") as f:
+      f.truncate(100)
+
+  got = _resumed(runs, tmp_path, truncate, drop=None)
+  err = capsys.readouterr().err
+  damaged = [line for line in err.splitlines() if "hot_rows_p0.npz" in line]
+  assert len(damaged) == 1 and "is damaged" in damaged[0] and "resuming from checkpoint 30" in damaged[0], err
+  assert os.path.isdir(str(tmp_path / "resumed" / "checkpoints_damaged" / "50" / "parts"))
+  _assert_same_run(runs, got)
+
+
+def test_a_checkpoint_written_before_parts_is_read_as_before(runs, tmp_path):
+  """A checkpoint from before the hot set was a part (the file inside the checkpoint directory, no
+  ``parts_crc32`` in the meta) resumes with its hot set, exactly."""
+  import json
+  import os
+
+  from recsys_jax import checkpoint as checkpoint_lib
+
+  def old_layout(workdir, path):
+    os.replace(path, os.path.join(workdir, "checkpoints", "30", "hot_rows_p0.npz"))
+    meta_file = os.path.join(workdir, "checkpoints", "30", "meta", "metadata")
+    with open(meta_file) as f:
+      meta = json.load(f)
+    del meta["parts_crc32"]
+    meta["meta_crc32"] = checkpoint_lib.meta_checksum(meta)
+    with open(meta_file, "w") as f:
+      json.dump(meta, f)
+
+  _assert_same_run(runs, _resumed(runs, tmp_path, old_layout))
+
+
+def test_buckets_shrink_rarely(tiny_config):
+  """The step compiles once per shape: after a step of many rows, a step of few pads to the
+  earlier buckets (same rows, same slots, only the hot entries' base moves); the cold bucket
+  shrinks only when the cold rows fit in half of it, the hot bucket never."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+
+  def groups(step, batch_size):
+    return host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, batch_size))
+
+  for step in range(3):  # counted and created on the PS; nothing is hot yet
+    host.lookup(groups(step, 1024), create=True)
+  hot_state = hot.rechoose(3, job.hot_state, job.ps)
+  assert hot.set.size() > 100
+  big, medium, small = groups(4, 1024).groups, groups(5, 900).groups, groups(6, 64).groups
+  hot.split(big, dedup_lib.MIN_BUCKET)
+  bucket, bucket_h = hot._bucket_floor[8]
+  alone = hot.set.split(medium[8])  # the medium step's own buckets: smaller, but more than half
+  assert alone.group.bucket < bucket < 2 * alone.group.bucket and alone.hot_idx.shape[0] <= bucket_h
+  cold, hot_idx = hot.split(medium, dedup_lib.MIN_BUCKET)
+  got = cold[8]
+  assert (got.bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)  # padded to the compiled shapes
+  assert [(n, i.tolist(), o) for n, i, o in got.tables] == [(n, i.tolist(), o) for n, i, o in alone.group.tables]
+  n_hot = int(np.count_nonzero(alone.hot_idx < hot.set.capacity[8]))
+  np.testing.assert_array_equal(hot_idx["8"][:n_hot], alone.hot_idx[:n_hot])
+  assert (hot_idx["8"][n_hot:] == hot.set.capacity[8]).all()
+  a = alone.group.inverse
+  np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
+  # Far fewer cold rows (half the bucket or less): the cold bucket shrinks to its own; the hot one never.
+  hot.rechoose(7, hot_state, job.ps)
+  alone = hot.set.split(small[8])
+  assert 2 * alone.group.bucket <= bucket and alone.hot_idx.shape[0] < bucket_h
+  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
+  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (alone.group.bucket, bucket_h)
+  job.ps.close()
+
+
+def _slow(add, delay):
+  def add_later(name, ids):
+    time.sleep(delay)
+    add(name, ids)
+
+  return add_later
+
+
+def test_a_choice_counts_every_earlier_step_though_counting_lags(tiny_config):
+  """Counting runs on its own thread; a re-choice waits for it: with every add slowed down, the
+  counts it reads equal a counter fed the same steps' ids in order on this thread."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+  from recsys_jax.embeddings.frequency import FrequencyCounter
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+  ref = FrequencyCounter(hot.counter.tables, hot.counter.capacity, seed=c.seed)
+  hot.counter.add = _slow(hot.counter.add, 0.01)
+  for step in range(6):
+    p = host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 256))
+    for name, ids, _ in p.groups[8].tables:
+      ref.add(name, ids)
+    host.lookup(p, create=True)
+  hot.rechoose(6, job.hot_state, job.ps)
+  cap = hot.set.capacity
+  want = hot_lib.choose({t: ref.top(t, cap[8]) for t in ref.tables}, hot.groups, cap, hot.overrides, hot.min_count)
+  for t in ref.tables:
+    np.testing.assert_array_equal(hot.set.hot(t)[0], want[t], err_msg=t)
+  assert 100 < hot.set.size() < cap[8]  # not vacuous: ids seen once stay cold, so a lagging count changes the set
+  hot.close()
+  job.ps.close()
+
+
+def test_a_counting_failure_stops_the_next_choice_and_never_a_lookup(tiny_config):
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  job = train.build_job(c)
+  hot, host = job.hot, job.host
+
+  def broken(name, ids):
+    raise ValueError(f"cannot count {name}")
+
+  hot.counter.add = broken
+  for step in range(12):  # more steps than the queue holds: a failed count must not block a split
+    host.lookup(host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 64)), create=True)
+  with pytest.raises(RuntimeError, match="hot rows: counting ids failed: ValueError.'cannot count cat_"):
+    hot.rechoose(12, job.hot_state, job.ps)
+  hot.close()
+  job.ps.close()

@@ -1,0 +1,75 @@
+"""A resume whose config does not fit the workdir's checkpoints names the field, its value in the checkpoint's
+config and in the one given, and the fix, in one line; the checkpoints and the config they were written with are
+left as they were (a failed resume writes no config.<n>.json that a scorer would then read)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import tiny
+from recsys_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _short(c, steps=2):
+  c.num_steps = steps
+  c.eval_samples = c.eval_batch_size = 512
+  return c
+
+
+def test_a_resume_with_another_model_shape_names_the_field_and_both_values(tiny_config, tmp_path):
+  train.train_and_evaluate(_short(tiny_config), str(tmp_path))
+  before = sorted(os.listdir(tmp_path / "checkpoints")), sorted(os.listdir(tmp_path))
+  c = _short(tiny_config, 4)
+  c.model.kwargs.top = (64,)
+  c.embeddings.optimizer = "sgd"
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(c, str(tmp_path))
+  assert str(e.value) == (
+    f"{tmp_path}/checkpoints holds checkpoints of another config (config.json): embeddings.optimizer = 'adagrad' "
+    "there, 'sgd' here; model.kwargs.top = (32,) there, (64,) here; they cannot be restored into this one: use a new "
+    "--workdir, or the values they were written with"
+  )
+  assert (sorted(os.listdir(tmp_path / "checkpoints")), sorted(os.listdir(tmp_path))) == before
+  # Only the run's length changed: the resume goes on.
+  assert train.train_and_evaluate(_short(tiny.get_config(), 4), str(tmp_path))["steps_this_run"] == 2
+
+
+def test_the_command_line_says_it_in_one_line(tmp_path):
+  args = [sys.executable, "-m", "recsys_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}"]
+  args += ["--config.num_steps=2", "--config.eval_samples=512", "--config.eval_batch_size=512"]
+  assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+  r = subprocess.run(
+    args + ["--config.embeddings.dim=4", "--config.model.kwargs.bottom=(16,4)"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+  )
+  assert r.returncode == 2
+  lines = r.stderr.splitlines()
+  assert len(lines) == 2 and lines[0] == f"workdir: {tmp_path}", lines
+  assert lines[1].startswith(f"error: {tmp_path}/checkpoints holds checkpoints of another config (config.json): ")
+  assert "embeddings.dim = 8 there, 4 here" in lines[1] and lines[1].endswith(
+    "use a new --workdir, or the values they were written with"
+  )
+
+
+def test_a_damaged_checkpoint_is_not_blamed_on_a_field_that_shapes_no_state(tiny_config, tmp_path):
+  """A restore that fails for another reason (here the hot set's part is gone) with only a learning rate and
+  the snapshot cadence changed is the damage it is, not a config mismatch."""
+  from recsys_jax.checkpoint import CheckpointError
+
+  train.train_and_evaluate(_short(tiny_config), str(tmp_path))
+  parts = tmp_path / "checkpoint_parts" / "2"
+  assert sorted(os.listdir(parts)) == ["hot_rows_p0.npz"]
+  (parts / "hot_rows_p0.npz").unlink()
+  c = _short(tiny.get_config(), 4)
+  c.optimizer.learning_rate, c.checkpoint_full_every = 1e-2, 3
+  with pytest.raises(CheckpointError, match="hot_rows_p0.npz cannot be read"):
+    train.train_and_evaluate(c, str(tmp_path))

@@ -1,0 +1,94 @@
+"""Training with tables larger than their RAM cache: the tensorstore tier end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recsys_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _last_ps_record(workdir):
+  """The last PS metrics record of a run (totals over tables)."""
+  last = None
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for r in map(json.loads, f):
+      if r["kind"] == "ps":
+        last = r
+  return last
+
+
+def test_table_four_times_its_cache_trains_like_ram_only(tiny_config, tmp_path):
+  tiny_config.data.vocab_sizes = (1000,) * 8  # eight tables of similar size
+  ram = train.train_and_evaluate(tiny_config, str(tmp_path / "ram"))
+  n_tables = len(tiny_config.data.vocab_sizes)
+  capacity = ram["ps_rows"] // n_tables // 4  # each table about four times its cache
+  tiny_config.embeddings.capacity = capacity
+  tiny_config.ps.tier = "tier"  # a file-backed zarr3 store under the workdir
+  tiered = train.train_and_evaluate(tiny_config, str(tmp_path / "tier"))
+  ps_rec = _last_ps_record(str(tmp_path / "tier"))
+  assert ps_rec["evictions"] > 0
+  assert tiered["ps_rows"] + tiered["ps_tier_rows"] == ram["ps_rows"]  # every row kept, none dropped
+  assert tiered["ps_rows"] <= n_tables * capacity  # RAM holds at most the caches
+  assert ram["ps_rows"] >= 4 * n_tables * capacity
+  assert abs(tiered["auc"] - ram["auc"]) <= 0.005
+  assert os.listdir(tmp_path / "tier" / "tier")  # the spill store is really on disk
+
+
+_RSS_RUN = r"""
+import json, sys
+from absl import logging; logging.set_verbosity(logging.WARNING)
+from configs import tiny
+from recsys_jax import train
+c = tiny.get_config()
+c.num_steps = int(sys.argv[2]); c.batch_size = 512; c.eval_samples = c.eval_batch_size = 4096
+c.data.vocab_sizes = (1_000_000,) * 4; c.data.zipf_alpha = 0.3  # ~all ids distinct
+c.embeddings.dim = 64; c.model.kwargs.bottom = (16, 64)
+if sys.argv[3] != "0":
+  c.embeddings.capacity = int(sys.argv[3]); c.ps.tier = "tier"
+s = train.train_and_evaluate(c, sys.argv[1])
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child of a large pytest process
+# reported the parent's peak (2 GB in the slow run) whatever it used itself.
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({"auc": s["auc"], "rows": s["ps_rows"], "tier_rows": s["ps_tier_rows"], "bytes": s["ps_bytes"],
+                  "maxrss": int(hwm) * 1024}))
+"""
+
+
+def _rss_run(workdir, steps, capacity):
+  out = subprocess.run(
+    [sys.executable, "-c", _RSS_RUN, str(workdir), str(steps), str(capacity)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=dict(os.environ, MALLOC_ARENA_MAX="2"),  # as recsys_jax.main sets it
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_under_cache_plus_stated_overhead(tmp_path):
+  """docs/parameter-server.md (Memory bound): peak RSS <= process baseline + RAM cache bytes + 128 MiB.
+
+  The baseline is the same job run for one step (Python, JAX, XLA, the data reader); the
+  128 MiB covers the tier's write buffers (16 MiB), one snapshot part (16k rows), eviction
+  copies, id maps and allocator slack. The RAM-only run of the same table must exceed it.
+  """
+  baseline = _rss_run(tmp_path / "base", 1, 0)["maxrss"]  # process, model, XLA, one step
+  ram = _rss_run(tmp_path / "ram", 120, 0)
+  cap = ram["rows"] // 4 // 4  # per table: a quarter of each table's rows (4 tables)
+  tier = _rss_run(tmp_path / "tier", 120, cap)
+  assert tier["rows"] + tier["tier_rows"] == ram["rows"]
+  assert tier["tier_rows"] >= 2.5 * tier["rows"]
+  assert abs(tier["auc"] - ram["auc"]) <= 0.005
+  row_bytes = 64 * 4 * 2 + 40  # float32 row + Adagrad slot + id map and bookkeeping
+  cache_bytes = 4 * cap * row_bytes
+  assert tier["maxrss"] <= baseline + cache_bytes + (128 << 20), (tier, baseline, cache_bytes)
+  # And the tier is what keeps it there: the RAM-only run of the same table needs more.
+  assert ram["maxrss"] - tier["maxrss"] >= 0.25 * (ram["rows"] - tier["rows"]) * row_bytes, (ram, tier)
