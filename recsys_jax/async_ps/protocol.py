@@ -3,7 +3,7 @@
 Two ``typing.Protocol`` classes state it: ``RowReader``, what reads rows (the model server's
 ``serving.rows.SnapshotRows``, which serves a trained model's rows from its PS snapshot chain),
 and ``RowStore``, a ``RowReader`` that also trains rows: the in-process
-``ps.ParameterServer`` (with or without a disk tier) and ``remote.RemotePS`` (a client of PS
+``store.ps.ParameterServer`` (with or without a disk tier) and ``client.remote.RemotePS`` (a client of PS
 shard server processes). The trainer holds a ``RowStore`` and cannot tell which one it has;
 ``tests/async_ps/test_ps_conformance.py`` runs one suite against every implementation.
 
