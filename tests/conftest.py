@@ -1,11 +1,8 @@
 """Shared fixtures: the tiny config, PS servers (processes and in-process), and quiet orbax logging."""
 
 import os
-import select
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from absl import logging
@@ -13,6 +10,8 @@ from absl import logging
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+
+from tests.helpers.servers import ServerProcesses  # noqa: E402 - after ROOT is on sys.path
 
 logging.set_verbosity(logging.WARNING)
 
@@ -24,56 +23,9 @@ def tiny_config():
   return tiny.get_config()
 
 
-class _Servers:
-  """Starts server processes and kills them at teardown."""
-
-  def __init__(self, tmp_path):
-    self.tmp_path = tmp_path
-    self.procs = []
-
-  def start(self, n, *args):
-    """Starts n servers at once; returns their (address, process) once each printed 'ready'."""
-    procs = []
-    for _ in range(n):
-      log = open(self.tmp_path / f"server-{len(self.procs)}.log", "w")
-      p = subprocess.Popen(
-        [sys.executable, "-m", "recsys_jax.async_ps.server", "--port=0", *args],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=ROOT,
-      )
-      p.log_path = log.name
-      log.close()
-      self.procs.append(p)
-      procs.append(p)
-    out = []
-    deadline = time.monotonic() + 60
-    for p in procs:
-      ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
-      line = p.stdout.readline() if ready else ""
-      if not line.startswith("ready "):
-        with open(p.log_path) as f:
-          pytest.fail(f"server did not start (stdout {line!r}):\n{f.read()[-3000:]}")
-      out.append((line.split()[1], p))
-    return out
-
-  def close(self):
-    for p in self.procs:
-      if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-    for p in self.procs:
-      try:
-        p.wait(timeout=5)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-      p.stdout.close()
-
-
 @pytest.fixture
 def servers(tmp_path):
-  s = _Servers(tmp_path)
+  s = ServerProcesses(tmp_path)
   yield s
   s.close()
 

@@ -19,8 +19,7 @@ trainer without the server's).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recsys_jax import lazy
 
 _PUBLIC = {
   "RowReader": "recsys_jax.async_ps.protocol",
@@ -42,16 +41,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-  where = _PUBLIC.get(name)
-  if where is None:
-    raise AttributeError(f"module 'recsys_jax.async_ps' has no attribute {name!r}")
-  module, attr = where if isinstance(where, tuple) else (where, name)
-  value = getattr(importlib.import_module(module), attr)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy.exports(__name__, _PUBLIC)

@@ -10,8 +10,7 @@ that imports ``supervisor`` or ``restarts`` (for their exit codes) must not get.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recsys_jax import lazy
 
 _PUBLIC = {
   "PS_MODULE": "recsys_jax.launch.cli",
@@ -46,14 +45,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-  if name not in _PUBLIC:
-    raise AttributeError(f"module 'recsys_jax.launch' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_PUBLIC[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy.exports(__name__, _PUBLIC)

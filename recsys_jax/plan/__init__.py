@@ -9,8 +9,7 @@ only wants the sizing model (``capacity``) must not get.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recsys_jax import lazy
 
 _PUBLIC = {
   "GB": "recsys_jax.plan.capacity",
@@ -36,14 +35,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-  if name not in _PUBLIC:
-    raise AttributeError(f"module 'recsys_jax.plan' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_PUBLIC[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy.exports(__name__, _PUBLIC)

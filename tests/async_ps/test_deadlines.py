@@ -16,7 +16,7 @@ import pytest
 from recsys_jax.async_ps import factory
 from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
-from tests.conftest import _Servers
+from tests.helpers.servers import ServerProcesses
 
 SPECS = [TableSpec(name="user", dim=4, optimizer="adagrad", optimizer_kwargs=(("learning_rate", 0.1),))]
 TIMEOUT = 1.5
@@ -32,7 +32,7 @@ def stopped(tmp_path_factory):
     (addresses, the client (timeout_s=TIMEOUT, snapshot_timeout_s=SNAPSHOT_TIMEOUT), the snapshot).
   """
   tmp = tmp_path_factory.mktemp("servers")
-  servers, client = _Servers(tmp), None
+  servers, client = ServerProcesses(tmp), None
   try:
     procs = servers.start(2)
     addresses = [a for a, _ in procs]

@@ -6,9 +6,6 @@ optimizers with a float64 numpy reference."""
 
 import dataclasses
 import os
-import select
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ from recsys_jax.async_ps.protocol import RowReader, RowStore
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 from recsys_jax.serving.rows import SnapshotRows, table_info
+from tests.helpers.servers import ServerProcesses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 11
@@ -79,55 +77,17 @@ def _assert_same(got, want):
 
 
 # -- the implementations ----------------------------------------------------------------------
-class _ServerProcesses:
-  """PS shard server processes (``python -m recsys_jax.async_ps.server``), stopped at close."""
-
-  def __init__(self, n, log_dir):
-    self.procs, self.addresses = [], []
-    for i in range(n):
-      log = open(os.path.join(log_dir, f"server-{i}.log"), "w")
-      self.procs.append(
-        subprocess.Popen(
-          [sys.executable, "-m", "recsys_jax.async_ps.server", "--port=0", f"--snapshot_root={log_dir}"],
-          stdout=subprocess.PIPE,
-          stderr=log,
-          text=True,
-          cwd=ROOT,
-        )
-      )
-      log.close()
-    for i, p in enumerate(self.procs):
-      ready, _, _ = select.select([p.stdout], [], [], 60)
-      line = p.stdout.readline() if ready else ""
-      if not line.startswith("ready "):
-        self.close()
-        with open(os.path.join(log_dir, f"server-{i}.log")) as f:
-          pytest.fail(f"PS server {i} did not start (stdout {line!r}):\n{f.read()[-3000:]}")
-      self.addresses.append(line.split()[1])
-
-  def close(self):
-    for p in self.procs:
-      if p.poll() is None:
-        p.terminate()
-    for p in self.procs:
-      try:
-        p.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-      p.stdout.close()
-
-
 @pytest.fixture(scope="module")
 def remote_env(tmp_path_factory):
   """Two servers for the module, and an empty full snapshot that resets them between tests."""
   root = tmp_path_factory.mktemp("conformance")
-  servers = _ServerProcesses(2, str(root))
+  servers = ServerProcesses(root)
+  addresses = [a for a, _ in servers.start(2, f"--snapshot_root={root}")]
   empty = str(root / "empty")
   blank = _reference()
   blank.save_snapshot(empty)
   blank.close()
-  yield servers, empty, root
+  yield addresses, empty, root
   servers.close()
 
 
@@ -141,8 +101,8 @@ def _new_store(kind, request, tier_path):
     return ParameterServer(small, seed=SEED, tier={"driver": "file", "path": str(tier_path)}, protect_steps=1)
   from recsys_jax.async_ps.client.remote import RemotePS  # grpc only here
 
-  servers, empty, _ = request.getfixturevalue("remote_env")
-  ps = RemotePS(servers.addresses, SPECS, seed=SEED)
+  addresses, empty, _ = request.getfixturevalue("remote_env")
+  ps = RemotePS(addresses, SPECS, seed=SEED)
   ps.load_snapshot([empty])
   return ps
 
