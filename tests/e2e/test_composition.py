@@ -47,28 +47,6 @@ N = 6  # stop after N steps, resume to 2N
 CAPACITY = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_once(tmp_path_factory):
-  """A persistent compilation cache for this module's runs: each case trains three or four jobs
-  whose steps compile to the same programs, and compiling is most of a case's time."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache
-
-  keys = {
-    "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache")),
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-  }
-  before = {k: getattr(jax.config, k) for k in keys}
-  for k, v in keys.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
-  yield
-  for k, v in before.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
-
-
 def valid(case) -> bool:
   """A disk tier holds what a capacity evicts: it needs one."""
   return case.get("tier") != "on" or case.get("bound") in (None, "lru", "lfu")
