@@ -29,7 +29,7 @@ from recsys_jax.models.dlrm import MLP as DlrmMLP
 from recsys_jax.models.layers import MLP
 from recsys_jax.models.wide_deep import WideDeep
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 B = 6
 KEY = jax.random.PRNGKey(0)
