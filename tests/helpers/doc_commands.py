@@ -89,7 +89,7 @@ def bash_commands(text: str, page: str = "") -> List[Command]:
     ):
       i += 1
       cmd += "\n" + lines[i]
-    out.append(Command(page, start + 1, cmd, shlex.split(cmd, comments=True), _comment(cmd)))
+    out.append(Command(page, start + 1, cmd, shlex.split(cmd.replace("\\\n", " "), comments=True), _comment(cmd)))
     i += 1
   return out
 
