@@ -7,30 +7,24 @@ from __future__ import annotations
 
 import glob
 import os
-import re
-import shlex
+
+from tests.helpers.doc_commands import bash_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def training_commands(text: str):
   """(line number, args) of every ``python -m recsys_jax.main`` or ``.launch`` command in a markdown text's bash blocks."""
-  out, in_bash = [], False
-  lines = text.splitlines()
-  i = 0
-  while i < len(lines):
-    line = lines[i]
-    if line.startswith("```"):
-      in_bash = line.strip() in ("```bash", "```sh")
-    elif in_bash:
-      start, cmd = i + 1, line.split(" #")[0].rstrip()
-      while cmd.endswith("\\") and i + 1 < len(lines):  # a command continued on the next line
-        i += 1
-        cmd = cmd[:-1] + " " + lines[i].split(" #")[0].strip()
-      m = re.search(r"python -m recsys_jax\.(main|launch) .*", cmd)
-      if m and "--helpconfig" not in cmd:
-        out.append((start, shlex.split(m.group(0).split("&&")[0])))
-    i += 1
+  out = []
+  for c in bash_commands(text):
+    words = c.args
+    for i in range(len(words) - 2):
+      if words[i : i + 2] == ["python", "-m"] and words[i + 2] in ("recsys_jax.main", "recsys_jax.launch"):
+        args = words[i:]
+        args = args[: args.index("&&")] if "&&" in args else args
+        if "--helpconfig" not in args:
+          out.append((c.line, args))
+        break
   return out
 
 
