@@ -113,8 +113,8 @@ class Checkpointer:
       raise ValueError(f"full_every must be >= 1, got {full_every}")
     self.directory = workdir_lib.checkpoints(workdir)
     self.ps_directory = workdir_lib.ps_snapshots(workdir)
-    self.damaged_directory = os.path.join(os.path.abspath(workdir), workdir_lib.CHECKPOINTS_DAMAGED)
-    self.parts_directory = os.path.join(os.path.abspath(workdir), workdir_lib.CHECKPOINT_PARTS)
+    self.damaged_directory = workdir_lib.checkpoints_damaged(workdir)
+    self.parts_directory = workdir_lib.all_checkpoint_parts(workdir)
     self._workdir = os.path.abspath(workdir)
     self.full_every = full_every
     self.max_to_keep = max_to_keep
@@ -210,7 +210,7 @@ class Checkpointer:
 
     A process that cannot write its part still joins the gather, so that every process fails the
     save with the same line instead of the others waiting for it."""
-    directory = os.path.join(self.parts_directory, str(step))
+    directory = workdir_lib.checkpoint_parts(self._workdir, step)
     mine: Dict[str, Any] = {}
     where = directory
     try:
@@ -235,12 +235,12 @@ class Checkpointer:
     """Where checkpoint ``step``'s part ``name`` is: under ``checkpoint_parts/<step>/``, or, for a
     checkpoint written before parts were (its meta lists none), inside the checkpoint directory."""
     if "parts_crc32" in meta:
-      return os.path.join(self.parts_directory, str(step), name)
+      return os.path.join(workdir_lib.checkpoint_parts(self._workdir, step), name)
     return os.path.join(self.directory, str(step), name)
 
   def _check_parts(self, step: int, meta: Dict[str, Any]) -> None:
     for name, crc in sorted(meta.get("parts_crc32", {}).items()):
-      path = os.path.join(self.parts_directory, str(step), name)
+      path = os.path.join(workdir_lib.checkpoint_parts(self._workdir, step), name)
       try:
         got = checkpoint_files.file_crc32(path)
       except OSError as e:
@@ -410,7 +410,7 @@ class Checkpointer:
     if jax.process_index() == 0:
       os.makedirs(self.damaged_directory, exist_ok=True)
       os.replace(os.path.join(self.directory, str(step)), dst)
-      parts = os.path.join(self.parts_directory, str(step))
+      parts = workdir_lib.checkpoint_parts(self._workdir, step)
       if os.path.isdir(parts):  # with the checkpoint, out of the way of the next save of this step
         os.replace(parts, os.path.join(dst, "parts"))
     return dst

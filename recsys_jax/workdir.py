@@ -41,8 +41,16 @@ def checkpoint_meta(workdir: str, step: int) -> str:
   return os.path.join(checkpoint(workdir, step), META_FILE)
 
 
+def checkpoints_damaged(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS_DAMAGED)
+
+
+def all_checkpoint_parts(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CHECKPOINT_PARTS)
+
+
 def checkpoint_parts(workdir: str, step: int) -> str:
-  return os.path.join(os.path.abspath(workdir), CHECKPOINT_PARTS, str(step))
+  return os.path.join(all_checkpoint_parts(workdir), str(step))
 
 
 def ps_snapshots(workdir: str) -> str:
