@@ -67,6 +67,11 @@ def _search_path() -> List[str]:
   return list(__path__)
 
 
+def _modules() -> set:
+  """The names of the plain modules on the search path (models and helpers alike)."""
+  return {m.name for m in pkgutil.iter_modules(_search_path()) if not m.ispkg and not m.name.startswith("_")}
+
+
 def _declared(module_name: str):
   """The ``MODEL`` of ``recsys_jax.models.<module_name>``, or None for a helper module."""
   module = importlib.import_module(f"{__name__}.{module_name}")
@@ -75,8 +80,7 @@ def _declared(module_name: str):
 
 def names() -> List[str]:
   """The names of every model, sorted: the modules on the search path that declare ``MODEL``."""
-  found = {m.name for m in pkgutil.iter_modules(_search_path()) if not m.ispkg and not m.name.startswith("_")}
-  return sorted(n for n in found if _declared(n) is not None)
+  return sorted(n for n in _modules() if _declared(n) is not None)
 
 
 def get(name: str) -> Type[nn.Module]:
@@ -85,8 +89,7 @@ def get(name: str) -> Type[nn.Module]:
   Raises:
     ValueError: no module of that name declares ``MODEL``; the line names the models there are.
   """
-  on_path = {m.name for m in pkgutil.iter_modules(_search_path()) if not m.ispkg and not m.name.startswith("_")}
-  cls = _declared(name) if isinstance(name, str) and name in on_path else None
+  cls = _declared(name) if isinstance(name, str) and name in _modules() else None
   if cls is None:
     raise ValueError(f"unknown model {name!r}; choose one of {names()}")
   return cls
