@@ -31,6 +31,7 @@ The files are always created fresh (any previous ones are deleted).
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import os
 import threading
 from typing import Callable, Dict, List, Tuple
@@ -39,6 +40,19 @@ import numpy as np
 
 READ_THREADS = 2
 """Threads that read ahead from the files, shared by every ``FileRowStore`` of the process."""
+
+RESIDENT_BYTES = int(os.environ.get("RECSYS_JAX_TIER_RESIDENT_BYTES", 16 << 20))
+"""The file pages one store may leave mapped into the process before it unmaps them.
+
+Pages of a mapped file that were touched count in the process's RSS until unmapped
+(``madvise(MADV_DONTNEED)``), though they are the kernel's page cache and stay cached: a
+store counts the pages its appends and reads may have touched (a page per row read, at
+most) and drops them past this. Dropping them costs the next reads a page fault each: a
+4 MiB budget read a bench_ps workload's misses at 0.6x the speed of an unbounded one, 16
+MiB at about 0.8x. The memory bound (docs/parameter-server.md) counts it per table shard.
+``RECSYS_JAX_TIER_RESIDENT_BYTES`` sets it."""
+
+_PAGE = mmap.PAGESIZE
 
 _pool_lock = threading.Lock()
 _pool = None
@@ -86,6 +100,7 @@ class FileRowStore:
     self.end = 0
     self.cap = 0
     self._maps: Dict[str, np.ndarray] = {}
+    self._touched = 0  # bytes of pages touched since the mappings were last dropped (an upper bound)
     self._in_flight: List[concurrent.futures.Future] = []
     try:
       os.makedirs(path, exist_ok=True)
@@ -125,6 +140,7 @@ class FileRowStore:
     self.end += n
     self._counters["bytes_written"] += n * self._row_bytes
     self._counters["rows_written"] += n
+    self._touch(n * self._row_bytes + 2 * _PAGE * len(self._maps))
 
   def reap(self) -> None:
     """Forgets finished reads (nothing is written asynchronously here)."""
@@ -161,14 +177,27 @@ class FileRowStore:
 
     ``background``: gather on a reader thread (the returned function waits for it); else at once.
     """
-    self._counters["bytes_read"] += int(found.sum()) * self._row_bytes
+    n = int(found.sum())
+    self._counters["bytes_read"] += n * self._row_bytes
     maps = self._maps  # the mapping of this moment: a later growth does not disturb the read
     if not background:
       self._gather(maps, rows, found, out)
+      self._touch(n * _PAGE * len(maps))
       return _nothing
     fut = _readers().submit(self._gather, maps, rows, found, out)
     self._in_flight.append(fut)
+    self._touch(n * _PAGE * len(maps))
     return fut.result
+
+  def _touch(self, nbytes: int) -> None:
+    """Counts pages touched; past ``RESIDENT_BYTES`` unmaps every page of the files (they
+    stay in the page cache, and a later access maps them again)."""
+    self._touched += nbytes
+    if self._touched <= RESIDENT_BYTES:
+      return
+    for a in self._maps.values():
+      a._mmap.madvise(mmap.MADV_DONTNEED)
+    self._touched = 0
 
   # ------------------------------------------------------------------------ compaction
 
