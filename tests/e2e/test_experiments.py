@@ -43,6 +43,7 @@ SMOKE = {
   ),
   "bench_ps.py": (
     ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"]
+    + ["--tier_rounds=2"]
     + ["--json_out={tmp}/bench_ps.json"],
     [],
   ),

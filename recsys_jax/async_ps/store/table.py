@@ -258,6 +258,11 @@ class Table:
     self.timers["lookup_calls"] += 1
     return out
 
+  def in_ram(self, ids: np.ndarray) -> np.ndarray:
+    """Whether each id has a row in RAM now (a lookup would not go to the tier or create it)."""
+    with self.lock:
+      return self._ids.find(np.asarray(ids, np.uint64)) >= 0
+
   def read_ahead(self, ids: np.ndarray, step: int) -> int:
     """Starts reading, from the tier, the rows a later lookup of ``ids`` (at ``step``) will miss.
 
