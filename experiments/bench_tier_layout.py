@@ -1,7 +1,7 @@
 """The disk tier's read rate by file layout, against a floor of the same bytes read with os.preadv, in one run.
 
     python experiments/bench_tier_layout.py [--rows=100000] [--read_rows=1000] [--rounds=7]
-        [--chunk_rows=1024,256,64,16,4] [--shard_rows=16384,65536] [--inner_rows=1,4,16]
+        [--chunk_rows=1024,256,64,16,4] [--shard_rows=4096,16384,65536] [--inner_rows=1,4,16]
         [--inflight=1,2,4,8] [--cold_rounds=1] [--dir=DIR] [--json_out=FILE]
 
 One table of ``--rows`` rows of ``--dim`` float32 weights and one Adagrad slot of ``--slot_width``
@@ -68,7 +68,7 @@ _SLOT = flags.DEFINE_integer("slot_width", 64, "Adagrad slot width per row (floa
 _READ = flags.DEFINE_integer("read_rows", 1000, "Distinct random rows per read.")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed rounds (each runs every configuration once); medians reported.")
 _CHUNKS = flags.DEFINE_list("chunk_rows", ["1024", "256", "64", "16", "4"], "Chunk rows of the chunked layouts.")
-_SHARDS = flags.DEFINE_list("shard_rows", ["16384", "65536"], "Shard rows of the sharded layouts.")
+_SHARDS = flags.DEFINE_list("shard_rows", ["4096", "16384", "65536"], "Shard rows of the sharded layouts.")
 _INNER = flags.DEFINE_list("inner_rows", ["1", "4", "16"], "Inner-chunk rows of the sharded layouts.")
 _INFLIGHT = flags.DEFINE_list("inflight", ["1", "2", "4", "8"], "Reads in flight (Q) to compare.")
 _COLD = flags.DEFINE_integer(
@@ -76,6 +76,8 @@ _COLD = flags.DEFINE_integer(
 )
 _CURRENT = flags.DEFINE_integer("current_chunk_rows", 1024, "TierStore's chunk_rows today (the 'current' figure).")
 _DIR = flags.DEFINE_string("dir", None, "Folder for the files (default: a temporary folder, removed after).")
+_APPEND = flags.DEFINE_integer("append_rows", 1024, "Rows per append in the write figures (TierStore appends chunks).")
+_WRITE_ROWS = flags.DEFINE_integer("write_rows", 16384, "Rows appended per layout for the write figures.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 
 
@@ -158,6 +160,36 @@ def _floor(fl: tier_files.FloorReader, sets: List[np.ndarray], mode: str, row_by
   return {"out": out, **_figures(sum(len(r) for r in sets), row_bytes, dt, io)}
 
 
+def _writes(lay: tier_files.Layout, data, append: int, rows: int, row_bytes: int) -> Dict[str, Dict[str, float]]:
+  """Writes the first ``rows`` rows of ``data`` into a fresh copy of ``lay``, ``append`` rows at a time, each
+  write waited for; a sharded layout also in whole shards (its first shard, at once). Rows/s and bytes written
+  and read per row."""
+  out = {}
+  modes = {f"append {append}": (append, min(rows, lay.rows))}
+  if lay.kind == "sharded":
+    modes["whole shard"] = (lay.chunk_rows, min(lay.chunk_rows, lay.rows))
+  for mode, (step, n) in modes.items():
+    scratch = lay.like(os.path.join(lay.root, "writes"))
+    arrays = scratch.open(ts.Context(tier_files.CONTEXT), create=True)
+    src = scratch.split(data)
+    io0 = tier_files.io_counters()
+    t0 = time.perf_counter()
+    for a in range(0, n, step):
+      for f in [arrays[f][a : min(a + step, n)].write(x[a : min(a + step, n)]) for f, x in src.items()]:
+        f.result()
+    dt = time.perf_counter() - t0
+    io = tier_files.io_delta(io0, tier_files.io_counters())
+    shutil.rmtree(scratch.root)
+    out[mode] = {
+      "rows": n,
+      "rows_per_s": n / dt,
+      "bytes_written_per_row": io["wchar"] / n,
+      "write_amplification": io["wchar"] / (n * row_bytes),
+      "bytes_read_per_row": io["rchar"] / n,
+    }
+  return out
+
+
 def _summary(runs: List[Dict[str, float]], row_bytes: int) -> Dict[str, float]:
   keys = ("rows_per_s", "bytes_read_per_row", "amplification", "syscalls_per_row", "disk_bytes_per_row")
   s = {k: _median([r[k] for r in runs]) for k in keys}
@@ -233,12 +265,19 @@ def main(argv):
             floor_runs[(x.name, mode)].append(r)
     print(f"{_ROUNDS.value + 1} rounds in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
+    writes = {lay.name: _writes(lay, data, _APPEND.value, _WRITE_ROWS.value, row_bytes) for lay in layouts}
+
     cold = {}
+    if _COLD.value:
+      os.sync()  # dirty pages stay in the page cache through DONTNEED
     for lay in layouts if _COLD.value else []:
-      mine = [c for c in configs if c.layout is lay and not c.cached]
-      reads = {"q1": [c for c in mine if c.q == 1 and not c.batch][0]}
-      if qmax > 1:
-        reads[f"q{qmax}"] = [c for c in mine if c.q == qmax and c.batch][0]
+      reads = {}
+      for cached in (False, True) if lay.kind == "sharded" else (False,):
+        mine = [c for c in configs if c.layout is lay and c.cached == cached]
+        tag = " index-cached" if cached else ""
+        reads[f"q1{tag}"] = [c for c in mine if c.q == 1 and not c.batch][0]
+        if qmax > 1:
+          reads[f"q{qmax}{tag}"] = [c for c in mine if c.q == qmax and c.batch][0]
       runs = {k: [] for k in [*reads, "floor", "floor threads", "floor threads random"]}
       for _ in range(_COLD.value):
         sets = [np.sort(rng.choice(N, R, replace=False)) for _ in range(qmax)]
@@ -341,16 +380,32 @@ def main(argv):
     f"{out['floor_best_over_best']:.2f}x the best tensorstore read",
     file=sys.stderr,
   )
+  print(
+    f"\nwrites (appends into a fresh copy, each waited for; {_WRITE_ROWS.value:,} rows, or a sharded layout's first "
+    "shard whole): k rows/s, bytes written per row / row bytes (amplification), bytes read per row",
+    file=sys.stderr,
+  )
+  for name, w in writes.items():
+    line = "".join(
+      f"   {m}: {v['rows_per_s'] / 1e3:7.0f}k {v['write_amplification']:5.1f}x {v['bytes_read_per_row']:6.0f}B"
+      for m, v in w.items()
+    )
+    print(f"{name:22}{line}", file=sys.stderr)
+  out["writes"] = writes
   if cold:
     print(
       f"\ncold (files dropped from the page cache before each read), medians of {_COLD.value}: k rows/s, and the "
       "bytes the disk delivered per row",
       file=sys.stderr,
     )
-    print(f"{'layout':22}" + "".join(f"{k:>21}" for k in cold[layouts[0].name]), file=sys.stderr)
+    keys = sorted(dict.fromkeys(k for c in cold.values() for k in c), key=lambda k: k.startswith("floor"))
+    short = {k: k.replace("index-cached", "idx").replace("threads", "thr").replace("random", "rnd") for k in keys}
+    print(f"{'layout':22}" + "".join(f"{short[k]:>17}" for k in keys), file=sys.stderr)
     for name, c in cold.items():
-      line = "".join(f"{v['rows_per_s'] / 1e3:11.1f}k {v['disk_bytes_per_row']:7.0f}B" for v in c.values())
-      print(f"{name:22}{line}", file=sys.stderr)
+      cells = [
+        f"{c[k]['rows_per_s'] / 1e3:8.1f}k {c[k]['disk_bytes_per_row']:6.0f}B" if k in c else f"{'':17}" for k in keys
+      ]
+      print(f"{name:22}" + "".join(cells), file=sys.stderr)
   out["cold"] = {
     n: {k: {m: v[m] for m in ("rows_per_s", "disk_bytes_per_row")} for k, v in c.items()} for n, c in cold.items()
   }

@@ -49,13 +49,17 @@ class Layout:
       raise ValueError(f"Layout: kind {kind!r} is not one of {KINDS}")
     if kind == "sharded" and (not shard_rows or not inner_rows or shard_rows % inner_rows):
       raise ValueError(f"Layout: a sharded layout needs inner_rows ({inner_rows}) dividing shard_rows ({shard_rows})")
-    self.kind, self.rows = kind, rows
+    self.kind, self.rows, self.given = kind, rows, dict(fields)
     self.fields = dict(fields) if kind == "separate" else {"row": sum(fields.values())}
     self.chunk_rows = shard_rows if kind == "sharded" else chunk_rows  # rows per file
     self.inner_rows = inner_rows if kind == "sharded" else None
     self.name = f"{kind} c{chunk_rows}" if kind != "sharded" else f"sharded s{shard_rows} i{inner_rows}"
     self.root = os.path.join(root, self.name.replace(" ", "_"))
     self.row_bytes = sum(self.fields.values()) * _ITEM
+
+  def like(self, root: str) -> "Layout":
+    """The same layout under another folder."""
+    return Layout(root, self.kind, self.given, self.rows, self.chunk_rows, self.chunk_rows, self.inner_rows)
 
   def spec(self, field: str) -> Dict[str, Any]:
     w = self.fields[field]
@@ -92,17 +96,11 @@ class Layout:
 
   def create(self, data: Mapping[str, np.ndarray]) -> None:
     """Writes ``data`` (field -> [rows, width] float32, every row non-zero: zarr3 skips chunks equal to the
-    fill value) as this layout's files, flushed to the disk (so that dropping them from the page cache works)."""
+    fill value) as this layout's files."""
     ctx = ts.Context(CONTEXT)
     arrays = self.open(ctx, create=True)
     for f in [arrays[f].write(a) for f, a in self.split(data).items()]:
       f.result()
-    for path in self.files():
-      fd = os.open(path, os.O_RDONLY)
-      try:
-        os.fdatasync(fd)
-      finally:
-        os.close(fd)
 
   def open(self, context: ts.Context, create: bool = False, cache_index: bool = False) -> Dict[str, ts.TensorStore]:
     """The arrays, opened in ``context``; ``cache_index``: with the shard indexes (and the metadata) cached in
@@ -133,7 +131,8 @@ class Layout:
     return {**CONTEXT, "cache_pool#index": {"total_bytes_limit": int(1.25 * self.index_bytes()) + (256 << 10)}}
 
   def drop_from_page_cache(self) -> None:
-    """``posix_fadvise(DONTNEED)`` on every file, so that the next read comes from the disk."""
+    """``posix_fadvise(DONTNEED)`` on every file, so that the next read comes from the disk (pages not yet
+    written back stay: ``os.sync()`` first)."""
     for path in self.files():
       fd = os.open(path, os.O_RDONLY)
       try:
