@@ -190,6 +190,17 @@ def _writes(lay: tier_files.Layout, data, append: int, rows: int, row_bytes: int
   return out
 
 
+def _rounded(x):
+  """``x`` with every float to 4 significant digits (the figures move more than that between runs)."""
+  if isinstance(x, float):
+    return float(f"{x:.4g}")
+  if isinstance(x, dict):
+    return {k: _rounded(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_rounded(v) for v in x]
+  return x
+
+
 def _summary(runs: List[Dict[str, float]], row_bytes: int) -> Dict[str, float]:
   keys = ("rows_per_s", "bytes_read_per_row", "amplification", "syscalls_per_row", "disk_bytes_per_row")
   s = {k: _median([r[k] for r in runs]) for k in keys}
@@ -411,8 +422,9 @@ def main(argv):
   }
   out["floors"] = fl_sum
   out["configs"] = res
+  out = _rounded(out)
   if _JSON_OUT.value:
-    outputs.write_json(_JSON_OUT.value, out)
+    outputs.write_json(_JSON_OUT.value, out, indent=None)
   print(json.dumps(out))
 
 
