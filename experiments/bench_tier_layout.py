@@ -2,14 +2,14 @@
 
     python experiments/bench_tier_layout.py [--rows=100000] [--read_rows=1000] [--rounds=7]
         [--chunk_rows=1024,256,64,16,4] [--shard_rows=4096,16384,65536] [--inner_rows=1,4,16]
-        [--inflight=1,2,4,8] [--cold_rounds=1] [--dir=DIR] [--json_out=FILE]
+        [--inflight=1,2,4,8] [--cold_rounds=1] [--append_rows=1024] [--dir=DIR] [--json_out=FILE]
 
 One table of ``--rows`` rows of ``--dim`` float32 weights and one Adagrad slot of ``--slot_width``
 (512 bytes a row at the defaults), random non-zero values, written in each layout of
 ``tier_files.py`` under a temporary folder (or ``--dir``): ``separate`` (one zarr3 array per field,
 as ``TierStore`` stores them) and ``combined`` (the fields side by side in one array) for each
 ``--chunk_rows``, and ``sharded`` (the combined array, zarr3 ``sharding_indexed``) for each
-``--shard_rows`` x ``--inner_rows``. Every file is uncompressed and flushed to the disk.
+``--shard_rows`` x ``--inner_rows``. Every file is uncompressed.
 
 A read is what the tier does on a step's misses: ``--read_rows`` distinct random rows, sorted, one
 tensorstore index-array read per array (``arr[rows].read()``), TierStore's context (no chunk cache,
@@ -17,9 +17,10 @@ no fsync). Each configuration issues Q such reads at once (``--inflight``: Q fut
 for all), each of other rows, with or without one ``ts.Batch`` around the Q (``batch``; Q > 1);
 a sharded layout also runs with its shard indexes cached (``index-cached``: the arrays'
 ``metadata_cache_pool``, which holds the shard indexes and not the data, given 1.25x the bytes of
-every index plus 256 KiB, while the data's ``cache_pool`` stays 0). The floor (``tier_files.FloorReader``) reads the same rows from the same files in the
-same order with one ``os.preadv`` per row (per inner chunk when sharded) into preallocated
-buffers, one thread, the Q reads one after the other: the bytes the read must fetch and nothing
+every index plus 256 KiB, while the data's ``cache_pool`` stays 0).
+
+The floor (``tier_files.FloorReader``) reads the same rows from the same files in the same order
+with one ``os.preadv`` per row (per inner chunk when sharded) into preallocated buffers, one thread, the Q reads one after the other: the bytes the read must fetch and nothing
 else, with the files it needs opened beforehand (untimed; a plain-file store would hold them
 open). Two more ways, reported beside it: each file opened and closed around its rows (``open``,
 as tensorstore's file kvstore opens a file per read), and the Q reads at once, one thread each,
@@ -30,7 +31,14 @@ round (so load drift hits all alike), after one untimed round; figures are media
 ``--rounds``. Bytes read and read syscalls are this process's ``/proc/self/io`` counters (``rchar``,
 ``syscr``) around the reads: ``amplification`` = bytes read / the rows' bytes. All of this is
 warm: the files were just written and are in the page cache (so this measures the software, not
-the disk). ``--cold_rounds`` then drops each layout's files from the page cache
+the disk).
+
+Writes (one pass per layout, not alternated): the first ``--write_rows`` rows appended to a fresh
+copy ``--append_rows`` at a time (TierStore appends whole chunks), each write waited for; a
+sharded layout also as its first shard in one write (an append smaller than a shard rewrites the
+shard). Rows/s, bytes written and read per row (``wchar``, ``rchar``).
+
+``--cold_rounds`` then drops each layout's files from the page cache
 (``posix_fadvise(DONTNEED)``) before each of these reads: tensorstore with Q=1, and with Q=max in
 one batch; the floor of the Q=max rows (one thread; ``threads``; and ``threads random``, each file
 advised ``POSIX_FADV_RANDOM`` so that the kernel reads no more than asked) and reports those
@@ -38,7 +46,7 @@ rates and the bytes the disk delivered (``read_bytes``).
 
 The last stdout line is one JSON object: per configuration (``configs``: its name -> rows/s,
 useful MB/s, bytes read per row, amplification, syscalls per row, its layout's floor rows/s and
-``of_floor`` = rows/s / floor rows/s), per layout (``floors``), ``cold``, and the summary:
+``of_floor`` = rows/s / floor rows/s), per layout (``floors``), ``writes``, ``cold``, and the summary:
 ``best`` (the fastest configuration) with ``best_rows_per_s`` and ``best_of_floor``,
 ``current`` (``separate c<--current_chunk_rows> q1``, what the tier does today) with
 ``current_rows_per_s``, ``best_over_current``, and ``floor_best_over_best`` (the fastest floor's
