@@ -53,8 +53,9 @@ SMOKE = {
   ),
   "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
   "bench_tier_layout.py": (
-    ["--rows=2048", "--read_rows=40", "--rounds=1", "--chunk_rows=64,4", "--shard_rows=512", "--inner_rows=1,4"]
-    + ["--inflight=1,2", "--cold_rounds=1", "--current_chunk_rows=64", "--json_out={tmp}/bench_tier_layout.json"],
+    ["--rows=1024", "--read_rows=40", "--rounds=1", "--chunk_rows=16", "--shard_rows=256", "--inner_rows=4"]
+    + ["--inflight=1,2", "--cold_rounds=1", "--current_chunk_rows=16", "--write_rows=512", "--append_rows=128"]
+    + ["--json_out={tmp}/bench_tier_layout.json"],
     ["best", "best_of_floor", "current_rows_per_s", "floor_best_over_best", "configs", "floors", "cold"],
   ),
   "bench_train.py": (
