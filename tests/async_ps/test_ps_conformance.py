@@ -403,16 +403,17 @@ def _sequence(steps=8, seed=0):
 
 
 def _run(ps, ids, grads, ahead=None):
-  """Looks up and pushes every step; ``ahead``: first reads ahead steps 0..ahead-1, then at each step
-  t the ids of step t + ahead, before t's lookup. Returns the rows each lookup read, the rows staged
-  and the counters this run added."""
+  """Looks up and pushes every step; ``ahead``: first reads ahead steps ahead, ..., 1, 0 (the first
+  step a store hears of is a later one than its first lookup's), then at each step t > 0 the ids of
+  step t + ahead, before t's lookup. Returns the rows each lookup read, the rows staged and the
+  counters this run added."""
   start = ps.stats()  # a remote store's servers count since they started
   looked, staged = [], 0
   if ahead is not None:
-    for t in range(ahead):
+    for t in range(ahead, -1, -1):
       staged += ps.read_ahead_many(ids[t], t)
   for t in range(len(ids)):
-    if ahead is not None and t + ahead < len(ids):
+    if ahead is not None and 0 < t < len(ids) - ahead:
       staged += ps.read_ahead_many(ids[t + ahead], t + ahead)
     looked.append({k: v.copy() for k, v in ps.lookup_many(ids[t], create=True, step=t).items()})
     ps.apply_many(grads[t], step=t)
