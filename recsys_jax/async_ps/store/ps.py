@@ -191,7 +191,8 @@ class ParameterServer:
     _check_step(step)
     for t in ids:
       self._check(t)
-    tiered = {t: as_ids(v, t) for t, v in ids.items() if self.shards[0][t].tier is not None}
+    ids = {t: as_ids(v, t) for t, v in ids.items()}  # every table's: bad ids are refused as a lookup refuses them
+    tiered = {t: v for t, v in ids.items() if self.shards[0][t].tier is not None}
 
     def ahead(table, t, sel):
       return table.read_ahead(tiered[t] if sel is None else tiered[t][sel], step)
