@@ -1,22 +1,26 @@
 """A disk tier for parameter-server tables: rows evicted from the RAM cache spill here.
 
-``DiskTier`` keeps embedding rows (and their float32 optimizer slots) in zarr3 arrays
-under any tensorstore kvstore (local files by default; ``{'driver': 'memory'}`` for tests;
-gcs, s3, ... by configuration). The storage is append-only: every ``write`` appends its
-rows after the last row written, so the chunks are written sequentially and whole, and an
-in-RAM index (an ``IdMap`` from uint64 id to an index slot, plus one int64 disk row per
-slot) records where the latest copy of each id lives. Rewriting an id leaves its old row
-behind as garbage; ``compact`` rewrites the live rows contiguously from row 0 and is run
-automatically by ``write`` once garbage outweighs live rows by two to one.
+``DiskTier`` keeps embedding rows (and their float32 optimizer slots) beyond the RAM cache:
+in plain memory-mapped files on a local directory (``tier_file.FileRowStore``, the default
+for a ``file`` kvstore), or in zarr3 arrays under any other tensorstore kvstore
+(``tier_store.TierStore``: ``{'driver': 'memory'}`` for tests; gcs, s3, ... by
+configuration). The storage is append-only: every ``write`` appends its rows after the last
+row written, and an in-RAM index (an ``IdMap`` from uint64 id to an index slot, plus one int64
+disk row per slot) records where the latest copy of each id lives. Rewriting an id leaves its
+old row behind as garbage; ``compact`` rewrites the live rows contiguously from row 0 and is
+run automatically by ``write`` once garbage outweighs live rows by two to one.
 
-The zarr3 arrays themselves, their chunking, the asynchronous writes and the reads of spilled
-rows are ``tier_store.TierStore``; this module is the index over them, the live / garbage
-bookkeeping, and the compaction policy.
+Because rows are appended, never rewritten in place, an id found at the same disk row in the
+same epoch (which a compaction advances) still has the values read from there: that is what
+lets ``read_ahead`` read a later step's misses early, and ``Table`` use them only while they
+are still the latest (``locate``).
 
-The store does not persist the index: a ``DiskTier`` always creates fresh arrays (deleting
-any previous ``weights/`` and ``slot_*/`` arrays under the kvstore path), and a second
-instance cannot reopen the rows of an earlier one. It is a spill area for one process's
-cache, not a checkpoint.
+This module is the index over the storage, the live / garbage bookkeeping, the compaction
+policy and the read-ahead; the storage's layout and I/O are its two backends.
+
+The store does not persist the index: a ``DiskTier`` always creates fresh storage (deleting
+any previous files or arrays under the kvstore path), and a second instance cannot reopen the
+rows of an earlier one. It is a spill area for one process's cache, not a checkpoint.
 """
 
 from __future__ import annotations
