@@ -280,12 +280,7 @@ class RemotePS:
         in a lookup sent in chunks (nothing is sent then).
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
     """
-    for t in ids:
-      self._check(t)
-    ids = {t: as_ids(v, t) for t, v in ids.items()}
-    for t, v in ids.items():
-      if v.ndim != 1:
-        raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
+    ids = self._checked_ids(ids)
     check_out(self.specs, ids, out)
     routes = route(ids, self.shard_of, self.num_shards)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
@@ -314,6 +309,16 @@ class RemotePS:
       self._servers.fan("lookup", work)
     return out
 
+  def _checked_ids(self, ids: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+    """{table: 1-D uint64 ids} of known tables; KeyError or ValueError naming the table."""
+    for t in ids:
+      self._check(t)
+    ids = {t: as_ids(v, t) for t, v in ids.items()}
+    for t, v in ids.items():
+      if v.ndim != 1:
+        raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
+    return ids
+
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
     """Has each server start reading the tier rows that the lookup of ``ids`` at ``step`` will miss.
 
@@ -339,12 +344,7 @@ class RemotePS:
     step = int(step)
     if step < 0:
       raise ValueError(f"step {step} is negative: steps count from 0")
-    for t in ids:
-      self._check(t)
-    ids = {t: as_ids(v, t) for t, v in ids.items()}
-    for t, v in ids.items():
-      if v.ndim != 1:
-        raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
+    ids = self._checked_ids(ids)
     if self.tier is None:  # the servers have no tier (RemotePS configures it): nothing to read
       return 0
     routes = route(ids, self.shard_of, self.num_shards)
