@@ -128,9 +128,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.ps.tier = ""
   # With a tier: the trainer reads a step's tier misses this many steps before its lookup, on
   # the tier's reader threads, so the lookup finds them read (0: off). It changes timing only:
-  # a run is the same bit for bit. Staged rows are held beside the RAM cache, at most
-  # ps.read_ahead_rows per table shard (0: a quarter of its capacity).
-  c.ps.read_ahead = 4
+  # a run is the same bit for bit. Off by default: with the tier in the page cache there is no
+  # wait to hide, and on 2 busy cores the reads ahead cost the step CPU (docs/parameter-server.md);
+  # turn it on for a tier whose reads wait (a cold or network disk). Staged rows are held beside
+  # the RAM cache, at most ps.read_ahead_rows per table shard (0: as many as its capacity).
+  c.ps.read_ahead = 0
   c.ps.read_ahead_rows = 0
   # 'local': the PS lives in this process. 'remote': PS shard servers
   # (python -m recsys_jax.async_ps.server), reached over gRPC; required with several trainers.

@@ -98,7 +98,7 @@ class ShardService:
     step_window: a step more than staleness + this ahead of the applied step is refused.
     max_waiters: calls that may wait for pushes at once (None: any number); more are refused.
     slots: instead of ``max_waiters``, the ``WaitSlots`` counting waits (shared with ``rpc``).
-    read_ahead_rows: per table shard, the most rows a read-ahead may hold staged (0: a quarter of its
+    read_ahead_rows: per table shard, the most rows a read-ahead may hold staged (0: as many as its
       capacity; ``ParameterServer``'s argument).
   """
 

@@ -62,8 +62,8 @@ class ParameterServer:
       the cores this process may run on). Results are bit-identical for every count.
     min_rows: calls of fewer rows than this run on the caller's thread alone (handing work to
       a pool thread costs more than a small call saves).
-    read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold staged (0: a
-      quarter of the shard's capacity); see ``Table.read_ahead``.
+    read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold staged (0: as many
+      as the shard's capacity); see ``Table.read_ahead``.
     tier_backend: the tier's storage (``DiskTier``'s ``backend``): ``'auto'`` (plain files for a
       local directory, tensorstore for any other kvstore), ``'file'`` or ``'tensorstore'``.
   """

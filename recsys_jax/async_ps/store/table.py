@@ -56,8 +56,9 @@ class Table:
     tier: a ``DiskTier`` that evicted rows spill to, or None (evicted rows are dropped).
     protect_steps: rows looked up within this many steps are never evicted (rows whose
       gradients are still in flight at staleness k need k + 1).
-    read_ahead_rows: the most rows ``read_ahead`` may hold staged (0: a quarter of the
-      capacity); a step whose misses would pass it is not read ahead.
+    read_ahead_rows: the most rows ``read_ahead`` may hold staged (0: as many as the
+      capacity: a step's misses can be a large part of a small cache); a step whose misses
+      would pass it is not read ahead.
   """
 
   def __init__(
@@ -77,7 +78,7 @@ class Table:
     self.protect_steps = int(protect_steps)
     if read_ahead_rows < 0:
       raise ValueError(f"table {spec.name!r}: read_ahead_rows must be >= 0, got {read_ahead_rows}")
-    self.read_ahead_rows = int(read_ahead_rows) or max(1, self.capacity // 4)
+    self.read_ahead_rows = int(read_ahead_rows) or max(1, self.capacity)
     self._ahead: List[Tuple[int, Any]] = []  # (step, tier.PendingRead) staged by read_ahead, oldest first
     self._ahead_held = 0  # rows they hold
     self.lock = threading.Lock()
