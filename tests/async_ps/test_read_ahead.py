@@ -9,7 +9,8 @@ from recsys_jax.embeddings.specs import TableSpec
 
 DIM = 8
 TIMES = ("tier_wait_s", "lookup_ms", "apply_ms", "hit_rate")
-AHEAD = ("read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "reads_in_flight", "read_ahead_held")
+# What read-ahead changes: its own counters, and the bytes (staged rows are held in RAM).
+AHEAD = ("read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "reads_in_flight", "read_ahead_held", "bytes")
 
 
 def _ps(tmp_path, name, kvstore, capacity=40, shards=2, optimizer="adam", read_ahead_rows=0):
