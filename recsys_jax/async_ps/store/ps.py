@@ -62,6 +62,8 @@ class ParameterServer:
       the cores this process may run on). Results are bit-identical for every count.
     min_rows: calls of fewer rows than this run on the caller's thread alone (handing work to
       a pool thread costs more than a small call saves).
+    read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold staged (0: a
+      quarter of the shard's capacity); see ``Table.read_ahead``.
   """
 
   def __init__(
@@ -73,6 +75,7 @@ class ParameterServer:
     protect_steps: int = 1,
     threads: Optional[int] = None,
     min_rows: int = MIN_ROWS,
+    read_ahead_rows: int = 0,
   ):
     if num_shards < 1:
       raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -98,7 +101,9 @@ class ParameterServer:
             dtype=t.storage_dtype,
             max_pending_bytes=4 << 20,  # bounds the RAM that writes in flight may hold (8 chunks)
           )
-        shard[t.name] = Table(t, seed, capacity=cap, tier=disk, protect_steps=protect_steps)
+        shard[t.name] = Table(
+          t, seed, capacity=cap, tier=disk, protect_steps=protect_steps, read_ahead_rows=read_ahead_rows
+        )
       self.shards.append(shard)
     self._workers = Workers(threads, min_rows)
     self.threads = self._workers.threads
@@ -120,9 +125,10 @@ class ParameterServer:
     """The positions of the ids of ``table`` that go to each shard, in shard order."""
     return route({table: ids}, self.shard_of, self.num_shards)[table]
 
-  def _fan_out(self, ids: Mapping[str, np.ndarray], fn) -> None:
+  def _fan_out(self, ids: Mapping[str, np.ndarray], fn) -> List[Any]:
     """Calls ``fn(table_shard, table, sel)`` for every shard's part ``sel`` of each table's ids
-    (``sel`` None: all of them, with one shard), one task per (shard, table), on the workers."""
+    (``sel`` None: all of them, with one shard), one task per (shard, table), on the workers;
+    returns their results."""
     tasks = []
     if self.num_shards == 1:
       for t, v in ids.items():
@@ -132,7 +138,7 @@ class ParameterServer:
         for s, sel in enumerate(self._split(t, v)):
           if sel.shape[0]:
             tasks.append((sel.shape[0], functools.partial(fn, self.shards[s][t], t, sel)))
-    self._workers.run(tasks)
+    return self._workers.run(tasks)
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
@@ -163,6 +169,30 @@ class ParameterServer:
 
     self._fan_out(ids, look)
     return dict(out)
+
+  def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
+    """Starts reading the tier rows that the lookup of ``ids`` at ``step`` will miss; returns at once.
+
+    Changes nothing a lookup, an eviction or a snapshot sees (``Table.read_ahead``): a run
+    with read-ahead is the run without it, bit for bit, with the tier's reads done earlier.
+    Tables without a tier ignore it.
+
+    Args:
+      ids: {table: distinct ids} of a later ``lookup_many(ids, create=True, step=step)``.
+      step: that lookup's step.
+
+    Returns:
+      The rows staged, summed over tables and shards.
+    """
+    _check_step(step)
+    for t in ids:
+      self._check(t)
+    tiered = {t: as_ids(v, t) for t, v in ids.items() if self.shards[0][t].tier is not None}
+
+    def ahead(table, t, sel):
+      return table.read_ahead(tiered[t] if sel is None else tiered[t][sel], step)
+
+    return int(sum(self._fan_out(tiered, ahead)))
 
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""

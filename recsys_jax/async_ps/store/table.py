@@ -56,15 +56,30 @@ class Table:
     tier: a ``DiskTier`` that evicted rows spill to, or None (evicted rows are dropped).
     protect_steps: rows looked up within this many steps are never evicted (rows whose
       gradients are still in flight at staleness k need k + 1).
+    read_ahead_rows: the most rows ``read_ahead`` may hold staged (0: a quarter of the
+      capacity); a step whose misses would pass it is not read ahead.
   """
 
-  def __init__(self, spec: TableSpec, seed: int = 0, capacity: int = 0, tier=None, protect_steps: int = 1):
+  def __init__(
+    self,
+    spec: TableSpec,
+    seed: int = 0,
+    capacity: int = 0,
+    tier=None,
+    protect_steps: int = 1,
+    read_ahead_rows: int = 0,
+  ):
     self.spec = spec
     self.seed = name_seed(spec.name, seed)
     self.opt = optimizers.make(spec.optimizer, **dict(spec.optimizer_kwargs))
     self.capacity = int(capacity)
     self.tier = tier
     self.protect_steps = int(protect_steps)
+    if read_ahead_rows < 0:
+      raise ValueError(f"table {spec.name!r}: read_ahead_rows must be >= 0, got {read_ahead_rows}")
+    self.read_ahead_rows = int(read_ahead_rows) or max(1, self.capacity // 4)
+    self._ahead: List[Tuple[int, Any]] = []  # (step, tier.PendingRead) staged by read_ahead, oldest first
+    self._ahead_held = 0  # rows they hold
     self.lock = threading.Lock()
     self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
     self._init_bounds()
@@ -76,9 +91,10 @@ class Table:
       for k in (
         "lookups", "hits", "misses", "created", "tier_reads", "rejected", "admitted", "evictions",
         "expirations", "spilled", "dropped_grads", "applied_rows",
+        "read_ahead_rows", "read_ahead_used", "read_ahead_skipped",
       )
     }  # fmt: skip
-    self.timers = {"lookup_s": 0.0, "lookup_calls": 0, "apply_s": 0.0, "apply_calls": 0}
+    self.timers = {"lookup_s": 0.0, "lookup_calls": 0, "apply_s": 0.0, "apply_calls": 0, "tier_wait_s": 0.0}
 
   # -- storage ------------------------------------------------------------------------
   def _clear(self, cap: int) -> None:
@@ -210,7 +226,7 @@ class Table:
         del hit
         if self.tier is not None:
           mids = ids[rest]
-          found, w, slots = self.tier.read(mids)
+          found, w, slots = self._read_tier(mids)
           if create and found.any():
             self.tier.remove(mids[found])
             rows[rest[found]] = self._insert(mids[found], w[found], {k: v[found] for k, v in slots.items()})
@@ -241,6 +257,85 @@ class Table:
     self.timers["lookup_s"] += time.perf_counter() - t0
     self.timers["lookup_calls"] += 1
     return out
+
+  def read_ahead(self, ids: np.ndarray, step: int) -> int:
+    """Starts reading, from the tier, the rows a later lookup of ``ids`` (at ``step``) will miss.
+
+    Returns at once. The rows read are staged beside the RAM cache, not in it, so nothing a
+    lookup, an eviction or a snapshot sees changes: the table goes on exactly as without the
+    read-ahead, only its lookups find the tier's rows already read. A staged copy is used
+    only while the tier still holds that id at the row it was read from (``DiskTier.locate``);
+    a row that came to RAM and went back since is read again. Staged reads are dropped once
+    their step is ``protect_steps`` behind the table's step, and hold at most
+    ``read_ahead_rows`` rows: the misses of a step that would pass that are not read ahead
+    (counted in ``read_ahead_skipped``).
+
+    Args:
+      ids: the distinct uint64 ids the lookup of ``step`` will ask for.
+      step: the training step of that lookup.
+
+    Returns:
+      The number of rows staged (0 without a tier).
+    """
+    if self.tier is None:
+      return 0
+    ids = np.asarray(ids, np.uint64)
+    with self.lock:
+      self._drop_ahead()
+      miss = ids[self._ids.find(ids) < 0]
+      if miss.shape[0] == 0:
+        return 0
+      if self._ahead_held + miss.shape[0] > self.read_ahead_rows:
+        self.counters["read_ahead_skipped"] += miss.shape[0]
+        return 0
+      read = self.tier.read_ahead(miss)
+      if len(read):
+        self._ahead.append((int(step), read))
+        self._ahead_held += len(read)
+        self.counters["read_ahead_rows"] += len(read)
+      return len(read)
+
+  def _drop_ahead(self) -> None:
+    """Drops staged reads whose step is more than ``protect_steps`` behind the table's."""
+    keep = [(t, r) for t, r in self._ahead if t >= self.step - self.protect_steps]
+    if len(keep) != len(self._ahead):
+      self._ahead = keep
+      self._ahead_held = sum(len(r) for _, r in keep)
+
+  def _read_tier(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, Slots]:
+    """``tier.read(ids)``, taking the rows that ``read_ahead`` staged where they are still the latest."""
+    t0 = time.perf_counter()
+    try:
+      if not self._ahead:
+        return self.tier.read(ids)
+      self._drop_ahead()
+      rows, epoch = self.tier.locate(ids)
+      found = rows >= 0
+      n = ids.shape[0]
+      w = np.zeros((n, self.spec.dim), np.float32)
+      slots = {k: np.zeros((n,) + v.shape[1:], np.float32) for k, v in self._slots.items()}
+      todo = found.copy()
+      for _, read in self._ahead:
+        if read.epoch != epoch or not todo.any():
+          continue
+        pos = np.minimum(np.searchsorted(read.ids, ids), len(read) - 1)
+        take = todo & (read.ids[pos] == ids) & (read.rows[pos] == rows)
+        if take.any():
+          rw, rslots = read.result()
+          w[take] = rw[pos[take]]
+          for k, v in slots.items():
+            v[take] = rslots[k][pos[take]]
+          todo &= ~take
+          self.counters["read_ahead_used"] += int(take.sum())
+      if todo.any():
+        f2, w2, s2 = self.tier.read(ids[todo])
+        assert f2.all(), "the tier lost rows it had just located"
+        w[todo] = w2
+        for k, v in slots.items():
+          v[todo] = s2[k]
+      return found, w, slots
+    finally:
+      self.timers["tier_wait_s"] += time.perf_counter() - t0
 
   def apply(self, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None, distinct: bool = False) -> None:
     """Applies the row optimizer to distinct ids.
@@ -311,6 +406,10 @@ class Table:
       "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
       "lookup_ms": 1e3 * self.timers["lookup_s"] / max(1, self.timers["lookup_calls"]),
       "apply_ms": 1e3 * self.timers["apply_s"] / max(1, self.timers["apply_calls"]),
+      "tier_wait_s": self.timers["tier_wait_s"],
+      "reads_in_flight": len(self._ahead),
+      "read_ahead_held": self._ahead_held,
+      "write_behind_rows": self.tier.stats()["pending_rows"] if self.tier is not None else 0,
     }
 
   # Bounds: admission, eviction and expiry, and the state they keep (see the ``bounds`` module).
@@ -614,6 +713,7 @@ class Table:
     last_seen = np.asarray(snap["last_seen"], np.int64) if "last_seen" in snap else np.full(n, -1, np.int64)
     freq = np.asarray(snap["freq"], np.uint32) if "freq" in snap else np.zeros(n, np.uint32)
     with self.lock:
+      self._ahead, self._ahead_held = [], 0  # read for steps of the run before the restore
       if not merge:
         self._clear(0)
         self._init_bounds()

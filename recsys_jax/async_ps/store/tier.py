@@ -41,6 +41,42 @@ def _as_ids(ids: Any, what: str) -> np.ndarray:
   return ids
 
 
+def _nothing() -> None:
+  return None
+
+
+class PendingRead:
+  """Rows a ``DiskTier.read_ahead`` is reading: which ids, from where, and their values.
+
+  Attributes:
+    ids: the ids the tier held (sorted, distinct).
+    rows: the disk row each was read from.
+    epoch: the tier's epoch when the read was issued. A copy is the latest while ``locate``
+      still gives the same row in the same epoch.
+  """
+
+  def __init__(self, ids, rows, epoch, out, finish, slot_names):
+    self.ids, self.rows, self.epoch = ids, rows, epoch
+    self._out, self._finish, self._slot_names = out, finish, slot_names
+    self._lock = threading.Lock()
+    self._done = False
+
+  def __len__(self) -> int:
+    return int(self.ids.shape[0])
+
+  def result(self) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+    """Waits for the reads (once; later calls return at once): ``(weights, slots)`` in ``ids`` order.
+
+    Raises:
+      OSError: if a read failed (it is raised again by later calls).
+    """
+    with self._lock:
+      if not self._done:
+        self._finish()
+        self._done = True
+    return self._out["weights"], {name: self._out[f"slot_{name}"] for name in self._slot_names}
+
+
 class DiskTier:
   """Append-only, tensorstore-backed store of embedding rows and optimizer slots by uint64 id.
 
@@ -62,6 +98,7 @@ class DiskTier:
     max_pending_bytes: int = 256 << 20,
     read_method: str = "index",
     context: Optional[Mapping[str, Any]] = None,
+    file_reads: bool = True,
   ):
     """Creates the arrays (replacing any earlier ones under the same kvstore path).
 
@@ -86,6 +123,8 @@ class DiskTier:
         covering chunks with one read per array and gathers in numpy.
       context: tensorstore context spec entries merged over the defaults (no chunk
         cache, ``file_io_sync`` off), e.g. ``{'file_io_concurrency': {'limit': 8}}``.
+      file_reads: on a ``file`` kvstore, read committed rows straight from the memory-mapped
+        chunk files (``tier_files``, far faster) instead of through tensorstore.
 
     Raises:
       ValueError: if the kvstore spec is invalid or the arrays cannot be created under it
@@ -129,9 +168,20 @@ class DiskTier:
       "rows_written": 0,
       "rows_read": 0,
       "compactions": 0,
+      "reads_ahead": 0,
+      "rows_read_ahead": 0,
     }
+    self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
     self._store = TierStore(
-      spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters
+      spec,
+      self._fields,
+      self.chunk_rows,
+      initial_rows,
+      read_method,
+      int(max_pending_bytes),
+      context,
+      self._counters,
+      file_reads,
     )
 
   # ----------------------------------------------------------------------------- setup
@@ -233,10 +283,52 @@ class DiskTier:
       found = rows >= 0
       if found.any():
         self._store.reap()
-        self._store.gather(rows, found, out)
+        self._store.gather(rows, found, out)()
         self._counters["rows_read"] += int(found.sum())
     weights = out.pop("weights")
     return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}
+
+  def locate(self, ids: Any) -> Tuple[np.ndarray, int]:
+    """Where the latest rows of ids live: ``(disk rows, epoch)``.
+
+    Returns:
+      ``rows``: [n] int64, the disk row of each id (-1: not in the tier), and the tier's
+      epoch, which changes when a compaction moves rows. An id at the same disk row in the
+      same epoch has the same values: rows are appended, never rewritten in place.
+    """
+    ids = _as_ids(ids, "DiskTier.locate")
+    with self._lock:
+      self._check_open()
+      return self._rows_of(ids), self._epoch
+
+  def read_ahead(self, ids: Any) -> "PendingRead":
+    """Starts reading the rows of the ids the tier holds; returns at once.
+
+    Rows still in RAM (the last partial chunk, writes not yet committed) are copied now; the
+    store's rows are read asynchronously (tensorstore futures). Nothing changes in the tier:
+    the ids stay where they are, and the result says where (``PendingRead.rows``, ``.epoch``)
+    so that a later user can tell whether its copy is still the latest (``locate``).
+
+    Args:
+      ids: [n] uint64 ids; repeats are allowed; ids the tier does not hold are left out.
+
+    Raises:
+      OSError: if an earlier asynchronous write failed.
+    """
+    ids = np.unique(_as_ids(ids, "DiskTier.read_ahead"))
+    with self._lock:
+      self._check_open()
+      rows = self._rows_of(ids)
+      found = rows >= 0
+      ids, rows = ids[found], rows[found]
+      out = {f: np.zeros((ids.shape[0], w), np.float32) for f, (w, _) in self._fields.items()}
+      finish = _nothing
+      if ids.shape[0]:
+        self._store.reap()
+        finish = self._store.gather(rows, np.ones(ids.shape[0], bool), out, background=True)
+        self._counters["reads_ahead"] += 1
+        self._counters["rows_read_ahead"] += ids.shape[0]
+      return PendingRead(ids, rows, self._epoch, out, finish, tuple(self.slot_shapes))
 
   def remove(self, ids: Any) -> int:
     """Forgets ids (e.g. after they were read back into the cache); their rows become garbage.
@@ -395,4 +487,5 @@ class DiskTier:
     self._live = m
     self._garbage = 0
     self._store.truncate()
+    self._epoch += 1
     self._counters["compactions"] += 1
