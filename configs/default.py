@@ -126,6 +126,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Disk tier for bounded tables: '' (none; evicted rows are dropped), 'memory', a directory
   # (relative to the workdir), or a JSON tensorstore kvstore spec (file, gcs, s3, ...).
   c.ps.tier = ""
+  # With a tier: the trainer reads a step's tier misses this many steps before its lookup, on
+  # the tier's reader threads, so the lookup finds them read (0: off). It changes timing only:
+  # a run is the same bit for bit. Staged rows are held beside the RAM cache, at most
+  # ps.read_ahead_rows per table shard (0: a quarter of its capacity).
+  c.ps.read_ahead = 4
+  c.ps.read_ahead_rows = 0
   # 'local': the PS lives in this process. 'remote': PS shard servers
   # (python -m recsys_jax.async_ps.server), reached over gRPC; required with several trainers.
   c.ps.kind = "local"

@@ -77,6 +77,7 @@ def build_ps(
       tier=parse_kvstore(p.tier, workdir),
       protect_steps=config.staleness + 1,
       threads=None if p.get("threads", -1) == -1 else int(p.threads),
+      read_ahead_rows=int(p.get("read_ahead_rows", 0)),
     )
   from recsys_jax.async_ps.client.remote import RemotePS  # grpc only where it is used
 

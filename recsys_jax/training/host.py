@@ -8,6 +8,7 @@ pusher runs ``push_step`` when the device step is done. Nothing here is traced b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Dict, Optional
@@ -113,6 +114,11 @@ class HostPipeline:
       self.times.count("bucket_rows", sum(g.bucket for g in p.groups.values()))
     return p
 
+  @staticmethod
+  def ids_of(p: Prepared) -> Dict[str, np.ndarray]:
+    """The distinct ids a prepared batch looks up, per table."""
+    return {name: ids for g in p.groups.values() for name, ids, _ in g.tables}
+
   def push(self, groups: Dict[int, dedup_lib.Group], grads: Dict[str, np.ndarray], step: Optional[int] = None) -> None:
     """Hands each table its slice of the step's row gradients (host arrays), in one PS call."""
     self.ps.apply_many(
@@ -202,9 +208,25 @@ class HostPipeline:
     # range first: zip stops before drawing a batch past the last step
     feed.start(zip(range(start, config.num_steps), batches), prepare_one)
 
+    # With a disk tier, the batches of the next ``read_ahead`` steps are drawn from the feed
+    # early and their tier misses read ahead (``read_ahead_many``), so step t's lookup finds
+    # them read. A window, not the feed's own queue: it is filled in step order on this thread,
+    # whatever the worker count, and the staged rows it causes are bounded by its length.
+    ahead = int(config.ps.get("read_ahead", 0)) if config.ps.get("tier", "") else 0
+    window: collections.deque = collections.deque()
+    drawn = [start]  # the next step to draw from the feed
+
     def prepare(t: int) -> Prepared:
-      p = next(feed)
-      assert p.step == t, (p.step, t)  # the feed hands batches over in step order
+      while drawn[0] <= min(t + ahead, config.num_steps - 1):
+        p = next(feed)
+        assert p.step == drawn[0], (p.step, drawn[0])  # the feed hands batches over in step order
+        drawn[0] += 1
+        if ahead:
+          with times.time("read_ahead"):
+            self.ps.read_ahead_many(self.ids_of(p), step=p.step)
+        window.append(p)
+      p = window.popleft()
+      assert p.step == t, (p.step, t)
       return p
 
     def lookup(p: Prepared) -> Prepared:

@@ -25,6 +25,7 @@ _INTS = (
   "checkpoint_full_every eval_every eval_samples eval_batch_size micro_steps data.seed data.chunk_records "
   "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
   "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp "
+  "ps.read_ahead ps.read_ahead_rows "
   "hot_rows_bytes hot_warmup_steps hot_every hot_min_count"
 ).split()
 # Sizes of arrays, or indices into them, that the jitted step holds as int32.
@@ -170,6 +171,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   need(config.checkpoint_full_every >= 1, "checkpoint_full_every", "must be >= 1 (1 = every snapshot full)")
   if config.ps.tier:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
+  if "read_ahead" in config.ps:
+    need(config.ps.read_ahead >= 0, "ps.read_ahead", "must be >= 0 (steps; 0 = off)")
+    need(config.ps.read_ahead_rows >= 0, "ps.read_ahead_rows", "must be >= 0 (0: a quarter of the capacity)")
 
 
 def _accepts(annotation) -> Tuple[Callable[[Any], bool], str]:

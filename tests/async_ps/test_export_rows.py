@@ -83,7 +83,6 @@ def _counters(stats):
   return {k: v for k, v in stats.items() if k not in ("lookup_ms", "apply_ms", "hit_rate", "tier_wait_s")}
 
 
-
 def _equal(a, b, rtol=0.0):
   """(weights, slots) pairs equal, to rtol."""
   np.testing.assert_allclose(a[0], b[0], rtol=rtol, atol=0)

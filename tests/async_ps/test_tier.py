@@ -16,8 +16,17 @@ DIM = 8
 SLOTS = {"acc": 3, "mom": DIM}
 
 
+# A store of each kind: tensorstore's zarr3 arrays in memory and in files, and plain files.
+STORES = ["memory", "file", "file-tensorstore"]
+
+
 def _spec(driver, tmp_path):
   return {"driver": "memory"} if driver == "memory" else {"driver": "file", "path": str(tmp_path / "tier")}
+
+
+def _tier(driver, tmp_path, **kw):
+  backend = "tensorstore" if driver == "file-tensorstore" else "auto"
+  return DiskTier(_spec(driver, tmp_path), DIM, SLOTS, backend=backend, **kw)
 
 
 def _rows(rng, n):
@@ -70,7 +79,7 @@ class _Reference:
 
 
 @pytest.mark.parametrize("read_method", ["index", "chunks"])
-@pytest.mark.parametrize("driver", ["memory", "file"])
+@pytest.mark.parametrize("driver", STORES)
 def test_random_round_trip_matches_dict(driver, read_method, tmp_path):
   rng = np.random.default_rng(0)
   pool = _pool(rng, 1500)
@@ -78,9 +87,7 @@ def test_random_round_trip_matches_dict(driver, read_method, tmp_path):
   never = never[~np.isin(never, pool)]
   # Small chunks and capacity: batches straddle chunks, capacity grows, reads hit the RAM
   # tail, uncommitted writes and the store.
-  tier = DiskTier(
-    _spec(driver, tmp_path), DIM, SLOTS, chunk_rows=32, initial_rows=64, min_compact_rows=10**9, read_method=read_method
-  )
+  tier = _tier(driver, tmp_path, chunk_rows=32, initial_rows=64, min_compact_rows=10**9, read_method=read_method)
   ref = _Reference()
   for step in range(12):
     n = int(rng.integers(1, 400))
@@ -101,9 +108,11 @@ def test_random_round_trip_matches_dict(driver, read_method, tmp_path):
   assert st["garbage_rows"] == ref.garbage
   assert st["bytes_read"] > 0 and st["pending_rows"] == 0
   assert st["bytes_written"] >= st["disk_rows"] * (DIM + sum(SLOTS.values())) * 4
-  if driver == "file":
-    for name in ("weights", "slot_acc", "slot_mom"):
+  for name in ("weights", "slot_acc", "slot_mom"):
+    if driver == "file-tensorstore":
       assert os.path.exists(tmp_path / "tier" / name / "zarr.json")
+    elif driver == "file":
+      assert os.path.getsize(tmp_path / "tier" / f"{name}.rows") >= st["disk_rows"] * 4
   tier.close()
 
 
@@ -186,11 +195,11 @@ def test_remove_rebuilds_the_index_when_dead_entries_dominate():
   assert len(tier) == keep.shape[0]
 
 
-@pytest.mark.parametrize("driver", ["memory", "file"])
+@pytest.mark.parametrize("driver", STORES)
 def test_compact_preserves_live_rows_and_drops_garbage(driver, tmp_path):
   rng = np.random.default_rng(5)
   pool = _pool(rng, 800)
-  tier = DiskTier(_spec(driver, tmp_path), DIM, SLOTS, chunk_rows=16, min_compact_rows=10**9)
+  tier = _tier(driver, tmp_path, chunk_rows=16, min_compact_rows=10**9)
   ref = _Reference()
   for _ in range(8):
     ids = rng.choice(pool, size=300, replace=False)
@@ -208,9 +217,11 @@ def test_compact_preserves_live_rows_and_drops_garbage(driver, tmp_path):
   assert after["live_rows"] == after["disk_rows"] == len(ref.rows)
   assert after["capacity_rows"] < before["capacity_rows"]
   ref.check(tier, pool)
-  if driver == "file":  # chunks past the live rows are deleted
+  if driver == "file-tensorstore":  # chunks past the live rows are deleted
     chunk_files = sum(len(f) for d, _, f in os.walk(tmp_path / "tier" / "weights") if "zarr.json" not in f)
     assert chunk_files <= -(-len(ref.rows) // 16)
+  elif driver == "file":  # the files shrink to the live rows (or the smallest capacity)
+    assert os.path.getsize(tmp_path / "tier" / "weights.rows") == after["capacity_rows"] * DIM * 4
   # Appending after a compaction keeps working, across the rewritten partial chunk.
   ids = rng.choice(pool, size=50, replace=False)
   w, s = _rows(rng, 50)

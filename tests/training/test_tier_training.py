@@ -39,6 +39,29 @@ def test_table_four_times_its_cache_trains_like_ram_only(tiny_config, tmp_path):
   assert os.listdir(tmp_path / "tier" / "tier")  # the spill store is really on disk
 
 
+def test_read_ahead_changes_nothing_but_the_time_lookups_wait(tiny_config, tmp_path):
+  """At k = 0 a tiered run with ``ps.read_ahead`` equals the run without it and the RAM-only run,
+  bit for bit, and its lookups really took rows that were read ahead. (At k > 0 two runs of the
+  same config differ anyway: which pushes a lookup sees depends on timing; the PS-level tests in
+  tests/async_ps/test_read_ahead.py drive lookups and pushes in a fixed order instead.)"""
+  tiny_config.data.vocab_sizes = (1000,) * 4
+  tiny_config.num_steps = 40
+  tiny_config.staleness = 0
+  tiny_config.hot_rows_bytes = 0  # the RAM-only run must not keep rows on the device either
+  ram = train.train_and_evaluate(tiny_config, str(tmp_path / "ram"))
+  tiny_config.embeddings.capacity = ram["ps_rows"] // 4 // 4
+  tiny_config.ps.tier = "tier"
+  runs = {}
+  for ahead in (0, 3):
+    tiny_config.ps.read_ahead = ahead
+    runs[ahead] = train.train_and_evaluate(tiny_config, str(tmp_path / f"ahead{ahead}"))
+  assert runs[0]["ps_tier_reads"] > 0 and runs[0]["ps_read_ahead_used"] == 0
+  assert runs[3]["ps_read_ahead_used"] > 0, runs[3]
+  for k in ("auc", "logloss", "ps_rows", "ps_tier_rows", "ps_tier_reads"):
+    assert runs[3][k] == runs[0][k], k
+  assert (runs[0]["auc"], runs[0]["logloss"]) == (ram["auc"], ram["logloss"])
+
+
 _RSS_RUN = r"""
 import json, sys
 from absl import logging; logging.set_verbosity(logging.WARNING)

@@ -25,9 +25,27 @@ import threading
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
+import tensorstore as ts
 
 from recsys_jax.async_ps.store.idmap import IdMap
+from recsys_jax.async_ps.store.tier_file import FileRowStore
 from recsys_jax.async_ps.store.tier_store import READ_METHODS, TierStore, storage_dtype
+
+BACKENDS = ("auto", "file", "tensorstore")
+
+
+def _backend(spec: Any, backend: str) -> str:
+  """The storage a ``DiskTier`` uses: ``'file'`` or ``'tensorstore'`` (see its ``backend``)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"DiskTier: backend must be one of {BACKENDS}, got {backend!r}")
+  try:
+    kv = ts.KvStore.Spec(spec if isinstance(spec, str) else dict(spec)).to_json()
+  except Exception as e:  # any parse failure means a bad spec
+    raise ValueError(f"DiskTier: invalid tensorstore kvstore spec {spec!r}: {e}") from e
+  local = kv.get("driver") == "file"
+  if backend == "file" and not local:
+    raise ValueError(f"DiskTier: backend 'file' needs a local directory (a 'file' kvstore), got {spec!r}")
+  return backend if backend != "auto" else ("file" if local else "tensorstore")
 
 
 def _as_ids(ids: Any, what: str) -> np.ndarray:
@@ -98,7 +116,7 @@ class DiskTier:
     max_pending_bytes: int = 256 << 20,
     read_method: str = "index",
     context: Optional[Mapping[str, Any]] = None,
-    file_reads: bool = True,
+    backend: str = "auto",
   ):
     """Creates the arrays (replacing any earlier ones under the same kvstore path).
 
@@ -123,8 +141,11 @@ class DiskTier:
         covering chunks with one read per array and gathers in numpy.
       context: tensorstore context spec entries merged over the defaults (no chunk
         cache, ``file_io_sync`` off), e.g. ``{'file_io_concurrency': {'limit': 8}}``.
-      file_reads: on a ``file`` kvstore, read committed rows straight from the memory-mapped
-        chunk files (``tier_files``, far faster) instead of through tensorstore.
+      backend: ``'auto'`` (default): plain memory-mapped files (``tier_file``) for a
+        ``file`` kvstore, zarr3 arrays through tensorstore (``tier_store``) for any other;
+        ``'file'`` or ``'tensorstore'`` to choose. The file backend reads a step's misses
+        about 40x faster (its module docstring gives the measurement); ``chunk_rows``,
+        ``max_pending_bytes``, ``read_method`` and ``context`` only concern tensorstore.
 
     Raises:
       ValueError: if the kvstore spec is invalid or the arrays cannot be created under it
@@ -172,17 +193,15 @@ class DiskTier:
       "rows_read_ahead": 0,
     }
     self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
-    self._store = TierStore(
-      spec,
-      self._fields,
-      self.chunk_rows,
-      initial_rows,
-      read_method,
-      int(max_pending_bytes),
-      context,
-      self._counters,
-      file_reads,
-    )
+    self.backend = _backend(spec, backend)
+    if self.backend == "file":
+      path = ts.KvStore.Spec(spec if isinstance(spec, str) else dict(spec)).to_json()["path"]
+      initial = initial_rows if initial_rows is not None else 64 * self.chunk_rows
+      self._store = FileRowStore(path, self._fields, initial, self._counters)
+    else:
+      self._store = TierStore(
+        spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters
+      )
 
   # ----------------------------------------------------------------------------- setup
 

@@ -31,15 +31,12 @@ arrays under the kvstore path).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import threading
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorstore as ts
 
 from recsys_jax.async_ps.store.table import STORAGE_DTYPES
-from recsys_jax.async_ps.store.tier_files import ChunkFiles
 
 _STORAGE_DTYPES = {name: np.dtype(t) for name, t in STORAGE_DTYPES.items()}
 
@@ -52,20 +49,6 @@ _DEFAULT_CONTEXT = {
 }
 
 READ_METHODS = ("index", "chunks")
-
-READ_THREADS = 2
-"""Threads that read ahead from chunk files (``ChunkFiles``), shared by every tier of the process."""
-
-_pool_lock = threading.Lock()
-_pool = None
-
-
-def _readers() -> concurrent.futures.ThreadPoolExecutor:
-  global _pool
-  with _pool_lock:
-    if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tier-read")
-    return _pool
 
 
 class _Pending:
@@ -133,7 +116,6 @@ class TierStore:
     max_pending_bytes: int,
     context: Optional[Mapping[str, Any]],
     counters: Dict[str, int],
-    file_reads: bool = True,
   ):
     """Creates the arrays; see ``DiskTier.__init__`` for the arguments.
 
@@ -141,8 +123,6 @@ class TierStore:
       fields: the array name under the kvstore -> (row width, storage dtype).
       counters: the dict whose ``bytes_written``, ``bytes_read`` and ``rows_written``
         entries this store adds to.
-      file_reads: on a ``file`` kvstore, read committed rows from the memory-mapped chunk
-        files (``tier_files``) rather than through tensorstore.
     """
     self._fields = fields
     self._row_bytes = sum(w * dt.itemsize for w, dt in self._fields.values())
@@ -152,8 +132,7 @@ class TierStore:
     self._counters = counters
     C = self.chunk_rows
     self.cap = _round_up(max(int(initial_rows) if initial_rows is not None else 64 * C, C), C)
-    self._files: Optional[ChunkFiles] = None
-    self._arrays = self._open_arrays(spec, context, file_reads)
+    self._arrays = self._open_arrays(spec, context)
 
     self.end = 0  # rows >= _tail_start sit in _tail
     self._tail_start = 0
@@ -162,9 +141,7 @@ class TierStore:
     self._pending: collections.deque = collections.deque()
     self._pending_bytes = 0
 
-  def _open_arrays(
-    self, spec: Any, context: Optional[Mapping[str, Any]], file_reads: bool
-  ) -> Dict[str, ts.TensorStore]:
+  def _open_arrays(self, spec: Any, context: Optional[Mapping[str, Any]]) -> Dict[str, ts.TensorStore]:
     try:
       kv = ts.KvStore.Spec(spec if isinstance(spec, str) else dict(spec)).to_json()
     except Exception as e:  # any parse failure means a bad spec
@@ -176,8 +153,6 @@ class TierStore:
     base = kv.get("path", "")
     if base and not base.endswith("/"):
       base += "/"
-    if file_reads and kv.get("driver") == "file":
-      self._files = ChunkFiles(base, self._fields, self.chunk_rows)
     futures = {}
     for field, (width, dt) in self._fields.items():
       array_spec = {
@@ -187,10 +162,7 @@ class TierStore:
           "shape": [self.cap, width],
           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [self.chunk_rows, width]}},
           "data_type": np.dtype(dt).name,
-          # Raw little-endian rows, every chunk stored (zeros too): what ``ChunkFiles`` reads.
-          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         },
-        "store_data_equal_to_fill_value": True,
       }
       try:
         futures[field] = ts.open(array_spec, create=True, delete_existing=True, context=self._context)
@@ -325,19 +297,11 @@ class TierStore:
 
   # ------------------------------------------------------------------------ reads
 
-  def _read_store(self, rows: np.ndarray, background: bool) -> Callable[[], Dict[str, np.ndarray]]:
-    """Issues the reads of committed disk rows (any order, repeats allowed).
+  def _read_store(self, rows: np.ndarray) -> Callable[[], Dict[str, np.ndarray]]:
+    """Issues the reads of committed disk rows (any order, repeats allowed), one per array.
 
-    From the chunk files (``tier_files``) where they can be read so, on a reader thread if
-    ``background``, else at once; otherwise one tensorstore read per array. Returns a
-    function that waits for them and returns each field's rows in ``rows`` order.
+    Returns a function that waits for them and returns each field's rows in ``rows`` order.
     """
-    if self._files is not None:
-      self._counters["bytes_read"] += int(rows.shape[0]) * self._row_bytes
-      if not background:
-        got = self._files.read(rows)
-        return lambda: got
-      return _readers().submit(self._files.read, rows).result
     u, inv = np.unique(rows, return_inverse=True)
     C = self.chunk_rows
     if self.read_method == "index":
@@ -371,8 +335,8 @@ class TierStore:
     rows are read asynchronously. Returns a function that waits for those reads and fills
     their positions: until it has returned, ``out`` is complete only where the rows were in
     RAM. It may be called from any thread, and needs no lock: the store's rows a read was
-    issued for do not change until the disk tier's next compaction. ``background``: read
-    the chunk files on a reader thread (tensorstore's reads are asynchronous anyway).
+    issued for do not change until the disk tier's next compaction. ``background`` is
+    accepted for ``FileRowStore``'s sake: tensorstore's reads are asynchronous anyway.
     """
     todo = found.copy()
     in_tail = todo & (rows >= self._tail_start)
@@ -395,7 +359,8 @@ class TierStore:
       todo &= ~hit
     if not todo.any():
       return _nothing
-    fetch = self._read_store(rows[todo], background)
+    del background
+    fetch = self._read_store(rows[todo])
 
     def finish() -> None:
       for f, a in fetch().items():
@@ -411,8 +376,6 @@ class TierStore:
     Afterwards ``end`` is ``len(src)``; the chunks past it stay until ``truncate``.
     """
     self.flush()
-    if self._files is not None:
-      self._files.forget()  # chunks are rewritten
     C = self.chunk_rows
     m = src.shape[0]
     # Row i of the result comes from src[i] >= i (sorted, distinct), so each destination
@@ -448,5 +411,3 @@ class TierStore:
     # row end, which nothing points at and the next append overwrites).
     C = self.chunk_rows
     self._resize(max(_round_up(self.end, C), C), shrink=True)
-    if self._files is not None:
-      self._files.forget()  # chunks were rewritten or deleted
