@@ -1,7 +1,8 @@
 """The main job with tables larger than their RAM cache: the disk tier against all in RAM, in one run.
 
     python experiments/bench_tier_train.py [--num_steps=200] [--fractions=2,4,8,16,32] [--rounds=3]
-        [--staleness=0] [--eval_samples=32768] [--read_ahead=N] [--config=configs/dlrm.py]
+        [--staleness=0] [--eval_samples=32768] [--read_ahead=N] [--without_read_ahead=4,16]
+        [--config=configs/dlrm.py]
         [--config.FIELD=VALUE ...] [--json_out=FILE] [--png_out=FILE] [--workdir=DIR]
 
 Run from the repository root. Issue 28's second "done when": the main job's shape (``--config``,
@@ -11,12 +12,15 @@ trained by ``python -m recsys_jax.main`` in a fresh process per run, ``--num_ste
 
 - ``ram``: every row in RAM (no capacity), and
 - ``1/F`` for each F of ``--fractions``: a bounded table (``embeddings.capacity = C_F``, LRU)
-  over the disk tier (``ps.tier``, a tensorstore zarr3 store in the run's workdir), where C_F is
+  over the disk tier (``ps.tier``, a folder in the run's workdir), where C_F is
   the largest capacity at which the RAM cache holds at most 1/F of all rows: sum over tables of
   min(rows_t, C_F) <= total rows / F (one capacity applies to every table, so the small tables
   stay whole in RAM and the large ones are more than F times their cache; both ratios are printed).
   The rows of each table are the distinct ids its feature(s) see in the run's batches, counted
-  here from the synthetic reader and checked against the RAM-only run's PS rows.
+  here from the synthetic reader and checked against the RAM-only run's PS rows. The rows a step
+  looks up are never evicted (the PS's ``protect_steps``), so RAM holds at least one step's
+  distinct rows of each table whatever C_F: at the main job's shape about 11k of 76k rows, so
+  that 1/16 and 1/32 hold about what 1/8 holds (the rows in RAM at the end are reported).
 
 All variants run with no hot rows (``hot_rows_bytes=0``: a bounded table is never hot, and the
 RAM-only run must do the same arithmetic to be comparable bit for bit), no checkpoint, and one
@@ -36,7 +40,9 @@ Per variant it reports, from what the job records itself (summary.json, metrics.
 - peak RSS of each run (VmHWM of the job's process, read by an ``atexit`` hook as it exits)
   against the bound docs/parameter-server.md states (Memory bound): the same job's peak after one
   step + the RAM cache (rows + optimizer slots + ~40 B per row, for the cache's
-  sum_t min(rows_t, C) rows) + 128 MiB;
+  sum_t min(rows_t, C) rows) + 128 MiB; and what it is made of: the largest anonymous and
+  file-backed resident memory (RssAnon, RssFile of /proc/PID/status, polled every 0.1 s; a
+  tier's memory-mapped files count in RSS as file pages);
 - the PS hit rate (lookups served from RAM, since the start; the RAM-only run's misses are the
   rows it creates), the PS lookup time (ms per lookup call), the loop's wait for its next batch
   (``host_wait_ms``, ms per step) and, where the PS records it (issue 28's read-ahead:
@@ -45,13 +51,16 @@ Per variant it reports, from what the job records itself (summary.json, metrics.
   the read-ahead's counters of the last "ps" record where present.
 
 ``--read_ahead=N`` sets ``config.ps.read_ahead`` of the tier runs (an error where the config has no
-such field; by default the config's own value, reported). ``--compilation_cache`` lets the runs
+such field; by default the config's own value, reported); ``--without_read_ahead=F,...`` adds, for
+those fractions, a variant ``1/F ra0`` with ``read_ahead=0`` to the rounds (the read-ahead's gain,
+in the same run). ``--compilation_cache`` lets the runs
 use JAX's persistent compilation cache if the environment sets one (off by default: a run that
 reads its programs from the cache peaks lower than one that compiles, which would skew the bound).
 
 Prints a table on stderr and, last on stdout, one JSON line: the per-variant medians and per-run
 figures, ``ratio_4x``, ``ratio_16x`` (null where 4 or 16 is not among ``--fractions``),
-``meets_0_8_at_4x``, ``auc_identical``, ``rss_within_bound``, the bound's terms. Writes it to
+``meets_0_8_at_4x``, the same without read-ahead where run, ``auc_identical``,
+``rss_within_bound``, the bound's terms. Writes it to
 ``--json_out`` and a PNG of samples/s and hit rate against the cache fraction to ``--png_out``.
 """
 
@@ -81,6 +90,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds; each runs every variant onc
 _STALENESS = flags.DEFINE_integer("staleness", 0, "config.staleness of every run (0: results must be equal).")
 _EVAL_SAMPLES = flags.DEFINE_integer("eval_samples", 32768, "config.eval_samples of every run (0: the config's).")
 _READ_AHEAD = flags.DEFINE_integer("read_ahead", None, "config.ps.read_ahead of the tier runs (default: the config's).")
+_WITHOUT_READ_AHEAD = flags.DEFINE_list(
+  "without_read_ahead", [], "F: also run 1/F with config.ps.read_ahead=0 (variant '1/F ra0'), alternated with the rest."
+)
 _TIER = flags.DEFINE_string("tier", "tier", "config.ps.tier of the tier runs ('tier': a folder in the run's workdir).")
 _COMPILATION_CACHE = flags.DEFINE_bool(
   "compilation_cache", False, "Let the runs use JAX's persistent compilation cache (if the environment sets one)."
@@ -99,7 +111,14 @@ BOUND_PER_ROW = 40
 BOUND_DOC = "docs/parameter-server.md, Memory bound"
 STORAGE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The read-ahead's counters (issue 28) in the "ps" records, reported where the PS records them.
-READ_AHEAD_KEYS = ("read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "reads_in_flight", "write_behind_rows")
+READ_AHEAD_KEYS = (
+  "tier_reads",
+  "read_ahead_rows",
+  "read_ahead_used",
+  "read_ahead_skipped",
+  "reads_in_flight",
+  "write_behind_rows",
+)
 
 # Runs recsys_jax.main as `python -m recsys_jax.main ARGS` does (its __main__ block, flags and exit
 # codes), and writes the process's peak RSS (VmHWM: of this process only, since its exec) and its
@@ -302,8 +321,14 @@ def main(argv):
   if any("=" not in a for a in overrides):
     raise app.UsageError(f"{[a for a in overrides if '=' not in a][0]}: write --config.FIELD=VALUE")
   has_read_ahead = "read_ahead" in config.ps
-  if _READ_AHEAD.value is not None and not has_read_ahead:
-    raise app.UsageError("--read_ahead: this checkout's config has no ps.read_ahead")
+  if (_READ_AHEAD.value is not None or _WITHOUT_READ_AHEAD.value) and not has_read_ahead:
+    raise app.UsageError("--read_ahead, --without_read_ahead: this checkout's config has no ps.read_ahead")
+  try:
+    without = sorted({int(f) for f in _WITHOUT_READ_AHEAD.value})
+  except ValueError:
+    raise app.UsageError(f"--without_read_ahead={','.join(_WITHOUT_READ_AHEAD.value)}: integers F") from None
+  if not set(without) <= set(fractions):
+    raise app.UsageError(f"--without_read_ahead={','.join(_WITHOUT_READ_AHEAD.value)}: each F must be in --fractions")
   read_ahead = _READ_AHEAD.value if _READ_AHEAD.value is not None else config.ps.get("read_ahead")
 
   rows, step_rows = table_rows(config, steps)
@@ -323,9 +348,15 @@ def main(argv):
   if _EVAL_SAMPLES.value:
     base.append(f"--config.eval_samples={_EVAL_SAMPLES.value}")
   args = {"ram": base}
+  frac: Dict[str, Optional[int]] = {"ram": None}
   for f in fractions:
     tier = base + [f"--config.embeddings.capacity={caps[f]}", f"--config.ps.tier={_TIER.value}"]
     args[f"1/{f}"] = tier + ([f"--config.ps.read_ahead={_READ_AHEAD.value}"] if _READ_AHEAD.value is not None else [])
+    frac[f"1/{f}"] = f
+  for f in without:
+    args[f"1/{f} ra0"] = base + [f"--config.embeddings.capacity={caps[f]}", f"--config.ps.tier={_TIER.value}"]
+    args[f"1/{f} ra0"].append("--config.ps.read_ahead=0")
+    frac[f"1/{f} ra0"] = f
   env = dict(os.environ)
   if not _COMPILATION_CACHE.value:
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
@@ -361,7 +392,7 @@ def main(argv):
     baseline = one("baseline", base + ["--config.num_steps=1"], "baseline_1step")
     for i in range(rounds):
       for name in names if i % 2 == 0 else names[::-1]:
-        runs[name].append(one(name, args[name], f"r{i}_{name.replace('/', 'of')}"))
+        runs[name].append(one(name, args[name], f"r{i}_{name.replace('/', 'of').replace(' ', '_')}"))
   except RuntimeError as e:
     raise SystemExit(f"error: {e}") from None
   finally:
@@ -378,7 +409,7 @@ def main(argv):
   variants: Dict[str, Dict[str, Any]] = {}
   for name in names:
     rs = runs[name]
-    f = None if name == "ram" else int(name[2:])
+    f = frac[name]
     cap_rows = total if f is None else cache_rows[f]
     bound = baseline["peak_rss"] + cap_rows * per_row + BOUND_SLACK
     ratios = [r["samples_per_sec"] / q["samples_per_sec"] for r, q in zip(rs, ram)]
@@ -410,7 +441,7 @@ def main(argv):
       "max_auc_diff": float(max(abs(r["auc"] - q["auc"]) for r, q in zip(rs, ram))),
       "runs": rs,
     }
-  tiers = [f"1/{f}" for f in fractions]
+  tiers = [n for n in names if n != "ram"]
 
   def ratio_at(f: int) -> Optional[float]:
     return variants[f"1/{f}"]["ratio_to_ram"] if f in fractions else None
@@ -430,6 +461,8 @@ def main(argv):
     "step_rows_max": int(sum(step_rows.values())),
     "ratio_4x": ratio_at(4),
     "ratio_16x": ratio_at(16),
+    "ratio_4x_without_read_ahead": variants["1/4 ra0"]["ratio_to_ram"] if "1/4 ra0" in variants else None,
+    "ratio_16x_without_read_ahead": variants["1/16 ra0"]["ratio_to_ram"] if "1/16 ra0" in variants else None,
     "meets_0_8_at_4x": None if ratio_at(4) is None else bool(ratio_at(4) >= 0.8),
     "auc_identical": bool(all(variants[t]["auc_identical_to_ram"] for t in tiers) and ram_same),
     "ram_runs_identical": bool(ram_same),
@@ -473,7 +506,13 @@ def main(argv):
   print(
     f"x RAM at 1/4: {_fmt(result['ratio_4x'], '.3f')} (issue 28 asks >= 0.8: "
     f"{ {True: 'met', False: 'NOT met', None: 'not run'}[result['meets_0_8_at_4x']] }); at 1/16: "
-    f"{_fmt(result['ratio_16x'], '.3f')}",
+    f"{_fmt(result['ratio_16x'], '.3f')}"
+    + (
+      f"; without read-ahead {_fmt(result['ratio_4x_without_read_ahead'], '.3f')} at 1/4, "
+      f"{_fmt(result['ratio_16x_without_read_ahead'], '.3f')} at 1/16"
+      if without
+      else ""
+    ),
     file=out,
   )
   print(
