@@ -1,6 +1,7 @@
 """Parameter-server throughput on a Zipf workload, against this machine's memcpy bandwidth.
 
     python experiments/bench_ps.py [--batches=20] [--num_shards=1] [--ps_threads=1,2] [--vocab=100000] [--json_out=FILE]
+        [--tier_fraction=0.125] [--tier_rounds=3] [--read_ahead=4]
 
 Workload: batches of 4096 samples x 26 features (one table each, dim 64, Adagrad), ids drawn
 from a Zipf(1.1) law over ``--vocab`` ids per table and deduplicated per table as the
@@ -11,8 +12,16 @@ Three configurations, in one run:
   ram:   RAM only, every id of the vocabulary created first (untimed): serving cost.
   cold:  RAM only, starting empty: the Zipf tail keeps creating rows (about 1 id in 8 at
          the default vocabulary), whose initial values and pages are part of the cost.
-  tier:  like ram, but each table's RAM capacity is a quarter of its rows; the rest lives in
-         a file-backed zarr3 store (tensorstore) in a temporary directory.
+  tier:  like ram, but each table's RAM capacity is ``--tier_fraction`` (1/8) of its rows;
+         the rest lives in the disk tier in a temporary directory. Three tiered PSs
+         (``tier``: plain files with ``--read_ahead`` batches read ahead; ``tier_no_read_ahead``;
+         ``tier_tensorstore``: zarr3 through tensorstore, no read-ahead, the tier before issue 28)
+         run in ``--tier_rounds`` rounds alternating with a RAM-only PS, each round on fresh
+         batches; ``tier_vs_ram`` is the median over rounds of tier rows/s (lookup + apply, the
+         read-ahead calls timed with the lookups) over the same round's RAM-only rows/s. The
+         floor: the bytes the ``tier`` lookups read from the tier's files (round 1), read again
+         in the same order with ``os.preadv``; ``tier_floor_ratio`` = those seconds over the
+         seconds the tier added to the RAM-only run.
 
 Bytes counted (rows and state read and written, the traffic the work cannot avoid):
   lookup: read the row (dim x 4), write it to the output (dim x 4);
@@ -36,7 +45,9 @@ The last stdout line is one JSON object: ``lookup_rows_per_s``, ``apply_rows_per
 ``fraction_of_memcpy_1thread``, ``memcpy_best_gb_per_s`` and ``fraction_of_best_memcpy`` of the
 ram configuration with the last thread count (``ram_by_threads``: per count, and
 ``ram_speedup_vs_first``: its rows per second over the first count's), the load average at the
-start and end, then the same rates and fraction with ``cold_`` and ``tier_`` prefixes.
+start and end, then the same rates and fraction with ``cold_``, ``tier_``, ``tier_no_read_ahead_``
+and ``tier_tensorstore_`` prefixes, and ``tier_vs_ram``, ``tier_floor_ratio``,
+``tier_floor_rows_per_s``, ``tier_read_rows_per_s``, ``tier_cache_fraction``, ``read_ahead``.
 """
 
 from __future__ import annotations
@@ -66,7 +77,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 4096, "Samples per batch.")
 _FEATURES = flags.DEFINE_integer("features", 26, "Sparse features (one table each).")
 _ALPHA = flags.DEFINE_float("zipf_alpha", 1.1, "Zipf exponent of id frequencies.")
 _REPEATS = flags.DEFINE_integer("ram_repeats", 3, "Runs of the ram configuration; the median one is reported.")
-_TIER = flags.DEFINE_bool("tier", True, "Also run with the tensorstore tier.")
+_TIER = flags.DEFINE_bool("tier", True, "Also run with the disk tier (RAM only against tiered, alternating).")
+_TIER_FRACTION = flags.DEFINE_float("tier_fraction", 1 / 8, "Fraction of each table in RAM in the tier runs.")
+_TIER_ROUNDS = flags.DEFINE_integer("tier_rounds", 3, "Alternating rounds of ram and the tier configurations.")
+_AHEAD = flags.DEFINE_integer("read_ahead", 4, "Batches whose tier misses are read ahead (tier runs).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 
 
@@ -141,9 +155,15 @@ def run(
   first_step: int = 1,
   mem: Optional[Memcpy] = None,
   mem1: Optional[Memcpy] = None,
+  ahead: int = 0,
+  trace: Optional[list] = None,
 ) -> Dict:
   """Times lookup_many + apply_many per batch, and after each timed batch one ``mem.copy()`` (and
-  ``mem1.copy()``, one thread); bytes per the module docstring."""
+  ``mem1.copy()``, one thread); bytes per the module docstring.
+
+  ``ahead``: before batch i's lookup, ``read_ahead_many`` of batch i + ahead (timed with the lookup).
+  ``trace``: gets, per timed batch, the tier files and disk rows its lookup will read (untimed).
+  """
   rng = np.random.default_rng(1)
   biggest = max(len(v) for b in batches for v in b.values())
   grads = rng.standard_normal((biggest, dim)).astype(np.float32) * 1e-3
@@ -155,7 +175,12 @@ def run(
     before = sum(s["created"] + s["tier_reads"] for s in st.values())
     if i == warmup:
       hits0, lookups0 = sum(s["hits"] for s in st.values()), sum(s["lookups"] for s in st.values())
+    if trace is not None and i >= warmup:
+      trace.append(tier_reads(ps, b))
     t0 = time.perf_counter()
+    if ahead:
+      for j in range(i + 1 if i == 0 else i + ahead, min(i + ahead, len(batches) - 1) + 1):
+        ps.read_ahead_many(batches[j], step=first_step + j)
     ps.lookup_many(b, create=True, step=first_step + i)
     t1 = time.perf_counter()
     ps.apply_many({t: (ids, grads[: len(ids)]) for t, ids in b.items()}, step=first_step + i)
@@ -188,6 +213,113 @@ def run(
   if mem1 is not None:
     out["memcpy_1thread_bytes_per_s"] = copied1 / t_copy1
     out["fraction_of_memcpy_1thread"] = out["bytes_per_s"] / out["memcpy_1thread_bytes_per_s"]
+  return out
+
+
+def tier_reads(ps: ParameterServer, batch) -> list:
+  """The (file, offset, length) reads the lookup of ``batch`` will make from the tier's files,
+  in the order it makes them: per table shard, per field, the rows of the ids not in RAM."""
+  out = []
+  for t, ids in batch.items():
+    shard = ps.shard_of(t, ids)
+    for s in range(ps.num_shards):
+      table = ps.shards[s][t]
+      mine = ids[shard == s]
+      miss = mine[~table.in_ram(mine)]
+      rows, _ = table.tier.locate(miss)
+      rows = rows[rows >= 0]
+      for path, width in table.tier.files():
+        out.extend((path, int(r) * width, width) for r in rows)
+  return out
+
+
+def floor_read(reads: list) -> float:
+  """Seconds to read the same bytes from the same files in the same order with ``os.preadv``."""
+  fds, buf = {}, bytearray(max((n for _, _, n in reads), default=1))
+  view = memoryview(buf)
+  t0 = time.perf_counter()
+  for path, off, n in reads:
+    fd = fds.get(path)
+    if fd is None:
+      fd = fds[path] = os.open(path, os.O_RDONLY)
+    os.preadv(fd, [view[:n]], off)
+  took = time.perf_counter() - t0
+  for fd in fds.values():
+    os.close(fd)
+  return took
+
+
+def tier_rounds(specs, names, batches, vocab, shards, threads, dim, nbytes, mem, mem1) -> Dict:
+  """RAM only against tiered PSs, each table ``--tier_fraction`` in RAM, in alternating rounds.
+
+  Configurations: ``tier`` (file backend, read-ahead of ``--read_ahead`` batches),
+  ``tier_no_read_ahead`` (file backend) and ``tier_tensorstore`` (zarr3 arrays through
+  tensorstore, no read-ahead: the tier as it was before issue 28), with ``ram`` before them
+  in every round; each tiered figure is reported as the median over
+  rounds of its rows/s (lookup + apply) over the same round's ram rows/s. The floor: the bytes
+  the ``tier`` lookups read from the tier's files, read again in the same order with
+  ``os.preadv`` (``floor_read``); ``tier_floor_ratio`` = those seconds / the seconds the tier
+  added to the ram run's (1.0: the tier costs what reading its bytes costs, no more).
+  """
+  kw = (("learning_rate", 0.05),)
+  cap = max(1, int(vocab * _TIER_FRACTION.value))
+  tiered = [TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw, capacity=cap) for t in names]
+  out: Dict = {"tier_cache_fraction": cap / vocab}
+  with tempfile.TemporaryDirectory(prefix="bench_ps_tier_") as d:
+    pss = {"ram": ParameterServer(specs, num_shards=shards, threads=threads)}
+    for name, backend in (("tier", "file"), ("tier_no_read_ahead", "file"), ("tier_tensorstore", "tensorstore")):
+      spec = {"driver": "file", "path": os.path.join(d, name)}
+      pss[name] = ParameterServer(tiered, num_shards=shards, tier=spec, threads=threads, tier_backend=backend)
+    step = {name: prefill(ps, names, vocab) for name, ps in pss.items()}
+    runs: Dict[str, list] = {name: [] for name in pss}
+    trace: list = []
+    for r in range(_TIER_ROUNDS.value):
+      # Fresh batches every round (the same for every configuration of the round): batches seen
+      # before would find their rows in every cache.
+      batches = zipf_batches(len(batches), vocab, _ALPHA.value, _BATCH.value, _FEATURES.value, seed=r + 1)
+      for name, ps in pss.items():
+        ahead = _AHEAD.value if name == "tier" else 0
+        res = run(
+          ps, batches, _WARMUP.value, dim, *nbytes, step[name], mem, mem1, ahead=ahead,
+          trace=trace if (name == "tier" and r == 0) else None,
+        )  # fmt: skip
+        step[name] += len(batches)
+        res["seconds"] = res["rows"] / res["lookup_rows_per_s"] + res["rows"] / res["apply_rows_per_s"]
+        runs[name].append(res)
+    stats = {name: ps.stats() for name, ps in pss.items()}
+    floor_s = floor_read([x for batch in trace for x in batch])
+    for ps in pss.values():
+      ps.close()
+  ram = runs["ram"]
+  for name in ("tier", "tier_no_read_ahead", "tier_tensorstore"):
+    ratios = sorted(x["bytes_per_s"] / y["bytes_per_s"] for x, y in zip(runs[name], ram))
+    rows_ratio = sorted(y["seconds"] / x["seconds"] for x, y in zip(runs[name], ram))
+    best = sorted(runs[name], key=lambda x: x["seconds"])[len(runs[name]) // 2]
+    st = stats[name]
+    out[name] = dict(
+      best,
+      tier_vs_ram=rows_ratio[len(rows_ratio) // 2],
+      tier_vs_ram_rounds=rows_ratio,
+      bytes_ratio_rounds=ratios,
+      ram_rows=int(sum(s["rows"] for s in st.values())),
+      tier_rows=int(sum(s["tier_rows"] for s in st.values())),
+      read_ahead_used=int(sum(s["read_ahead_used"] for s in st.values())),
+      read_ahead_skipped=int(sum(s["read_ahead_skipped"] for s in st.values())),
+      tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),
+    )
+  read_bytes = sum(n for batch in trace for _, _, n in batch)
+  read_rows = read_bytes / (dim * 4 + dim * 4)
+  first = runs["tier"][0]
+  added = max(first["seconds"] - ram[0]["seconds"], 1e-9)
+  out["tier_floor_rows_per_s"] = read_rows / max(floor_s, 1e-9)
+  out["tier_read_rows_per_s"] = read_rows / added
+  out["tier_floor_ratio"] = floor_s / added
+  print(
+    f"tier floor: the {read_rows:,.0f} rows the tier read (round 1), read again with os.preadv: {floor_s:.3f} s "
+    f"({out['tier_floor_rows_per_s'] / 1e6:.2f}M rows/s); the tier added {added:.3f} s to ram's time "
+    f"({out['tier_read_rows_per_s'] / 1e6:.2f}M rows/s): floor ratio {out['tier_floor_ratio']:.3f}",
+    file=sys.stderr,
+  )
   return out
 
 
@@ -267,18 +399,12 @@ def main(argv):
   report("cold", r, f" ({r['created_or_read_back'] / r['rows']:.0%} of looked-up rows created)")
 
   if _TIER.value:
-    with tempfile.TemporaryDirectory(prefix="bench_ps_tier_") as d:
-      tiered = [
-        TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw, capacity=max(1, vocab // 4)) for t in names
-      ]
-      ps = ParameterServer(tiered, num_shards=shards, tier={"driver": "file", "path": d}, threads=threads)
-      first = prefill(ps, names, vocab)
-      r = run(ps, batches, _WARMUP.value, dim, b_lookup, b_apply, b_create, first, mem, mem1)
-      st = ps.stats()
-      ps.close()
-    r["tier_rows"] = int(sum(s["tier_rows"] for s in st.values()))
-    r["ram_rows"] = int(sum(s["rows"] for s in st.values()))
-    report("tier", r, f" (hit rate {r['hit_rate']:.3f}; {r['ram_rows']:,} rows in RAM, {r['tier_rows']:,} on disk)")
+    results.update(
+      tier_rounds(specs, names, batches, vocab, shards, threads, dim, (b_lookup, b_apply, b_create), mem, mem1)
+    )
+    for name in ("tier", "tier_no_read_ahead", "tier_tensorstore"):
+      r = results[name]
+      report(name, r, f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds)")
 
   flat = {k: results["ram"][k] for k in ("lookup_rows_per_s", "apply_rows_per_s")}
   flat["memcpy_gb_per_s"] = results["ram"]["memcpy_bytes_per_s"] / 1e9
@@ -293,10 +419,15 @@ def main(argv):
   flat["fraction_of_best_memcpy"] = results["ram"]["fraction_of_best_memcpy"]
   flat["load_average_start"] = results["load_average_start"]
   flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
-  for name in ("cold", "tier"):
-    for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate"):
+  for name in ("cold", "tier", "tier_no_read_ahead", "tier_tensorstore"):
+    for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate", "tier_vs_ram"):
       if name in results and k in results[name]:
         flat[f"{name}_{k}"] = results[name][k]
+  if "tier" in results:
+    flat["tier_vs_ram"] = results["tier"]["tier_vs_ram"]
+    for k in ("tier_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s", "tier_cache_fraction"):
+      flat[k] = results[k]
+    flat["read_ahead"] = _AHEAD.value
   flat.update(distinct_rows_per_batch=uniq, num_shards=shards, ps_threads=counts, dim=dim, vocab=vocab)
   if _JSON_OUT.value:
     outputs.write_json(_JSON_OUT.value, results, indent=2)

@@ -4,7 +4,7 @@ An input is a short sequence of 1 to 3 requests sent to a fresh, configured ``rp
 (two tables; no gRPC: its handlers are called with a stand-in context, as gRPC would call them).
 Each request is drawn as one of: random bytes; the magic and a random length before random
 bytes; a well-formed request of a real RPC (Lookup, Push, Configure, Snapshot, Restore, Stats,
-Health) with plausible and implausible field values; such a request with bits flipped, cut
+Health, ReadAhead) with plausible and implausible field values; such a request with bits flipped, cut
 short, extended, or its JSON header changed at one place (a value replaced by a huge, negative,
 wrong-typed or unknown one) and re-framed, with the true header length or a lying one.
 
@@ -79,7 +79,9 @@ def _value(draw, valid):
 def _request(draw):
   """A request of a real RPC: (method, fields, arrays)."""
   method = draw(
-    st.sampled_from(["Lookup", "Lookup", "Push", "Push", "Configure", "Snapshot", "Restore", "Stats", "Health"])
+    st.sampled_from(
+      ["Lookup", "Lookup", "Push", "Push", "Configure", "Snapshot", "Restore", "Stats", "Health", "ReadAhead"]
+    )
   )
   fields: Dict[str, Any] = {}
   arrays: List[Dict[str, Any]] = []
@@ -87,6 +89,9 @@ def _request(draw):
     fields = {"step": _value(draw, draw(st.integers(-3, 40))), "create": _value(draw, True)}
     if draw(st.booleans()):
       fields["wire_dtype"] = _value(draw, draw(st.sampled_from(["float32", "bfloat16", "float16"])))
+    arrays = draw(st.lists(_array(("ids",)), max_size=3))
+  elif method == "ReadAhead":
+    fields = {"step": _value(draw, draw(st.integers(-3, 40)))}
     arrays = draw(st.lists(_array(("ids",)), max_size=3))
   elif method == "Push":
     fields = {"worker": _value(draw, draw(st.integers(0, 2))), "step": _value(draw, draw(st.integers(-1, 40)))}

@@ -38,7 +38,18 @@ from recsys_jax.embeddings.specs import TableSpec
 MAGIC = b"RPS1"
 VERSION = 1
 SERVICE = "recsys_jax.async_ps.PSShard"
-METHODS = ("Configure", "Lookup", "Push", "Snapshot", "Restore", "Stats", "Health", "ExportRows", "ImportRows")
+METHODS = (
+  "Configure",
+  "Lookup",
+  "Push",
+  "Snapshot",
+  "Restore",
+  "Stats",
+  "Health",
+  "ExportRows",
+  "ImportRows",
+  "ReadAhead",
+)
 MAX_HEADER_BYTES = 16 << 20
 SIZE_KEY = "rps-request-bytes"
 """gRPC metadata: the request's length in bytes, so a server can make room before reading it."""

@@ -4,6 +4,7 @@ applied once, when its last chunk is in, whatever is sent twice); the server ref
 over its limit before any work, keeps the bytes of the calls in flight within --max_inflight_mb,
 and compiles its kernels before its ready line."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -257,6 +258,40 @@ def test_the_client_refuses_what_chunks_could_not_check(start):
     with pytest.raises(ValueError, match="one id of table 'user' takes 8 bytes of request and 32 of answer"):
       ps.message_limits = [wire.header_bound({"step": 0}, ["ids/user"]) + 30]
       ps.lookup_many({"user": repeated[:3]}, True, 0)
+
+
+def test_a_read_ahead_over_the_limit_goes_in_chunks_and_stages_what_one_call_does(start, tmp_path):
+  """A read-ahead of 2 x ~1200 ids in 0.005 MiB chunks goes as several ReadAhead calls; it stages
+  the rows one call stages (a client without chunks, on a twin server), the lookup of its step
+  uses them, and every row read is the same."""
+  specs = [dataclasses.replace(s, capacity=200) for s in SPECS]
+  rng = np.random.default_rng(6)
+  steps = [{t: np.unique(rng.integers(0, 4000, 1500)).astype(np.uint64) for t in DIMS} for _ in range(2)]
+  steps.append(steps[0])  # step 2 looks up step 0's ids again: step 1's lookup spilled them
+  grads = [_grads(rng, ids) for ids in steps]
+  runs = []
+  for limit in (0, 0.005):
+    addr, _ = start(snapshot_root=str(tmp_path), read_ahead_rows=10**6)
+    tier = {"driver": "file", "path": str(tmp_path / f"tier-{limit}")}
+    with RemotePS([addr], specs, seed=SEED, max_request_mb=limit, tier=tier) as ps:
+      counts, looked = _count_calls(ps), []
+      for step, ids in enumerate(steps):
+        if step == 2:
+          staged = ps.read_ahead_many(ids, step)
+        looked.append(ps.lookup_many(ids, True, step))
+        ps.apply_many(grads[step], step)
+      stats = ps.stats()
+      runs.append((counts["ReadAhead"], staged, looked, {t: stats[t]["read_ahead_used"] for t in DIMS}))
+  (one, staged, want, used), (calls, chunked, got, chunked_used) = runs
+  assert one == 1 and calls > 2, (one, calls)
+  assert staged == chunked > 0 and used == chunked_used and all(v > 0 for v in used.values()), (
+    staged,
+    chunked,
+    used,
+    chunked_used,
+  )
+  for a, b in zip(got, want):
+    _rows_equal(a, b, rtol=0)
 
 
 def test_the_config_checks_max_request_mb(tiny_config):

@@ -2,7 +2,8 @@
 tier small enough that rows spill, ``RemotePS`` over 2 real server processes, and (read-only)
 the model server's ``SnapshotRows``; each is held to ``async_ps.protocol`` and compared, bit for
 bit, with a 1-shard in-process PS (the reference) run through the same calls, and its row
-optimizers with a float64 numpy reference."""
+optimizers with a float64 numpy reference. The read-ahead tests add ``RemotePS`` over 2 servers
+whose tables spill to a disk tier."""
 
 import dataclasses
 import os
@@ -31,7 +32,12 @@ SPECS = [
   TableSpec(name="adam", dim=5, optimizer="adam", optimizer_kwargs=(("learning_rate", 0.01),), init_scale=0.5),
 ]
 TIER_CAPACITY = 6  # rows in RAM per table: every sequence below looks up more, so rows spill
+SMALL_SPECS = [dataclasses.replace(s, capacity=TIER_CAPACITY) for s in SPECS]
+# Rows a table may hold staged by read_ahead_many (the default, a quarter of TIER_CAPACITY, is
+# less than a step's misses, so nothing would be staged); a sequence below stages a few dozen.
+READ_AHEAD_ROWS = 1000
 KINDS = ["local", "tiered", "remote"]
+TIERED = ("tiered", "remote_tiered")
 
 
 def _reference() -> ParameterServer:
@@ -91,18 +97,37 @@ def remote_env(tmp_path_factory):
   servers.close()
 
 
+@pytest.fixture(scope="module")
+def remote_tier_env(tmp_path_factory):
+  """Two servers whose bounded tables spill to a disk tier (under their --snapshot_root), and an
+  empty full snapshot that resets them, tier included, between tests."""
+  root = tmp_path_factory.mktemp("conformance_tier")
+  servers = ServerProcesses(root)
+  addresses = [a for a, _ in servers.start(2, f"--snapshot_root={root}", f"--read_ahead_rows={READ_AHEAD_ROWS}")]
+  empty = str(root / "empty")
+  blank = ParameterServer(SMALL_SPECS, seed=SEED)
+  blank.save_snapshot(empty)
+  blank.close()
+  yield addresses, empty, root
+  servers.close()
+
+
 def _new_store(kind, request, tier_path):
   """A fresh store of ``kind`` (a remote one: the servers restored to empty first, so only the
   newest remote store of a test holds its state)."""
   if kind == "local":
     return ParameterServer(SPECS, num_shards=3, seed=SEED, threads=2, min_rows=1)
   if kind == "tiered":
-    small = [dataclasses.replace(s, capacity=TIER_CAPACITY) for s in SPECS]
-    return ParameterServer(small, seed=SEED, tier={"driver": "file", "path": str(tier_path)}, protect_steps=1)
+    tier = {"driver": "file", "path": str(tier_path)}
+    return ParameterServer(SMALL_SPECS, seed=SEED, tier=tier, protect_steps=1, read_ahead_rows=READ_AHEAD_ROWS)
   from recsys_jax.async_ps.client.remote import RemotePS  # grpc only here
 
-  addresses, empty, _ = request.getfixturevalue("remote_env")
-  ps = RemotePS(addresses, SPECS, seed=SEED)
+  if kind == "remote_tiered":
+    addresses, empty, root = request.getfixturevalue("remote_tier_env")
+    ps = RemotePS(addresses, SMALL_SPECS, seed=SEED, tier={"driver": "file", "path": str(root / "tier")})
+  else:
+    addresses, empty, _ = request.getfixturevalue("remote_env")
+    ps = RemotePS(addresses, SPECS, seed=SEED)
   ps.load_snapshot([empty])
   return ps
 
@@ -110,6 +135,16 @@ def _new_store(kind, request, tier_path):
 @pytest.fixture(params=KINDS)
 def make(request, tmp_path):
   """A factory of fresh stores of one kind."""
+  yield from _factory(request, tmp_path)
+
+
+@pytest.fixture(params=KINDS + ["remote_tiered"])
+def make_any(request, tmp_path):
+  """``make``, and RemotePS over servers with a disk tier as well."""
+  yield from _factory(request, tmp_path)
+
+
+def _factory(request, tmp_path):
   made = []
 
   def _make():
@@ -351,6 +386,129 @@ def test_loading_what_is_no_snapshot_names_the_directory(make, snapdir):
   missing = str(snapdir / "nothing-here")
   with pytest.raises((ValueError, FileNotFoundError), match="nothing-here"):
     ps.load_snapshot([missing])
+
+
+# -- read-ahead ---------------------------------------------------------------------------------
+AHEAD = 2  # steps ahead the ids of a step are read: each step's lookup and push fall in between
+# Counters a read-ahead must leave as they are: what the lookups found in RAM, in the tier, new.
+_SAME_COUNTERS = ("lookups", "hits", "misses", "created", "tier_reads", "evictions", "spilled", "applied_rows")
+
+
+def _sequence(steps=8, seed=0):
+  """The ids and gradients of ``steps`` steps (20 of 200 ids per table: rows come back from the tier,
+  and some are looked up again, evicted and spilled anew between their read-ahead and their step)."""
+  rng = np.random.default_rng(seed)
+  ids = [{s.name: _ids(rng, 20) for s in SPECS} for _ in range(steps)]
+  return ids, [_grads(rng, i) for i in ids]
+
+
+def _run(ps, ids, grads, ahead=None):
+  """Looks up and pushes every step; ``ahead``: first reads ahead steps ahead, ..., 1, 0 (the first
+  step a store hears of is a later one than its first lookup's), then at each step t > 0 the ids of
+  step t + ahead, before t's lookup. Returns the rows each lookup read, the rows staged and the
+  counters this run added."""
+  start = ps.stats()  # a remote store's servers count since they started
+  looked, staged = [], 0
+  if ahead is not None:
+    for t in range(ahead, -1, -1):
+      staged += ps.read_ahead_many(ids[t], t)
+  for t in range(len(ids)):
+    if ahead is not None and 0 < t < len(ids) - ahead:
+      staged += ps.read_ahead_many(ids[t + ahead], t + ahead)
+    looked.append({k: v.copy() for k, v in ps.lookup_many(ids[t], create=True, step=t).items()})
+    ps.apply_many(grads[t], step=t)
+  end = ps.stats()
+  keys = _SAME_COUNTERS + ("read_ahead_rows", "read_ahead_used")
+  return looked, staged, {t: {k: end[t][k] - start[t][k] for k in keys} for t in end}
+
+
+def test_reading_ahead_changes_no_row(make_any):
+  """The same steps with and without read_ahead_many (ids read ``AHEAD`` steps before their lookup)
+  read the same rows at every lookup and leave the same rows and slots, bit for bit, equal to the
+  RAM-only reference's, and the same counts of hits, tier reads, evictions. With a tier the reads
+  were staged (the count returned is the stores' ``read_ahead_rows``) and lookups used them
+  (``read_ahead_used``); without one nothing is staged."""
+  ids, grads = _sequence()
+  touched = {t: np.unique(np.concatenate([i[t] for i in ids])) for t in ids[0]}
+  ref = _reference()
+  want, _, _ = _run(ref, ids, grads)
+  want_rows = _export(ref, touched)
+  plain = make_any()
+  got, staged, plain_counts = _run(plain, ids, grads)
+  assert staged == 0
+  for t in range(len(ids)):
+    _assert_same(got[t], want[t])
+  _assert_same(_export(plain, touched), want_rows)
+  ahead = make_any()  # a remote store: the same servers, emptied
+  got, staged, counts = _run(ahead, ids, grads, AHEAD)
+  for t in range(len(ids)):
+    _assert_same(got[t], want[t])
+  _assert_same(_export(ahead, touched), want_rows)
+  for t, c in counts.items():
+    assert {k: c[k] for k in _SAME_COUNTERS} == {k: plain_counts[t][k] for k in _SAME_COUNTERS}, t
+  assert staged == sum(c["read_ahead_rows"] for c in counts.values())
+  if make_any.kind in TIERED:
+    assert all(c["tier_reads"] > 0 for c in counts.values()), counts  # rows did come back from the tier
+    for t, c in counts.items():  # staged, and taken by the lookups of their step
+      assert 0 < c["read_ahead_used"] <= c["read_ahead_rows"], (t, c)
+  else:
+    assert staged == 0 and all(c["read_ahead_rows"] == c["read_ahead_used"] == 0 for c in counts.values())
+
+
+@pytest.mark.parametrize(
+  "call, error, words",
+  [
+    (lambda ps: ps.read_ahead_many({"ghost": np.arange(3)}, 1), KeyError, ["ghost"]),
+    (lambda ps: ps.read_ahead_many({"sgd": np.arange(3)}, -1), ValueError, ["step -1", "negative"]),
+    (lambda ps: ps.read_ahead_many({"adam": np.array([1, -2])}, 1), ValueError, ["adam", "non-negative"]),
+    (lambda ps: ps.read_ahead_many({"adam": np.array([1.5])}, 1), ValueError, ["adam", "float"]),
+  ],
+  ids=["unknown-table", "negative-step", "negative-id", "float-id"],
+)
+def test_read_ahead_refuses_bad_input_as_a_lookup_does(make_any, call, error, words):
+  """Refused in the caller's process, in one line naming what is wrong, and nothing changes."""
+  ps = make_any()
+  _train(ps, steps=2)
+  before = _rows(ps)
+  with pytest.raises(error) as e:
+    call(ps)
+  text = str(e.value)
+  assert all(w in text for w in words), text
+  assert "\n" not in text.strip(), text
+  _assert_same(_rows(ps), before)
+
+
+def test_the_servers_refuse_a_bad_read_ahead_and_keep_serving(request):
+  """What the client refuses before sending reaches a server only from another client: a server
+  refuses it with INVALID_ARGUMENT naming what is wrong (as it refuses such a lookup), changes
+  nothing, and serves the next read-ahead and lookup."""
+  from recsys_jax.async_ps.client.remote import RemotePSError
+  from recsys_jax.async_ps.client.transport import Transport
+
+  ps = _new_store("remote_tiered", request, None)
+  try:
+    _train(ps, steps=3)
+    before = _rows(ps)
+    raw = Transport(ps.addresses, timeout_s=10)
+    ids = np.arange(5, dtype=np.uint64)
+    cases = [
+      ({"step": 4}, {"ids/ghost": ids}, "unknown table 'ghost'"),
+      ({"step": -1}, {"ids/sgd": ids}, "step -1 is negative"),
+      ({"step": 2**62}, {"ids/sgd": ids}, "outside [0, 2**62)"),
+      ({}, {"ids/sgd": ids}, "needs the step"),
+      ({"step": 4}, {"ids/sgd": ids.astype(np.float32)}, "1-D uint64"),
+      ({"step": 4}, {"ids/sgd": np.array([3, 3], np.uint64)}, "not distinct"),
+      ({"step": 4}, {"grads/sgd": np.zeros((5, 4), np.float32)}, "unexpected array"),
+    ]
+    for fields, arrays, words in cases:
+      with pytest.raises(RemotePSError, match="ReadAhead failed: INVALID_ARGUMENT") as e:
+        raw.call(0, "ReadAhead", fields, arrays)
+      assert words in str(e.value), (words, str(e.value))
+    raw.close()
+    _assert_same(_rows(ps), before)
+    assert ps.read_ahead_many({"sgd": ids}, 3) >= 0 and all(h["ok"] for h in ps.health())
+  finally:
+    ps.close()
 
 
 # -- read-only: the model server's rows as well -------------------------------------------------

@@ -1,6 +1,6 @@
 """Features that compose: a run stopped at N and resumed to 2N ends where the run that never
-stopped ends, bit for bit, whatever the combination of hot rows, bounds, disk tier, remote PS,
-data source and staleness (issue 24).
+stopped ends, bit for bit, whatever the combination of hot rows, bounds, disk tier (tensorstore
+in memory or plain files, both with read-ahead), remote PS, data source and staleness (issue 24).
 
 Compared: every dense weight, every PS row with its optimizer slots and the state its bounds
 read (last-seen step, use count, RAM or tier), each table's bounds state, and the hot set with
@@ -38,7 +38,7 @@ from tests.helpers.run_outcome import preempted_copy, snapshot_rows
 OPTIONS = {
   "hot": ("off", "on"),
   "bound": ("none", "lru", "lfu", "expire", "admit"),
-  "tier": ("off", "on"),
+  "tier": ("off", "memory", "file"),  # tensorstore in memory, or plain files; read ahead 4 steps
   "ps": ("local", "remote"),
   "data": ("synthetic", "csv"),
   "k": (0, 4),
@@ -49,7 +49,7 @@ CAPACITY = 60
 
 def valid(case) -> bool:
   """A disk tier holds what a capacity evicts: it needs one."""
-  return case.get("tier") != "on" or case.get("bound") in (None, "lru", "lfu")
+  return case.get("tier") in (None, "off") or case.get("bound") in (None, "lru", "lfu")
 
 
 def _all_cases():
@@ -126,8 +126,9 @@ def _config(tiny_config, case, tmp_path, addresses):
     c.embeddings.expire_after = 3
   elif bound == "admit":
     c.embeddings.admit_after = 2
-  if case["tier"] == "on":
-    c.ps.tier = "memory"
+  if case["tier"] != "off":
+    c.ps.tier = "memory" if case["tier"] == "memory" else "tier"  # "tier": files under the workdir
+    c.ps.read_ahead = 4
   if case["ps"] == "remote":
     c.ps.kind = "remote"
     c.ps.addresses = ",".join(addresses)

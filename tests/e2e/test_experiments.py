@@ -43,6 +43,7 @@ SMOKE = {
   ),
   "bench_ps.py": (
     ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"]
+    + ["--tier_rounds=2"]
     + ["--json_out={tmp}/bench_ps.json"],
     [],
   ),
@@ -52,6 +53,12 @@ SMOKE = {
     [],
   ),
   "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
+  "bench_tier_layout.py": (
+    ["--rows=1024", "--read_rows=40", "--rounds=1", "--chunk_rows=16", "--shard_rows=256", "--inner_rows=4"]
+    + ["--inflight=1,2", "--cold_rounds=1", "--current_chunk_rows=16", "--write_rows=512", "--append_rows=128"]
+    + ["--json_out={tmp}/bench_tier_layout.json"],
+    ["best", "best_of_floor", "current_rows_per_s", "floor_best_over_best", "configs", "floors", "cold"],
+  ),
   "bench_train.py": (
     ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"]
     + ["--config.eval_batch_size=256", "--config.eval_samples=256", "--json_out={tmp}/bench_train.json"],
@@ -86,6 +93,7 @@ WRITES = {
   "bench_distributed.py": ["{tmp}/bench_distributed.json"],
   "bench_ps.py": ["{tmp}/bench_ps.json"],
   "bench_readers.py": ["{tmp}/bench_readers.json"],
+  "bench_tier_layout.py": ["{tmp}/bench_tier_layout.json"],
   "bench_train.py": ["{tmp}/bench_train.json"],
   "bench_tier_train.py": ["{tmp}/btt.json", "{tmp}/btt.png"],
   "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
@@ -103,7 +111,10 @@ ELSEWHERE = {
   "bench_feed.py": "tests/e2e/test_experiments.py",  # test_bench_feed_names_a_failed_setting_and_exits_1
 }
 # Modules in experiments/ that are not scripts: nothing to run.
-EXEMPT = {"outputs.py": "where the scripts write (imported by them, no main): run with every script that imports it"}
+EXEMPT = {
+  "outputs.py": "where the scripts write (imported by them, no main): run with every script that imports it",
+  "tier_files.py": "bench_tier_layout.py's layouts and floor reader (no main): run with it; tests/e2e/test_tier_files.py",
+}
 
 
 def _scripts():

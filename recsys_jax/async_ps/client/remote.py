@@ -1,7 +1,7 @@
 """``RemotePS``: the parameter-server interface the trainer uses, backed by PS shard servers.
 
 It offers what ``ParameterServer`` offers the trainer (``lookup_many``, ``apply_many``,
-``lookup``, ``apply``, ``export_rows_many`` and ``import_rows_many``,
+``lookup``, ``apply``, ``read_ahead_many``, ``export_rows_many`` and ``import_rows_many``,
 ``stats``, ``close``, ``specs``, ``num_shards``) plus
 ``save_snapshot`` / ``load_snapshot``, so the trainer cannot tell which one it holds. Each id
 of a table goes to server ``hashing.server_of(table, id, seed, len(addresses))``; a call sends
@@ -313,6 +313,60 @@ class RemotePS:
     if work:
       self._servers.fan("lookup", work)
     return out
+
+  def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
+    """Has each server start reading the tier rows that the lookup of ``ids`` at ``step`` will miss.
+
+    Ids are routed and chunked as a lookup's; each server issues the reads
+    (``ParameterServer.read_ahead_many``, which does not wait for them) and answers at once, so
+    this waits for a round trip, never for a disk. It changes nothing a lookup, an eviction or
+    a snapshot sees, and touches no server's step bookkeeping (a read-ahead of step t + k is
+    not step t + k's lookup). Retried as a lookup is: doing it twice stages nothing twice.
+
+    Args:
+      ids: {table: distinct ids} of a later ``lookup_many(ids, create=True, step=step)``.
+      step: that lookup's step.
+
+    Returns:
+      The rows staged, summed over the servers (0 where the servers have no tier).
+
+    Raises:
+      KeyError: an unknown table.
+      ValueError: ids that are not 1-D non-negative integers, or a negative step (nothing is
+        sent then).
+      RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
+    """
+    step = int(step)
+    if step < 0:
+      raise ValueError(f"step {step} is negative: steps count from 0")
+    for t in ids:
+      self._check(t)
+    ids = {t: as_ids(v, t) for t, v in ids.items()}
+    for t, v in ids.items():
+      if v.ndim != 1:
+        raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
+    if self.tier is None:  # the servers have no tier (RemotePS configures it): nothing to read
+      return 0
+    routes = route(ids, self.shard_of, self.num_shards)
+    fields = {"step": step}
+    deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
+
+    def send(s, part, chunks):
+      staged = 0
+      for c in chunks:
+        arrays = {f"ids/{t}": part[t][a:b] for t, (a, b) in c.items()}
+        got = self._servers.call(s, "ReadAhead", fields, arrays, retries=self.lookup_retries, deadline=deadline)
+        staged += int(got.fields.get("staged", 0))
+      return staged
+
+    work = {}
+    for s in range(self.num_shards):
+      part = {t: ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
+      if part:  # unlike a lookup's, a server that gets no ids need not hear of the step
+        sizes = ({t: 8 for t in part}, {t: 0 for t in part})  # ids in; a count out
+        chunks = chunking.split(part, self.message_limits[s], fields, (["ids"], []), sizes, "read_ahead")
+        work[s] = functools.partial(send, s, part, chunks)
+    return int(sum(self._servers.fan("ahead", work).values())) if work else 0
 
   def _rows(self, reply: wire.Message, s: int, t: str, n: int) -> np.ndarray:
     """The rows of table t in a Lookup answer of server s, checked to be [n, dim] of a float dtype."""

@@ -75,10 +75,11 @@ class Transport:
       self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
     self._stubs = [{m: ch.unary_unary(wire.path(m)) for m in wire.METHODS} for ch in self._channels]
     n = len(self.addresses)
-    # Separate pools: a lookup waiting server-side for pushes must never hold up a push.
+    # Separate pools: a lookup waiting server-side for pushes must never hold up a push, nor a
+    # read-ahead (issued for a later step while this one's lookup waits).
     self._pools = {
       kind: concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"remote-ps-{kind}")
-      for kind in ("lookup", "push", "control")
+      for kind in ("lookup", "push", "control", "ahead")
     }
     self.closed = False
 
@@ -165,7 +166,7 @@ class Transport:
     """Runs one callable per server, in parallel; raises as soon as one fails (the failure of
     the lowest server index among those finished), without waiting for the others.
 
-    ``kind`` ('lookup', 'push' or 'control') picks the thread pool."""
+    ``kind`` ('lookup', 'push', 'control' or 'ahead') picks the thread pool."""
     if len(work) == 1:
       ((i, w),) = work.items()
       return {i: w()}

@@ -5,7 +5,7 @@ Run it as::
   python -m recsys_jax.async_ps.server --port=5051 [--host=127.0.0.1] \
     [--shard_index=I --num_shards=K] [--token_file=F] [--tls_cert=C --tls_key=K] \
     [--max_message_mb=256] [--max_inflight_mb=1024] [--local_shards=1] [--threads=32] \
-    [--snapshot_root=DIR] [--max_wait_s=300] [--step_window=1000] [--nowarmup]
+    [--snapshot_root=DIR] [--max_wait_s=300] [--step_window=1000] [--read_ahead_rows=0] [--nowarmup]
 
 It prints ``ready <host>:<port>`` on stdout once it serves (``--port=0`` picks a free port),
 so launchers can wait for that line; before that it compiles its numba kernels
@@ -60,6 +60,11 @@ def _define_flags() -> None:
   flags.DEFINE_integer(
     "step_window", STEP_WINDOW, "Steps more than staleness + this ahead of the applied step are refused (>= 2)."
   )
+  flags.DEFINE_integer(
+    "read_ahead_rows",
+    0,
+    "Per table shard, the most rows a ReadAhead may hold staged beside the RAM cache (0: a quarter of its capacity).",
+  )
   flags.mark_flag_as_required("port")
 
 
@@ -103,6 +108,7 @@ def main(argv: Sequence[str]) -> None:
       snapshot_root=fl.snapshot_root,
       max_wait_s=fl.max_wait_s,
       step_window=fl.step_window,
+      read_ahead_rows=fl.read_ahead_rows,
     )
   except (ValueError, RuntimeError) as e:
     raise app.UsageError(str(e)) from None

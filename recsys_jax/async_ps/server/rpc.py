@@ -8,6 +8,9 @@ call ``service.ShardService``, which holds the tables and the steps in flight:
   Every other RPC but ``Health`` is refused (FAILED_PRECONDITION) until then.
 - ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
 - ``ExportRows``, ``ImportRows``: rows with their optimizer slots, out and back (below).
+- ``ReadAhead``: ``ids/<table>`` (distinct uint64) and a ``step`` in; the server starts reading
+  the tier rows that step's lookup will miss (``service``) and answers at once with
+  ``{'staged': rows}``, without waiting for the reads.
 - ``Stats``, ``Health``.
 
 Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids that are not
@@ -88,8 +91,8 @@ class ShardServer:
     max_message_bytes: the server's message limit, told to clients (None: not told); a lookup
       whose answer would pass it is refused before any work.
     max_inflight_bytes: the ``ByteBudget`` of requests and answers in flight (None: none).
-    **limits: ``max_wait_s``, ``step_window``, ``max_waiters`` of ``ShardService`` (the waits
-      for memory count against ``max_waiters`` too).
+    **limits: ``max_wait_s``, ``step_window``, ``max_waiters``, ``read_ahead_rows`` of
+      ``ShardService`` (the waits for memory count against ``max_waiters`` too).
   """
 
   def __init__(
@@ -303,6 +306,15 @@ class ShardServer:
     rows = self.service.lookup(ids, create, step, context.time_remaining, context.is_active, admit)
     return wire.encode({}, {f"rows/{t}": wire.to_wire(r, wire_dtype) for t, r in rows.items()})
 
+  def _rpc_readahead(self, msg: wire.Message, context) -> bytes:
+    step = self._step(msg.fields)
+    if step is None:
+      raise wire.WireError("a read-ahead needs the step of the lookup it reads for")
+    ids = {t: self._check_ids(t, arrs["ids"]) for t, arrs in self._arrays_by_table(msg, ("ids",)).items()}
+    n = sum(v.shape[0] for v in ids.values())
+    self._admit(context, wire.payload_bytes(msg), f"a read-ahead of {n} ids")
+    return wire.encode({"staged": int(self.service.read_ahead(ids, step))})
+
   def _room_for_answer(self, context, msg: wire.Message, answer: int, what: str, advice: str) -> Callable[[], None]:
     """Refuses, before any work, a call whose answer of ``answer`` bytes would pass the message limit
     (it would only fail in gRPC); returns what takes the call's bytes from the budget (``_admit``)."""
@@ -446,6 +458,7 @@ def serve(
   snapshot_root: Optional[str] = None,
   max_wait_s: float = MAX_WAIT_S,
   step_window: int = STEP_WINDOW,
+  read_ahead_rows: int = 0,
 ) -> Tuple[grpc.Server, int, ShardServer]:
   """Starts a shard server (in this process) and returns (grpc server, bound port, handlers).
 
@@ -458,7 +471,7 @@ def serve(
       (``budget.ByteBudget``; 0: no bound).
     threads: RPCs served at once (lookups waiting for pushes hold one each; at most threads - 2
       may wait, the rest are refused with UNAVAILABLE, so pushes and Health always find one).
-    max_wait_s, step_window: see ``ShardService``.
+    max_wait_s, step_window, read_ahead_rows: see ``ShardService``.
 
   Returns:
     The started server (stop it with ``.stop(grace)``), the port it listens on, the handlers.
@@ -468,6 +481,7 @@ def serve(
   """
   waiters = max(1, threads - _FREE_THREADS)
   limits = {"max_wait_s": max_wait_s, "step_window": step_window, "max_waiters": waiters}
+  limits["read_ahead_rows"] = read_ahead_rows
   limit = int(max_message_mb * (1 << 20))
   if limit < 1 or max_inflight_mb < 0:
     raise ValueError(f"need --max_message_mb > 0 and --max_inflight_mb >= 0, got {max_message_mb}, {max_inflight_mb}")

@@ -6,6 +6,8 @@ the steps in flight (``rpc`` decodes and checks the requests and calls it):
 - ``configure``: creates the tables on the first call; later calls must agree with the first.
 - ``lookup``: rows of distinct ids. With a step t, first waits until the pushes of every
   step <= t - staleness - 1 are applied.
+- ``read_ahead``: starts reading the tier rows a later step's lookup will miss
+  (``ParameterServer.read_ahead_many``); never waits, and moves no step.
 - ``push``: a worker's row gradients of a step. A step is applied once every worker has
   pushed it (or moved past it): the gradients summed in worker order (``pushes.sum_pushes``),
   one ``apply_many``. A repeated (worker, request_id) is acknowledged, not applied again; a push
@@ -96,6 +98,8 @@ class ShardService:
     step_window: a step more than staleness + this ahead of the applied step is refused.
     max_waiters: calls that may wait for pushes at once (None: any number); more are refused.
     slots: instead of ``max_waiters``, the ``WaitSlots`` counting waits (shared with ``rpc``).
+    read_ahead_rows: per table shard, the most rows a read-ahead may hold staged (0: a quarter of its
+      capacity; ``ParameterServer``'s argument).
   """
 
   def __init__(
@@ -108,6 +112,7 @@ class ShardService:
     step_window: int = STEP_WINDOW,
     max_waiters: Optional[int] = None,
     slots: Optional[WaitSlots] = None,
+    read_ahead_rows: int = 0,
   ):
     if (shard_index is None) != (num_shards is None):
       raise ValueError("--shard_index and --num_shards go together")
@@ -119,6 +124,9 @@ class ShardService:
       raise ValueError(f"--max_wait_s must be positive, got {max_wait_s}")
     if step_window < 2:  # a trainer's lookup may be staleness + 2 steps ahead
       raise ValueError(f"--step_window must be >= 2, got {step_window}")
+    if read_ahead_rows < 0:
+      raise ValueError(f"--read_ahead_rows must be >= 0, got {read_ahead_rows}")
+    self._read_ahead_rows = int(read_ahead_rows)
     self._max_wait_s, self._step_window = float(max_wait_s), int(step_window)
     self.slots = slots or WaitSlots(max_waiters)  # calls waiting
     self._fixed_place = None if num_shards is None else (shard_index, num_shards)
@@ -231,6 +239,7 @@ class ShardService:
             seed=cfg["seed"],
             protect_steps=cfg["staleness"] + 1,
             tier=_own_tier(cfg.get("tier"), place[0]),
+            read_ahead_rows=self._read_ahead_rows,
           )
         except (KeyError, TypeError, ValueError) as e:  # e.g. an unknown optimizer or its arguments
           raise ServiceError("INVALID_ARGUMENT", f"the tables cannot be created: {type(e).__name__}: {e}") from None
@@ -283,6 +292,23 @@ class ShardService:
     if admit is not None:
       admit()
     return self.ps.lookup_many(ids, create, step)
+
+  def read_ahead(self, ids: Mapping[str, np.ndarray], step: int) -> int:
+    """Starts reading the tier rows that the lookup of ``ids`` at ``step`` will miss; returns at
+    once (``ParameterServer.read_ahead_many`` only issues the reads).
+
+    Neither waits for pushes nor moves the applied step (a read-ahead of step t + k says nothing
+    of step t); a step too far ahead is refused as a lookup's is, since its rows would stay staged
+    until then. Like a lookup it runs beside applies, under the tables' own locks.
+
+    Returns:
+      The rows staged.
+    """
+    with self._cond:
+      if self._broken is not None:
+        raise ServiceError("FAILED_PRECONDITION", self._broken)
+      self._check_step(step, f"the read-ahead of step {step}")
+    return self.ps.read_ahead_many(ids, step)
 
   def _refuse_push(self, worker: int, step: Optional[int], request_id: str) -> bool:
     """Checks a push (holding ``_cond``) and refuses it if it cannot be taken; True: a repeat."""

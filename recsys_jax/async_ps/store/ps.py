@@ -64,6 +64,8 @@ class ParameterServer:
       a pool thread costs more than a small call saves).
     read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold staged (0: a
       quarter of the shard's capacity); see ``Table.read_ahead``.
+    tier_backend: the tier's storage (``DiskTier``'s ``backend``): ``'auto'`` (plain files for a
+      local directory, tensorstore for any other kvstore), ``'file'`` or ``'tensorstore'``.
   """
 
   def __init__(
@@ -76,6 +78,7 @@ class ParameterServer:
     threads: Optional[int] = None,
     min_rows: int = MIN_ROWS,
     read_ahead_rows: int = 0,
+    tier_backend: str = "auto",
   ):
     if num_shards < 1:
       raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -100,6 +103,7 @@ class ParameterServer:
             {k: v.shape[1] for k, v in slots.items()},
             dtype=t.storage_dtype,
             max_pending_bytes=4 << 20,  # bounds the RAM that writes in flight may hold (8 chunks)
+            backend=tier_backend,
           )
         shard[t.name] = Table(
           t, seed, capacity=cap, tier=disk, protect_steps=protect_steps, read_ahead_rows=read_ahead_rows
@@ -187,7 +191,8 @@ class ParameterServer:
     _check_step(step)
     for t in ids:
       self._check(t)
-    tiered = {t: as_ids(v, t) for t, v in ids.items() if self.shards[0][t].tier is not None}
+    ids = {t: as_ids(v, t) for t, v in ids.items()}  # every table's: bad ids are refused as a lookup refuses them
+    tiered = {t: v for t, v in ids.items() if self.shards[0][t].tier is not None}
 
     def ahead(table, t, sel):
       return table.read_ahead(tiered[t] if sel is None else tiered[t][sel], step)

@@ -162,22 +162,24 @@ class Table:
     return rows
 
   def _keep_only(self, keep: np.ndarray) -> None:
-    """Compacts the table to the rows where ``keep`` is True (rebuilding the id map)."""
+    """Shrinks the table to the rows where ``keep`` is True (rebuilding the id map).
+
+    The kept rows past the new end move into the holes below it, so an eviction moves at most
+    as many rows as it drops (not every row after the first victim) and needs no second copy
+    of the cache. Row order changes; nothing depends on it (eviction breaks ties by id).
+    """
     n = self.num_rows
-    idx = np.flatnonzero(keep[:n])
-    ids = self._ids.keys()[idx]
-    # In place, a bounded chunk at a time: idx is increasing, so row idx[j] >= j is read
-    # before anything overwrites it, and eviction needs no second copy of the cache.
-    arrays = [self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()]
-    step = 1 << 16
-    for a in range(0, idx.shape[0], step):
-      sel = idx[a : a + step]
-      if sel[0] == a and sel[-1] == a + sel.shape[0] - 1:
-        continue  # already in place
-      for arr in arrays:
-        arr[a : a + sel.shape[0]] = arr[sel]
-    self._ids = IdMap(capacity=max(ids.shape[0], 1), salt=int(self.seed))
-    self._ids.insert(ids)
+    drop = np.flatnonzero(~keep[:n])
+    m = n - drop.shape[0]
+    holes = drop[drop < m]
+    movers = np.flatnonzero(keep[m:n]) + m
+    ids = self._ids.keys()[:n].copy()
+    if holes.shape[0]:
+      for arr in (self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()):
+        arr[holes] = arr[movers]
+      ids[holes] = ids[movers]
+    self._ids = IdMap(capacity=max(m, 1), salt=int(self.seed))
+    self._ids.insert(ids[:m])
 
   # -- the interface ------------------------------------------------------------------
   def lookup(
@@ -257,6 +259,11 @@ class Table:
     self.timers["lookup_s"] += time.perf_counter() - t0
     self.timers["lookup_calls"] += 1
     return out
+
+  def in_ram(self, ids: np.ndarray) -> np.ndarray:
+    """Whether each id has a row in RAM now (a lookup would not go to the tier or create it)."""
+    with self.lock:
+      return self._ids.find(np.asarray(ids, np.uint64)) >= 0
 
   def read_ahead(self, ids: np.ndarray, step: int) -> int:
     """Starts reading, from the tier, the rows a later lookup of ``ids`` (at ``step``) will miss.
@@ -401,7 +408,10 @@ class Table:
     return {
       "rows": n,
       "tier_rows": tier_rows,
-      "bytes": n * row_bytes + index_bytes + (self._sketch.nbytes if self._sketch is not None else 0),
+      # Rows staged by read-ahead count too: they are held in RAM beside the cache.
+      "bytes": (n + self._ahead_held) * row_bytes
+      + index_bytes
+      + (self._sketch.nbytes if self._sketch is not None else 0),
       **c,
       "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
       "lookup_ms": 1e3 * self.timers["lookup_s"] / max(1, self.timers["lookup_calls"]),

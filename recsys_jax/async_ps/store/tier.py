@@ -22,7 +22,7 @@ cache, not a checkpoint.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorstore as ts
@@ -348,6 +348,12 @@ class DiskTier:
         self._counters["reads_ahead"] += 1
         self._counters["rows_read_ahead"] += ids.shape[0]
       return PendingRead(ids, rows, self._epoch, out, finish, tuple(self.slot_shapes))
+
+  def files(self) -> List[Tuple[str, int]]:
+    """The file backend's files and the bytes of a row in each (``[]`` with tensorstore)."""
+    if self.backend != "file":
+      return []
+    return [(self._store.file(f), w * dt.itemsize) for f, (w, dt) in self._fields.items()]
 
   def remove(self, ids: Any) -> int:
     """Forgets ids (e.g. after they were read back into the cache); their rows become garbage.

@@ -105,22 +105,23 @@ class FileRowStore:
     try:
       os.makedirs(path, exist_ok=True)
       for f in fields:
-        p = self._file(f)
+        p = self.file(f)
         if os.path.exists(p):
           os.remove(p)
       self._resize(max(int(initial_rows), _MIN_ROWS))
     except OSError as e:
       raise ValueError(f"DiskTier: cannot create the tier's files under {path!r}: {e}") from e
 
-  def _file(self, field: str) -> str:
+  def file(self, field: str) -> str:
+    """The path of a field's file."""
     return os.path.join(self.path, f"{field}.rows")
 
   def _resize(self, cap: int) -> None:
     maps = {}
     for f, (w, dt) in self._fields.items():
-      with open(self._file(f), "a+b") as fh:
+      with open(self.file(f), "a+b") as fh:
         fh.truncate(cap * w * dt.itemsize)
-      maps[f] = np.memmap(self._file(f), dtype=dt, mode="r+", shape=(cap, w))
+      maps[f] = np.memmap(self.file(f), dtype=dt, mode="r+", shape=(cap, w))
     self._maps = maps
     self.cap = cap
 
