@@ -8,7 +8,7 @@
 Run from the repository root. Issue 28's second "done when": the main job's shape (``--config``,
 by default configs/dlrm.py: batch 4096 x 26 sparse features on the synthetic Criteo-like data)
 trained by ``python -m recsys_jax.main`` in a fresh process per run, ``--num_steps`` steps each
-(default 200: the whole default run takes about 8 minutes on 2 quiet cores), with
+(default 200: the whole default run took 371 and 404 s on 2 cores shared at load 1-6), with
 
 - ``ram``: every row in RAM (no capacity), and
 - ``1/F`` for each F of ``--fractions``: a bounded table (``embeddings.capacity = C_F``, LRU)
