@@ -64,6 +64,12 @@ SMOKE = {
     + ["--config.eval_batch_size=256", "--config.eval_samples=256", "--json_out={tmp}/bench_train.json"],
     ["samples_per_sec_ps", "hot_hit_rate"],
   ),
+  # 1 round of RAM-only and 1/4 on configs/tiny.py, after the one-step baseline: three jobs of 6 steps.
+  "bench_tier_train.py": (
+    ["--config=configs/tiny.py", "--num_steps=6", "--rounds=1", "--fractions=4", "--eval_samples=4096"]
+    + ["--config.eval_batch_size=4096", "--compilation_cache", "--json_out={tmp}/btt.json", "--png_out={tmp}/btt.png"],
+    ["ratio_4x", "auc_identical", "rss_within_bound", "rss_baseline_1step", "variants"],
+  ),
   "capacity.py": (
     ["--rows_bpp=20000", "--ram_rows=20000", "--cache_rows=4096", "--tier_k=2", "--batches=1", "--warmup=1"]
     + ["--batch_size=256", "--features=4", "--dim=8", "--json_out={tmp}/capacity.json", "--png_out={tmp}/capacity.png"],
@@ -89,6 +95,7 @@ WRITES = {
   "bench_readers.py": ["{tmp}/bench_readers.json"],
   "bench_tier_layout.py": ["{tmp}/bench_tier_layout.json"],
   "bench_train.py": ["{tmp}/bench_train.json"],
+  "bench_tier_train.py": ["{tmp}/btt.json", "{tmp}/btt.png"],
   "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
   "comm_volume.py": ["{tmp}/c.json", "{tmp}/c.png"],
   "fuzz.py": ["{tmp}/fuzz.json"],
