@@ -133,7 +133,7 @@ def get_config() -> ml_collections.ConfigDict:
   # turn it on for a tier whose reads wait (a cold or network disk). Staged rows are held beside
   # the RAM cache, at most ps.read_ahead_rows per table shard (0: as many as its capacity).
   c.ps.read_ahead = 0
-  c.ps.read_ahead_rows = 0
+  c.ps.read_ahead_rows = 0  # Per table shard, the most rows read-ahead may stage (0: its capacity).
   # 'local': the PS lives in this process. 'remote': PS shard servers
   # (python -m recsys_jax.async_ps.server), reached over gRPC; required with several trainers.
   c.ps.kind = "local"

@@ -177,3 +177,21 @@ def test_a_copy_from_before_a_compaction_is_not_used_at_the_same_row(tmp_path):
   np.testing.assert_array_equal(table.lookup(x, step=5), np.full((1, DIM), 9.0, np.float32))
   assert table.counters["read_ahead_used"] == 0
   ps.close()
+
+
+def test_a_failed_read_ahead_costs_no_row(tmp_path, monkeypatch):
+  """A read-ahead whose reads fail is dropped and the lookup reads the rows itself."""
+  from recsys_jax.async_ps.store import tier as tier_lib
+
+  steps = _steps(12)
+  plain, read = _ps(tmp_path, "plain", "file"), _ps(tmp_path, "read", "file")
+
+  def fail(self):
+    raise OSError("disk gone")
+
+  monkeypatch.setattr(tier_lib.PendingRead, "result", fail)
+  _same((plain, _run(plain, steps, 0)), (read, _run(read, steps, 2)), steps)
+  st = read.stats()["a"]
+  assert st["read_ahead_rows"] > 0 and st["read_ahead_used"] == 0, st
+  plain.close()
+  read.close()

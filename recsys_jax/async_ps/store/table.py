@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
+from absl import logging
 
 from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.optim import optimizers
@@ -329,7 +330,13 @@ class Table:
         pos = np.minimum(np.searchsorted(read.ids, ids), len(read) - 1)
         take = todo & (read.ids[pos] == ids) & (read.rows[pos] == rows)
         if take.any():
-          rw, rslots = read.result()
+          try:
+            rw, rslots = read.result()
+          except OSError as e:  # the lookup reads these rows itself; a failed read-ahead costs no row
+            logging.warning("table %r: a read-ahead of %d rows failed, read again: %s", self.spec.name, len(read), e)
+            self._ahead = [(t, r) for t, r in self._ahead if r is not read]
+            self._ahead_held -= len(read)
+            continue
           w[take] = rw[pos[take]]
           for k, v in slots.items():
             v[take] = rslots[k][pos[take]]
@@ -337,7 +344,10 @@ class Table:
           self.counters["read_ahead_used"] += int(take.sum())
       if todo.any():
         f2, w2, s2 = self.tier.read(ids[todo])
-        assert f2.all(), "the tier lost rows it had just located"
+        if not f2.all():  # the table's lock is held: nothing else changes its tier meanwhile
+          raise RuntimeError(
+            f"table {self.spec.name!r}: the disk tier lost {int((~f2).sum())} rows it had just located"
+          )
         w[todo] = w2
         for k, v in slots.items():
           v[todo] = s2[k]
