@@ -343,6 +343,39 @@ def test_clear_errors(tmp_path):
     tier.read(ids)
 
 
+_FULL_DISK = r"""
+import resource, signal, sys
+import numpy as np
+from recsys_jax.async_ps.store.tier import DiskTier
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))  # the first 64k rows fit (2 MiB a file)
+tier = DiskTier({"driver": "file", "path": sys.argv[1]}, 8, {"acc": 8})
+rng = np.random.default_rng(0)
+written = 0
+try:
+  for i in range(100):
+    ids = np.arange(written, written + 2000, dtype=np.uint64)
+    tier.write(ids, rng.standard_normal((2000, 8), dtype=np.float32), {"acc": np.ones((2000, 8), np.float32)})
+    written += 2000
+except OSError as e:
+  found, w, _ = tier.read(np.arange(written, dtype=np.uint64))
+  print("ERROR", written, bool(found.all()), e)
+"""
+
+
+def test_a_full_disk_is_an_error_naming_the_file_and_keeps_what_was_written(tmp_path):
+  """The plain-file tier reserves its blocks when it grows: past the space it gets an OSError
+  naming its file (not SIGBUS from a write into a sparse mapping), and the rows before stay."""
+  out = subprocess.run(
+    [sys.executable, "-c", _FULL_DISK, str(tmp_path / "tier")], capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  line = out.stdout.strip().splitlines()[-1]
+  assert line.startswith("ERROR") and " True " in line, line
+  assert "weights.rows" in line or "slot_acc.rows" in line, line
+  assert int(line.split()[1]) > 0, line
+
+
 def test_stats_and_index_size():
   tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=8)
   empty = tier.stats()

@@ -99,7 +99,8 @@ class FileRowStore:
     self.max_pending_bytes = 0  # nothing is ever pending
     self.end = 0
     self.cap = 0
-    self._maps: Dict[str, np.ndarray] = {}
+    self._maps: Dict[str, np.ndarray] = {}  # each field's rows, over its mapping
+    self._mmaps: Dict[str, mmap.mmap] = {}
     self._touched = 0  # bytes of pages touched since the mappings were last dropped (an upper bound)
     self._in_flight: List[concurrent.futures.Future] = []
     try:
@@ -117,12 +118,27 @@ class FileRowStore:
     return os.path.join(self.path, f"{field}.rows")
 
   def _resize(self, cap: int) -> None:
-    maps = {}
+    """Sets the files' capacity and maps them again.
+
+    Growing reserves the disk blocks (``posix_fallocate``): a store on a full disk then fails
+    here with ENOSPC, naming its file, where a write into a sparse mapping would kill the
+    process with SIGBUS.
+    """
+    maps, mmaps = {}, {}
     for f, (w, dt) in self._fields.items():
-      with open(self.file(f), "a+b") as fh:
-        fh.truncate(cap * w * dt.itemsize)
-      maps[f] = np.memmap(self.file(f), dtype=dt, mode="r+", shape=(cap, w))
-    self._maps = maps
+      path, size = self.file(f), cap * w * dt.itemsize
+      with open(path, "a+b") as fh:
+        try:
+          if size > os.fstat(fh.fileno()).st_size:
+            os.posix_fallocate(fh.fileno(), 0, size)
+          else:
+            fh.truncate(size)
+        except OSError as e:
+          raise OSError(e.errno, f"disk tier: cannot size {path} to {size} bytes ({cap} rows): {e.strerror}") from e
+        m = mmap.mmap(fh.fileno(), size)
+      mmaps[f] = m
+      maps[f] = np.frombuffer(m, dtype=dt).reshape(cap, w)
+    self._maps, self._mmaps = maps, mmaps
     self.cap = cap
 
   # ------------------------------------------------------------------------ writes
@@ -157,7 +173,7 @@ class FileRowStore:
   def release(self) -> None:
     """Waits for reads in flight and drops the mappings (on close)."""
     self._wait_reads()
-    self._maps = {}
+    self._maps, self._mmaps = {}, {}
 
   def _wait_reads(self) -> None:
     for f in self._in_flight:
@@ -196,8 +212,8 @@ class FileRowStore:
     self._touched += nbytes
     if self._touched <= RESIDENT_BYTES:
       return
-    for a in self._maps.values():
-      a._mmap.madvise(mmap.MADV_DONTNEED)
+    for m in self._mmaps.values():
+      m.madvise(mmap.MADV_DONTNEED)
     self._touched = 0
 
   # ------------------------------------------------------------------------ compaction
@@ -225,7 +241,7 @@ class FileRowStore:
     self._wait_reads()  # a read past the new end would fault on a page no longer in the file
     cap = max(self.end, _MIN_ROWS)
     if cap < self.cap:
-      self._maps = {}
+      self._maps, self._mmaps = {}, {}
       self._resize(cap)
 
 
