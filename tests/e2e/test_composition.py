@@ -127,7 +127,9 @@ def _config(tiny_config, case, tmp_path, addresses):
   elif bound == "admit":
     c.embeddings.admit_after = 2
   if case["tier"] != "off":
-    c.ps.tier = "memory" if case["tier"] == "memory" else "tier"  # "tier": files under the workdir
+    # Files at one absolute path: the runs a case makes on the same PS servers (resumed in another
+    # workdir) must send the servers the tier they were configured with.
+    c.ps.tier = "memory" if case["tier"] == "memory" else str(tmp_path / "tier")
     c.ps.read_ahead = 4
   if case["ps"] == "remote":
     c.ps.kind = "remote"
@@ -247,6 +249,8 @@ def _run_case(case, tiny_config, tmp_path, servers):
     full = c.copy_and_resolve_references()
     if remote:  # servers of its own: a fresh run on live servers would find the other's tables
       full.ps.addresses = ",".join(a for a, _ in servers.start(2))
+      if case["tier"] == "file":  # and a tier of its own: the first servers still use theirs
+        full.ps.tier = str(tmp_path / "tier_full")
     train.train_and_evaluate(full, full_dir)
     assert train.train_and_evaluate(c, stop_dir)["resumed_from"] == N
     want, got = _what_is_compared(c, [full_dir, stop_dir], 2 * N, 0)
