@@ -348,7 +348,7 @@ import resource, signal, sys
 import numpy as np
 from recsys_jax.async_ps.store.tier import DiskTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
-resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))  # the first 64k rows fit (2 MiB a file)
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))  # files of up to 64k rows fit (2 MiB)
 tier = DiskTier({"driver": "file", "path": sys.argv[1]}, 8, {"acc": 8})
 rng = np.random.default_rng(0)
 written = 0

@@ -134,8 +134,9 @@ class DiskTier:
       dtype: storage dtype of the weights: ``'float32'``, ``'bfloat16'`` or ``'float16'``
         (a numpy dtype of those works too). Reads always return float32.
       chunk_rows: rows per chunk (every chunk holds all the columns of its rows).
-      initial_rows: initial capacity in rows (rounded up to whole chunks); defaults to 64
-        chunks. Capacity doubles (by ``resize``) when an append needs more.
+      initial_rows: initial capacity in rows (tensorstore: rounded up to whole chunks, default
+        64 chunks; plain files: default 1024 rows, whose bytes are reserved on disk). Capacity
+        doubles when an append needs more.
       min_compact_rows: ``write`` compacts automatically when garbage rows exceed
         ``2 * max(live rows, min_compact_rows)``.
       max_pending_bytes: once issued but uncommitted writes hold more RAM than this,
@@ -200,8 +201,8 @@ class DiskTier:
     self.backend = _backend(spec, backend)
     if self.backend == "file":
       path = ts.KvStore.Spec(spec if isinstance(spec, str) else dict(spec)).to_json()["path"]
-      initial = initial_rows if initial_rows is not None else 64 * self.chunk_rows
-      self._store = FileRowStore(path, self._fields, initial, self._counters)
+      # Small to start: the files take their capacity's room on disk (reserved, not sparse).
+      self._store = FileRowStore(path, self._fields, initial_rows or 0, self._counters)
     else:
       self._store = TierStore(
         spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters

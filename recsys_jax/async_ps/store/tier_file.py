@@ -84,7 +84,8 @@ class FileRowStore:
 
     Args:
       fields: the field name -> (row width, storage dtype).
-      initial_rows: the initial capacity in rows.
+      initial_rows: the initial capacity in rows (at least ``_MIN_ROWS``). The files hold their
+        capacity's bytes on disk, reserved when they grow, and double when an append needs more.
       counters: the dict whose ``bytes_written``, ``bytes_read`` and ``rows_written`` entries
         this store adds to.
 
