@@ -38,8 +38,9 @@ from recsys_jax.async_ps.store.tier_store import READ_METHODS, TierStore, storag
 BACKENDS = ("auto", "file", "tensorstore")
 
 
-def _backend(spec: Any, backend: str) -> str:
-  """The storage a ``DiskTier`` uses: ``'file'`` or ``'tensorstore'`` (see its ``backend``)."""
+def _backend(spec: Any, backend: str) -> Tuple[str, Dict[str, Any]]:
+  """The storage a ``DiskTier`` uses, ``'file'`` or ``'tensorstore'`` (see its ``backend``), and
+  the kvstore spec as JSON."""
   if backend not in BACKENDS:
     raise ValueError(f"DiskTier: backend must be one of {BACKENDS}, got {backend!r}")
   try:
@@ -49,7 +50,7 @@ def _backend(spec: Any, backend: str) -> str:
   local = kv.get("driver") == "file"
   if backend == "file" and not local:
     raise ValueError(f"DiskTier: backend 'file' needs a local directory (a 'file' kvstore), got {spec!r}")
-  return backend if backend != "auto" else ("file" if local else "tensorstore")
+  return (backend if backend != "auto" else ("file" if local else "tensorstore")), kv
 
 
 def _as_ids(ids: Any, what: str) -> np.ndarray:
@@ -61,10 +62,6 @@ def _as_ids(ids: Any, what: str) -> np.ndarray:
       raise ValueError(f"{what}: ids must be integers (uint64), got dtype {ids.dtype}")
     ids = ids.astype(np.uint64)
   return ids
-
-
-def _nothing() -> None:
-  return None
 
 
 class PendingRead:
@@ -198,11 +195,10 @@ class DiskTier:
       "rows_read_ahead": 0,
     }
     self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
-    self.backend = _backend(spec, backend)
+    self.backend, kv = _backend(spec, backend)
     if self.backend == "file":
-      path = ts.KvStore.Spec(spec if isinstance(spec, str) else dict(spec)).to_json()["path"]
       # Small to start: the files take their capacity's room on disk (reserved, not sparse).
-      self._store = FileRowStore(path, self._fields, initial_rows or 0, self._counters)
+      self._store = FileRowStore(kv["path"], self._fields, initial_rows or 0, self._counters)
     else:
       self._store = TierStore(
         spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters
@@ -346,10 +342,9 @@ class DiskTier:
       found = rows >= 0
       ids, rows = ids[found], rows[found]
       out = {f: np.zeros((ids.shape[0], w), np.float32) for f, (w, _) in self._fields.items()}
-      finish = _nothing
+      self._store.reap()
+      finish = self._store.gather(rows, np.ones(ids.shape[0], bool), out, background=True)  # no-op if empty
       if ids.shape[0]:
-        self._store.reap()
-        finish = self._store.gather(rows, np.ones(ids.shape[0], bool), out, background=True)
         self._counters["reads_ahead"] += 1
         self._counters["rows_read_ahead"] += ids.shape[0]
       return PendingRead(ids, rows, self._epoch, out, finish, tuple(self.slot_shapes))

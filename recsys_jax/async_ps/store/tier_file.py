@@ -198,7 +198,7 @@ class FileRowStore:
     n = int(found.sum())
     self._counters["bytes_read"] += n * self._row_bytes
     maps = self._maps  # the mapping of this moment: a later growth does not disturb the read
-    if not background:
+    if not background or n == 0:  # nothing to wait for: no reader thread
       self._gather(maps, rows, found, out)
       self._touch(n * _PAGE * len(maps))
       return _nothing
