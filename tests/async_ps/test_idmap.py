@@ -174,3 +174,47 @@ def test_failed_insert_leaves_map_unchanged():
   with pytest.raises(ValueError, match="already present"):
     m.insert(np.array([30, 10], np.uint64))
   assert m.size == 3 and m.find(np.array([30], np.uint64))[0] == -1
+
+
+def _drop_in_reference(order, drop):
+  """The reference's rows after ``IdMap.drop_rows``: the kept last rows fill the holes, in order."""
+  n, m = len(order), len(order) - len(drop)
+  dropped = set(drop.tolist())
+  out = list(order[:m])
+  movers = [i for i in range(m, n) if i not in dropped]
+  for hole, mover in zip([i for i in drop.tolist() if i < m], movers):
+    out[hole] = order[mover]
+  return out
+
+
+@pytest.mark.parametrize("salt,clustered", [(0, False), (2**63 + 17, False), (0, True)])
+def test_drop_rows_against_a_dict_through_deletes_and_inserts(salt, clustered):
+  """Random drops (backward-shift deletion) and inserts interleaved: every kept id still at the
+  row the reference says, every dropped id absent; clustered keys share one probe chain that
+  wraps around the end of the table, where a wrong shift condition loses ids."""
+  rng = np.random.default_rng(salt % 1000 + clustered)
+  pool = _clustered_keys(salt) if clustered else _random_keys(rng, 6000)
+  m = IdMap(capacity=1, salt=salt)
+  order: list = []
+  used = 0
+  for _ in range(30):
+    k = int(rng.integers(0, 200))
+    new = pool[used : used + k]
+    used += k
+    m.insert(new)
+    order += [int(x) for x in new]
+    drop = (
+      np.sort(rng.choice(len(order), int(rng.integers(0, len(order) + 1)), replace=False))
+      if order
+      else np.zeros(0, np.int64)
+    )
+    gone = np.array([order[i] for i in drop.tolist()], np.uint64)
+    holes, movers = m.drop_rows(drop)
+    order = _drop_in_reference(order, drop)
+    assert holes.shape == movers.shape and (holes < m.size).all() and (movers >= m.size).all()
+    assert m.size == len(order)
+    np.testing.assert_array_equal(m.keys(), np.array(order, np.uint64))
+    np.testing.assert_array_equal(m.find(np.array(order, np.uint64)), np.arange(len(order)))
+    assert (m.find(gone) == -1).all()
+    if used >= len(pool) - 200:
+      break

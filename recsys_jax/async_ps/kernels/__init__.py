@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys_jax.async_ps.kernels.lookup import find, first_repeat, gather_rows, place, splitmix64
+from recsys_jax.async_ps.kernels.lookup import find, first_repeat, gather_rows, place, relabel, remove, splitmix64
 from recsys_jax.async_ps.kernels.update import (
   adagrad_apply,
   adam_apply,
@@ -44,6 +44,8 @@ __all__ = [
   "splitmix64",
   "find",
   "place",
+  "remove",
+  "relabel",
   "first_repeat",
   "gather_rows",
   "sgd_apply",

@@ -109,6 +109,61 @@ def place(slot_keys, slot_rows, mask, salt, keys, rows):
 
 
 @jit
+def remove(slot_keys, slot_rows, mask, salt, keys):
+  """Deletes ids from the table of ``find`` (absent ids are skipped); returns how many were present.
+
+  Backward-shift deletion: the ids after the freed slot in its probe run move back into it
+  where their home slot allows, so every remaining id is still found from its home slot by
+  probing up to the first empty slot, and no tombstones accumulate.
+  """
+  _check_slots(slot_keys, slot_rows, mask)
+  imask = np.int64(mask)
+  removed = 0
+  for i in range(keys.shape[0]):
+    k = keys[i]
+    pos = np.int64(splitmix64_one(k ^ salt) & mask)
+    while slot_rows[pos] >= 0 and slot_keys[pos] != k:
+      pos = (pos + 1) & imask
+    if slot_rows[pos] < 0:
+      continue
+    removed += 1
+    hole = pos
+    j = pos
+    while True:
+      j = (j + 1) & imask
+      if slot_rows[j] < 0:
+        break
+      home = np.int64(splitmix64_one(slot_keys[j] ^ salt) & mask)
+      # The id at j may fill the hole if its home is not in (hole, j], cyclically.
+      if (j - home) & imask >= (j - hole) & imask:
+        slot_keys[hole] = slot_keys[j]
+        slot_rows[hole] = slot_rows[j]
+        hole = j
+    slot_rows[hole] = -1
+  return removed
+
+
+@jit
+def relabel(slot_keys, slot_rows, mask, salt, keys, rows):
+  """Gives present ids new rows: ``keys[i]`` -> ``rows[i]``; returns how many ids were absent (skipped)."""
+  _check_slots(slot_keys, slot_rows, mask)
+  if rows.shape[0] != keys.shape[0]:
+    raise ValueError("relabel: rows must be as long as keys")
+  imask = np.int64(mask)
+  absent = 0
+  for i in range(keys.shape[0]):
+    k = keys[i]
+    pos = np.int64(splitmix64_one(k ^ salt) & mask)
+    while slot_rows[pos] >= 0 and slot_keys[pos] != k:
+      pos = (pos + 1) & imask
+    if slot_rows[pos] < 0:
+      absent += 1
+    else:
+      slot_rows[pos] = rows[i]
+  return absent
+
+
+@jit
 def first_repeat(keys, salt):
   """The index of the first id that already occurred earlier in ``keys``, or -1.
 

@@ -4,7 +4,7 @@ numba compiles a kernel on its first call for the argument types of that call (o
 from its on-disk cache, which takes far less). Without this the first lookup and push of a
 fresh server compile the id map's probing and the row optimizer's update inside the client's
 deadline: seconds with a cold cache. The tables are only known at ``Configure``, so every row
-optimizer is warmed. The calls go through a throwaway ``ShardServer``'s own handlers with
+optimizer is warmed, and a bounded table's eviction. The calls go through a throwaway ``ShardServer``'s own handlers with
 decoded messages, so the arrays have the types real calls have.
 
 Servers started together (a launcher starts several) would each compile the same kernels at
@@ -84,6 +84,8 @@ def warm_up(local_shards: int = 1) -> float:
 def _run(server, local_shards: int) -> None:
   dim = 4
   specs = [TableSpec(name=name, dim=dim, optimizer=name) for name in optimizers.NAMES]
+  # A bounded table evicts from the second step on: the id map's deletion kernels.
+  specs.append(TableSpec(name="bounded", dim=dim, capacity=64))
   cfg = {"seed": 0, "num_workers": 1, "staleness": 0, "shard_index": 0, "num_shards": 1}
   _call(server._rpc_configure, {**cfg, "tables": [wire.spec_to_json(s) for s in specs]})
   for step in range(3):

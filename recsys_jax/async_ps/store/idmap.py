@@ -11,6 +11,8 @@ trade collisions for memory.
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import numpy as np
 
 from recsys_jax.async_ps import kernels
@@ -81,6 +83,33 @@ class IdMap:
     self._row_keys[self.size : self.size + m] = keys
     self.size += m
     return rows
+
+  def drop_rows(self, drop: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Removes the ids of rows ``drop``; the last rows move into the holes, so rows stay 0..size-1.
+
+    Costs O(len(drop)), not O(size): the dropped ids leave the slots (backward-shift deletion)
+    and only the ids that move get new rows.
+
+    Args:
+      drop: sorted, distinct row numbers below ``size``.
+
+    Returns:
+      ``(holes, movers)``: the id of row ``movers[i]`` is now at row ``holes[i]``; the caller
+      moves its own per-row arrays the same way (``a[holes] = a[movers]``).
+    """
+    drop = np.asarray(drop, np.int64)
+    n = self.size
+    m = n - drop.shape[0]
+    holes = drop[drop < m]
+    tail = np.ones(n - m, bool)
+    tail[drop[drop >= m] - m] = False
+    movers = np.flatnonzero(tail) + m
+    kernels.remove(self._slot_keys, self._slot_rows, self._mask, self._salt, self._row_keys[drop])
+    if holes.shape[0]:
+      self._row_keys[holes] = self._row_keys[movers]
+      kernels.relabel(self._slot_keys, self._slot_rows, self._mask, self._salt, self._row_keys[holes], holes)
+    self.size = m
+    return holes, movers
 
   def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
     """Writes distinct absent ids into the slots (the caller keeps the load <= one half)."""

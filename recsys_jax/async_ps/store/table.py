@@ -164,24 +164,16 @@ class Table:
     return rows
 
   def _keep_only(self, keep: np.ndarray) -> None:
-    """Shrinks the table to the rows where ``keep`` is True (rebuilding the id map).
+    """Shrinks the table to the rows where ``keep`` is True.
 
-    The kept rows past the new end move into the holes below it, so an eviction moves at most
-    as many rows as it drops (not every row after the first victim) and needs no second copy
-    of the cache. Row order changes; nothing depends on it (eviction breaks ties by id).
+    The kept rows past the new end move into the holes below it (``IdMap.drop_rows``), so an
+    eviction costs as many rows as it drops, not the whole cache, and needs no second copy of
+    it. Row order changes; nothing depends on it (eviction breaks ties by id).
     """
-    n = self.num_rows
-    drop = np.flatnonzero(~keep[:n])
-    m = n - drop.shape[0]
-    holes = drop[drop < m]
-    movers = np.flatnonzero(keep[m:n]) + m
-    ids = self._ids.keys()[:n].copy()
+    holes, movers = self._ids.drop_rows(np.flatnonzero(~keep[: self.num_rows]))
     if holes.shape[0]:
       for arr in (self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()):
         arr[holes] = arr[movers]
-      ids[holes] = ids[movers]
-    self._ids = IdMap(capacity=max(m, 1), salt=int(self.seed))
-    self._ids.insert(ids[:m])
 
   # -- the interface ------------------------------------------------------------------
   def lookup(
