@@ -1,7 +1,7 @@
 """A disk tier for parameter-server tables: rows evicted from the RAM cache spill here.
 
 ``DiskTier`` keeps embedding rows (and their float32 optimizer slots) beyond the RAM cache:
-in plain memory-mapped files on a local directory (``tier_file.FileRowStore``, the default
+in plain files on a local directory, read with pread (``tier_file.FileRowStore``, the default
 for a ``file`` kvstore), or in zarr3 arrays under any other tensorstore kvstore
 (``tier_store.TierStore``: ``{'driver': 'memory'}`` for tests; gcs, s3, ... by
 configuration). The storage is append-only: every ``write`` appends its rows after the last
@@ -132,8 +132,8 @@ class DiskTier:
         (a numpy dtype of those works too). Reads always return float32.
       chunk_rows: rows per chunk (every chunk holds all the columns of its rows).
       initial_rows: initial capacity in rows (tensorstore: rounded up to whole chunks, default
-        64 chunks; plain files: default 1024 rows, whose bytes are reserved on disk). Capacity
-        doubles when an append needs more.
+        64 chunks; capacity doubles when an append needs more). Plain files grow with their
+        appends and ignore it.
       min_compact_rows: ``write`` compacts automatically when garbage rows exceed
         ``2 * max(live rows, min_compact_rows)``.
       max_pending_bytes: once issued but uncommitted writes hold more RAM than this,
@@ -143,7 +143,7 @@ class DiskTier:
         covering chunks with one read per array and gathers in numpy.
       context: tensorstore context spec entries merged over the defaults (no chunk
         cache, ``file_io_sync`` off), e.g. ``{'file_io_concurrency': {'limit': 8}}``.
-      backend: ``'auto'`` (default): plain memory-mapped files (``tier_file``) for a
+      backend: ``'auto'`` (default): plain files read with pread (``tier_file``) for a
         ``file`` kvstore, zarr3 arrays through tensorstore (``tier_store``) for any other;
         ``'file'`` or ``'tensorstore'`` to choose. The file backend reads a step's misses
         about 40x faster (its module docstring gives the measurement); ``chunk_rows``,
@@ -494,8 +494,8 @@ class DiskTier:
   def _append_locked(self, ids: np.ndarray, batch: Dict[str, np.ndarray]) -> None:
     staged = self._store.stage(batch)
     end = self._store.end
+    self._store.append(staged)  # first: a failed append (a full disk) leaves the index as it was
     self._index_locked(ids, np.arange(end, end + ids.shape[0], dtype=np.int64))
-    self._store.append(staged)
 
   def _compact_locked(self) -> None:
     n = self._map.size
