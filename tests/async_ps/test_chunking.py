@@ -508,7 +508,9 @@ def test_after_the_warm_up_no_call_compiles_a_kernel():
   assert out.returncode == 0, out.stderr[-3000:]
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert not any(got["cold"].values()), got["cold"]
-  used = ["find", "place", "first_repeat", "gather_rows", "remove", "relabel"] + [f"{o}_apply" for o in optimizers.NAMES]
+  used = ["find", "place", "first_repeat", "gather_rows", "remove", "relabel"] + [
+    f"{o}_apply" for o in optimizers.NAMES
+  ]
   warmed = {k.rsplit(".", 1)[1]: v for k, v in got["warm"].items()}
   assert all(warmed[k] for k in used), got["warm"]  # every kernel a server calls
   assert got["after"] == got["warm"], {k: (got["warm"][k], v) for k, v in got["after"].items() if v != got["warm"][k]}
