@@ -55,8 +55,11 @@ class IdMap:
     )
     return out
 
-  def insert(self, keys: np.ndarray) -> np.ndarray:
+  def insert(self, keys: np.ndarray, absent: bool = False) -> np.ndarray:
     """Adds ids that are absent and distinct; returns their new rows.
+
+    ``absent``: the caller has just looked the ids up and found none (skips that check; repeats
+    within ``keys`` are still refused).
 
     Raises:
       ValueError: if an id repeats in ``keys`` or is already present; the map is then
@@ -69,7 +72,7 @@ class IdMap:
     # Checked before anything is written, so a refused insert leaves the map as it was.
     if kernels.first_repeat(kernels.read_only(keys), self._salt ^ _SCRATCH_SALT) >= 0:
       raise ValueError("IdMap.insert got an id twice in one call; deduplicate first")
-    present = self.find(keys) >= 0
+    present = np.zeros(0, bool) if absent else self.find(keys) >= 0
     if present.any():
       raise ValueError(f"IdMap.insert got ids already present, e.g. {keys[present][:3].tolist()}")
     if (self.size + m) > _MAX_LOAD * self.capacity:

@@ -22,7 +22,6 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
-from absl import logging
 
 from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.optim import optimizers
@@ -138,11 +137,18 @@ class Table:
     return initializers.init_rows(ids, s.dim, self.seed, s.initializer, s.init_scale)
 
   def _insert(
-    self, ids: np.ndarray, weights: Optional[np.ndarray], slots: Optional[Mapping[str, np.ndarray]]
+    self,
+    ids: np.ndarray,
+    weights: Optional[np.ndarray],
+    slots: Optional[Mapping[str, np.ndarray]],
+    absent: bool = False,
   ) -> np.ndarray:
-    """Adds rows for absent ids: ``weights`` and ``slots`` given, or (None) their initial values."""
+    """Adds rows for absent ids: ``weights`` and ``slots`` given, or (None) their initial values.
+
+    ``absent``: the caller has just found none of the ids in RAM (``IdMap.insert`` skips that check).
+    """
     self._reserve(self.num_rows + ids.shape[0])
-    rows = self._ids.insert(ids)
+    rows = self._ids.insert(ids, absent=absent)
     if weights is not None:
       self._weights[rows] = weights.astype(self._wdtype, copy=False)
     if slots is not None:
@@ -222,12 +228,13 @@ class Table:
         del hit
         if self.tier is not None:
           mids = ids[rest]
-          found, w, slots = self._read_tier(mids)
-          if create and found.any():
-            self.tier.remove(mids[found])
-            rows[rest[found]] = self._insert(mids[found], w[found], {k: v[found] for k, v in slots.items()})
-            self.counters["tier_reads"] += int(found.sum())
-          elif found.any():
+          if create:  # the rows come to RAM: taken out of the tier, the found ones only
+            found, w, slots = self._take_tier(mids)
+            if w.shape[0]:
+              rows[rest[found]] = self._insert(mids[found], w, slots, absent=True)
+              self.counters["tier_reads"] += w.shape[0]
+          else:
+            found, w, _ = self.tier.read(mids)
             out[rest[found]] = w[found]
           rest = rest[~found]
         if rest.shape[0] and create:
@@ -238,7 +245,7 @@ class Table:
             rest = rest[ok]
             self.counters["admitted"] += rest.shape[0]
           if rest.shape[0]:
-            rows[rest] = self._insert(ids[rest], None, None)
+            rows[rest] = self._insert(ids[rest], None, None, absent=True)
             self.counters["created"] += rest.shape[0]
         elif rest.shape[0]:
           # Rounded like a created row would be, so reading never depends on create.
@@ -303,46 +310,17 @@ class Table:
       self._ahead = keep
       self._ahead_held = sum(len(r) for _, r in keep)
 
-  def _read_tier(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, Slots]:
-    """``tier.read(ids)``, taking the rows that ``read_ahead`` staged where they are still the latest."""
+  def _take_tier(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, Slots]:
+    """``tier.take(ids)`` with the reads ``read_ahead`` staged (a failed one is dropped: its rows
+    were read again), timed in ``tier_wait_s``."""
     t0 = time.perf_counter()
     try:
-      if not self._ahead:
-        return self.tier.read(ids)
       self._drop_ahead()
-      rows, epoch = self.tier.locate(ids)
-      found = rows >= 0
-      n = ids.shape[0]
-      w = np.zeros((n, self.spec.dim), np.float32)
-      slots = {k: np.zeros((n,) + v.shape[1:], np.float32) for k, v in self._slots.items()}
-      todo = found.copy()
-      for _, read in self._ahead:
-        if read.epoch != epoch or not todo.any():
-          continue
-        pos = np.minimum(np.searchsorted(read.ids, ids), len(read) - 1)
-        take = todo & (read.ids[pos] == ids) & (read.rows[pos] == rows)
-        if take.any():
-          try:
-            rw, rslots = read.result()
-          except OSError as e:  # the lookup reads these rows itself; a failed read-ahead costs no row
-            logging.warning("table %r: a read-ahead of %d rows failed, read again: %s", self.spec.name, len(read), e)
-            self._ahead = [(t, r) for t, r in self._ahead if r is not read]
-            self._ahead_held -= len(read)
-            continue
-          w[take] = rw[pos[take]]
-          for k, v in slots.items():
-            v[take] = rslots[k][pos[take]]
-          todo &= ~take
-          self.counters["read_ahead_used"] += int(take.sum())
-      if todo.any():
-        f2, w2, s2 = self.tier.read(ids[todo])
-        if not f2.all():  # the table's lock is held: nothing else changes its tier meanwhile
-          raise RuntimeError(
-            f"table {self.spec.name!r}: the disk tier lost {int((~f2).sum())} rows it had just located"
-          )
-        w[todo] = w2
-        for k, v in slots.items():
-          v[todo] = s2[k]
+      found, w, slots, used = self.tier.take(ids, [r for _, r in self._ahead])
+      self.counters["read_ahead_used"] += used
+      if any(r.failed for _, r in self._ahead):
+        self._ahead = [(t, r) for t, r in self._ahead if not r.failed]
+        self._ahead_held = sum(len(r) for _, r in self._ahead)
       return found, w, slots
     finally:
       self.timers["tier_wait_s"] += time.perf_counter() - t0

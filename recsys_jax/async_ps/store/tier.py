@@ -26,10 +26,11 @@ rows of an earlier one. It is a spill area for one process's cache, not a checkp
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorstore as ts
+from absl import logging
 
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.tier_file import FileRowStore
@@ -79,6 +80,7 @@ class PendingRead:
     self._out, self._finish, self._slot_names = out, finish, slot_names
     self._lock = threading.Lock()
     self._done = False
+    self.failed = False  # set by ``DiskTier.take`` once waiting for it raised
 
   def __len__(self) -> int:
     return int(self.ids.shape[0])
@@ -193,6 +195,7 @@ class DiskTier:
       "compactions": 0,
       "reads_ahead": 0,
       "rows_read_ahead": 0,
+      "rows_taken_ahead": 0,
     }
     self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
     self.backend, kv = _backend(spec, backend)
@@ -308,6 +311,74 @@ class DiskTier:
     weights = out.pop("weights")
     return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}
 
+  def take(
+    self, ids: Any, ahead: Sequence["PendingRead"] = ()
+  ) -> Tuple[np.ndarray, np.ndarray, Dict[str, np.ndarray], int]:
+    """Reads the latest rows of distinct ids and removes the ids (a lookup bringing them to RAM).
+
+    ``read`` then ``remove`` in one pass over the index. Rows that a ``read_ahead`` in
+    ``ahead`` holds are taken from it where it is still the latest copy (same disk row, same
+    epoch); the rest are read now. A read ahead that failed is marked ``failed`` and skipped
+    (its rows are read now), so a failed read-ahead costs time, never a row.
+
+    Args:
+      ids: [n] distinct uint64 ids.
+      ahead: reads started by ``read_ahead``, in any order.
+
+    Returns:
+      ``(found, weights, slots, from_ahead)``: found [n] bool; weights [m, dim] float32 and
+      slots (each [m, width] float32) of the m found ids, in their order in ``ids``; how many
+      of them came from ``ahead``.
+
+    Raises:
+      OSError: if reading the rows failed (nothing is removed then).
+    """
+    ids = _as_ids(ids, "DiskTier.take")
+    with self._lock:
+      self._check_open()
+      self._counters["reads"] += 1
+      if self._map.size:
+        index = self._map.find(ids)
+        rows = np.where(index >= 0, self._loc[np.maximum(index, 0)], -1)
+      else:
+        index = rows = np.full(ids.shape, -1, np.int64)
+      found = rows >= 0
+      at = np.flatnonzero(found)
+      ids, rows, index = ids[at], rows[at], index[at]
+      m = at.shape[0]
+      out = {f: np.empty((m, w), np.float32) for f, (w, _) in self._fields.items()}
+      todo = np.ones(m, bool)
+      from_ahead = 0
+      for read in ahead:
+        if read.epoch != self._epoch or read.failed or len(read) == 0 or not todo.any():
+          continue
+        pos = np.minimum(np.searchsorted(read.ids, ids), len(read) - 1)
+        hit = todo & (read.ids[pos] == ids) & (read.rows[pos] == rows)
+        if not hit.any():
+          continue
+        try:
+          read.result()
+        except OSError as e:
+          logging.warning("disk tier: a read-ahead of %d rows failed, read again: %s", len(read), e)
+          read.failed = True
+          continue
+        for f, v in out.items():
+          v[hit] = read._out[f][pos[hit]]
+        todo &= ~hit
+        from_ahead += int(hit.sum())
+      if todo.any():
+        self._store.reap()
+        self._store.gather(rows, todo, out)()
+        self._counters["rows_read"] += int(todo.sum())
+      self._loc[index] = -1
+      self._live -= m
+      self._garbage += m
+      self._counters["rows_taken_ahead"] += from_ahead
+      if self._map.size - self._live > max(2 * self._live, 4096):
+        self._rebuild_index_locked()
+    weights = out.pop("weights")
+    return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}, from_ahead
+
   def locate(self, ids: Any) -> Tuple[np.ndarray, int]:
     """Where the latest rows of ids live: ``(disk rows, epoch)``.
 
@@ -350,10 +421,10 @@ class DiskTier:
       return PendingRead(ids, rows, self._epoch, out, finish, tuple(self.slot_shapes))
 
   def files(self) -> List[Tuple[str, int]]:
-    """The file backend's files and the bytes of a row in each (``[]`` with tensorstore)."""
+    """The file backend's file and the bytes of a row in it (``[]`` with tensorstore)."""
     if self.backend != "file":
       return []
-    return [(self._store.file(f), w * dt.itemsize) for f, (w, dt) in self._fields.items()]
+    return [(self._store.file(), self._store.row_bytes)]
 
   def remove(self, ids: Any) -> int:
     """Forgets ids (e.g. after they were read back into the cache); their rows become garbage.
@@ -408,7 +479,8 @@ class DiskTier:
       A dict with ``live_rows``, ``garbage_rows``, ``bytes_written`` and ``bytes_read``
       (bytes of rows moved to / from the store, compaction included), ``writes`` and
       ``reads`` (calls), ``index_bytes`` (RAM of the index), and also ``rows_written``,
-      ``rows_read`` (rows found by ``read``), ``compactions``, ``disk_rows`` (rows
+      ``rows_read`` (rows read by ``read`` and ``take``), ``rows_taken_ahead`` (rows ``take``
+      found read ahead), ``reads_ahead`` / ``rows_read_ahead`` (``read_ahead`` calls / rows), ``compactions``, ``disk_rows`` (rows
       appended since the last compaction), ``capacity_rows`` and ``pending_rows`` (rows not
       yet committed to the store).
     """

@@ -13,14 +13,16 @@ a 87,500-row array in 1024-row chunks on this machine; smaller chunks were slowe
 while reading just the rows moves only their bytes (``experiments/bench_tier_layout.py`` and
 docs/performance.md give the figures).
 
-Layout: one file per field under the kvstore path, ``<field>.rows``, holding rows of the
-field's storage dtype, little endian, C order (row r at byte r * width * itemsize). An append
-is one ``pwrite`` per field of the whole block: the rows are in the page cache when it
-returns, every reader sees them at once, and the operating system writes them to the disk
-in its own time (write-behind), so there is nothing to flush and no write in flight to wait
-for. A full disk fails the ``pwrite`` with an ``OSError`` naming the file.
+Layout: one file under the kvstore path, ``tier.rows``, of fixed-size records: record r
+(disk row r, at byte r * record bytes) holds every field of the row in turn (the weights,
+then each optimizer slot), each in its storage dtype, little endian. A row is one read of
+consecutive bytes, where a file per field cost a read per field. An append is one ``pwrite``
+of the whole block of records: the rows are in the page cache when it returns, every reader
+sees them at once, and the operating system writes them to the disk in its own time
+(write-behind), so there is nothing to flush and no write in flight to wait for. A full disk
+fails the ``pwrite`` with an ``OSError`` naming the file.
 
-Reads are one ``pread`` per row and field, in a compiled loop without the GIL
+Reads are one ``pread`` per row, in a compiled loop without the GIL
 (``kernels.fileio``), on the caller's thread or, for ``DiskTier.read_ahead``, on a reader
 thread (``READ_THREADS`` shared by every tier of the process). Nothing is memory-mapped, so
 the files' pages are the kernel's page cache and never count in the process's RSS: an
@@ -60,56 +62,63 @@ def _readers() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class FileRowStore:
-  """Rows of each field in one file, addressed by disk row number.
+  """Rows of all fields in one file of fixed-size records, addressed by disk row number.
 
   Not thread-safe for writes: ``DiskTier`` calls it under its own lock. A read running on a
   reader thread may overlap later appends (they write other rows).
 
   Attributes:
     end: disk rows [0, end) are written (appended since the last compaction).
-    cap: rows the files hold (``end``: a file grows with its appends).
+    cap: rows the file holds (``end``: the file grows with its appends).
   """
 
+  FILE = "tier.rows"
+
   def __init__(self, path: str, fields: Dict[str, Tuple[int, np.dtype]], initial_rows: int, counters: Dict[str, int]):
-    """Creates the files under ``path`` (a directory, made if absent; earlier files replaced).
+    """Creates the file under ``path`` (a directory, made if absent; an earlier file replaced).
 
     Args:
-      fields: the field name -> (row width, storage dtype).
-      initial_rows: unused (the files grow with their appends); kept for ``TierStore``'s signature.
+      fields: the field name -> (row width, storage dtype), in record order.
+      initial_rows: unused (the file grows with its appends); kept for ``TierStore``'s signature.
       counters: the dict whose ``bytes_written``, ``bytes_read`` and ``rows_written`` entries
         this store adds to.
 
     Raises:
-      ValueError: if the directory or the files cannot be created (naming the path).
+      ValueError: if the directory or the file cannot be created (naming the path).
     """
     del initial_rows
     self.path = path
     self._fields = fields
-    self._row_bytes = sum(w * dt.itemsize for w, dt in fields.values())
+    self._spans: Dict[str, Tuple[int, int]] = {}  # field -> (first byte, bytes) in a record
+    at = 0
+    for f, (w, dt) in fields.items():
+      self._spans[f] = (at, w * dt.itemsize)
+      at += w * dt.itemsize
+    self.row_bytes = at
     self._counters = counters
     self.read_method = "index"  # accepted for TierStore's sake; reads here are one pread a row
     self.max_pending_bytes = 0  # nothing is ever pending
     self.end = 0
-    self._fds: Dict[str, int] = {}
+    self._fd = -1
     self._in_flight: List[concurrent.futures.Future] = []
     try:
       os.makedirs(path, exist_ok=True)
-      for f in fields:
-        p = self.file(f)
-        if os.path.exists(p):
-          os.remove(p)
-        self._fds[f] = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+      self._fd = os.open(self.file(), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as e:
-      self.release()
-      raise ValueError(f"DiskTier: cannot create the tier's files under {path!r}: {e}") from e
+      raise ValueError(f"DiskTier: cannot create the tier's file under {path!r}: {e}") from e
 
   @property
   def cap(self) -> int:
     return self.end
 
-  def file(self, field: str) -> str:
-    """The path of a field's file."""
-    return os.path.join(self.path, f"{field}.rows")
+  def file(self) -> str:
+    """The path of the file."""
+    return os.path.join(self.path, self.FILE)
+
+  def _field(self, records: np.ndarray, f: str) -> np.ndarray:
+    """Field ``f`` of records [n, row_bytes] (uint8), as [n, width] of its storage dtype (a view)."""
+    first, nbytes = self._spans[f]
+    return records[:, first : first + nbytes].view(self._fields[f][1])
 
   # ------------------------------------------------------------------------ writes
 
@@ -117,29 +126,30 @@ class FileRowStore:
     """The batch as ``append`` takes it (no copy: ``append`` writes it out)."""
     return batch
 
-  def _write(self, field: str, rows: np.ndarray, at: int) -> None:
-    """Writes rows (already of the field's storage dtype) from disk row ``at`` on."""
-    w, dt = self._fields[field]
-    data = memoryview(np.ascontiguousarray(rows, dt)).cast("B")
-    pos, off = 0, at * w * dt.itemsize
+  def _write(self, records: np.ndarray, at: int) -> None:
+    """Writes records [n, row_bytes] (uint8, C order) from disk row ``at`` on."""
+    data = memoryview(records).cast("B")
+    pos, off = 0, at * self.row_bytes
     try:
       while pos < len(data):  # a write may be short (a signal); the rest follows
-        pos += os.pwrite(self._fds[field], data[pos:], off + pos)
+        pos += os.pwrite(self._fd, data[pos:], off + pos)
     except OSError as e:
-      raise OSError(e.errno, f"disk tier: cannot write {len(data)} bytes to {self.file(field)}: {e.strerror}") from e
+      raise OSError(e.errno, f"disk tier: cannot write {len(data)} bytes to {self.file()}: {e.strerror}") from e
 
   def append(self, staged: Dict[str, np.ndarray]) -> None:
     """Writes the rows to disk rows [end, end + n).
 
     Raises:
-      OSError: naming the file, if a write fails (e.g. the disk is full); ``end`` is then
+      OSError: naming the file, if the write fails (e.g. the disk is full); ``end`` is then
         unchanged, so the rows written in part are never read.
     """
     n = next(iter(staged.values())).shape[0]
+    records = np.empty((n, self.row_bytes), np.uint8)
     for f, a in staged.items():
-      self._write(f, a, self.end)  # casts to the storage dtype
+      self._field(records, f)[...] = a  # casts to the storage dtype
+    self._write(records, self.end)
     self.end += n
-    self._counters["bytes_written"] += n * self._row_bytes
+    self._counters["bytes_written"] += n * self.row_bytes
     self._counters["rows_written"] += n
 
   def reap(self) -> None:
@@ -154,11 +164,11 @@ class FileRowStore:
     return 0
 
   def release(self) -> None:
-    """Waits for reads in flight and closes the files (on close)."""
+    """Waits for reads in flight and closes the file (on close)."""
     self._wait_reads()
-    for fd in self._fds.values():
-      os.close(fd)
-    self._fds = {}
+    if self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
 
   def _wait_reads(self) -> None:
     for f in self._in_flight:
@@ -167,34 +177,31 @@ class FileRowStore:
 
   # ------------------------------------------------------------------------ reads
 
-  def _read(self, field: str, rows: np.ndarray) -> np.ndarray:
-    """The rows (int64, each < ``end``) of a field, in its storage dtype.
+  def _read(self, rows: np.ndarray) -> np.ndarray:
+    """The records [n, row_bytes] (uint8) of disk rows (int64, each < ``end``).
 
     Raises:
       OSError: naming the file and the row, if a read fails or comes back short.
     """
-    w, dt = self._fields[field]
-    row_bytes = w * dt.itemsize
-    buf = np.empty((rows.shape[0], row_bytes), np.uint8)
-    bad = pread_rows(self._fds[field], rows, row_bytes, buf)
+    records = np.empty((rows.shape[0], self.row_bytes), np.uint8)
+    bad = pread_rows(self._fd, rows, self.row_bytes, records)
     if bad >= 0:
-      path, off = self.file(field), int(rows[bad]) * row_bytes
+      path, off = self.file(), int(rows[bad]) * self.row_bytes
       try:
-        got = len(os.pread(self._fds[field], row_bytes, off))
+        got = len(os.pread(self._fd, self.row_bytes, off))
       except OSError as e:
         raise OSError(e.errno, f"disk tier: cannot read row {rows[bad]} of {path}: {e.strerror}") from e
-      raise OSError(f"disk tier: {path} ends inside row {rows[bad]} (read {got} of {row_bytes} bytes at {off})")
-    return buf.view(dt).reshape(rows.shape[0], w)
+      raise OSError(f"disk tier: {path} ends inside row {rows[bad]} (read {got} of {self.row_bytes} bytes at {off})")
+    return records
 
   def _gather(self, rows: np.ndarray, sel: np.ndarray, out: Dict[str, np.ndarray]) -> None:
-    at = np.ascontiguousarray(rows[sel], np.int64)
+    records = self._read(np.ascontiguousarray(rows[sel], np.int64))
     every = bool(sel.all())
     for f in self._fields:
-      got = self._read(f, at)
       if every:
-        out[f][...] = got  # casts to float32
+        out[f][...] = self._field(records, f)  # casts to float32
       else:
-        out[f][sel] = got
+        out[f][sel] = self._field(records, f)
 
   def gather(
     self, rows: np.ndarray, found: np.ndarray, out: Dict[str, np.ndarray], background: bool = False
@@ -204,7 +211,7 @@ class FileRowStore:
     ``background``: read on a reader thread (the returned function waits for it); else at once.
     """
     n = int(found.sum())
-    self._counters["bytes_read"] += n * self._row_bytes
+    self._counters["bytes_read"] += n * self.row_bytes
     if not background or n == 0:  # nothing to wait for: no reader thread
       if n:
         self._gather(rows, found, out)
@@ -225,19 +232,16 @@ class FileRowStore:
       hi = min(lo + _COMPACT_BLOCK, m)
       if np.array_equal(src[lo:hi], np.arange(lo, hi)):
         continue
-      at = np.ascontiguousarray(src[lo:hi], np.int64)
-      for f in self._fields:
-        self._write(f, self._read(f, at), lo)
-      self._counters["bytes_read"] += (hi - lo) * self._row_bytes
-      self._counters["bytes_written"] += (hi - lo) * self._row_bytes
+      self._write(self._read(np.ascontiguousarray(src[lo:hi], np.int64)), lo)
+      self._counters["bytes_read"] += (hi - lo) * self.row_bytes
+      self._counters["bytes_written"] += (hi - lo) * self.row_bytes
       self._counters["rows_written"] += hi - lo
     self.end = m
 
   def truncate(self) -> None:
-    """Shrinks the files to the rows [0, end)."""
+    """Shrinks the file to the rows [0, end)."""
     self._wait_reads()  # a read of a row past the new end would come back short
-    for f, (w, dt) in self._fields.items():
-      os.ftruncate(self._fds[f], self.end * w * dt.itemsize)
+    os.ftruncate(self._fd, self.end * self.row_bytes)
 
 
 def _nothing() -> None:
