@@ -25,12 +25,11 @@ fails the ``pwrite`` with an ``OSError`` naming the file.
 Reads are one ``pread`` per row, in a compiled loop without the GIL
 (``kernels.fileio``), on the caller's thread or, for ``DiskTier.read_ahead``, on a reader
 thread (``READ_THREADS`` shared by every tier of the process). Nothing is memory-mapped, so
-the files' pages are the kernel's page cache and never count in the process's RSS: an
-earlier memory-mapped version had to unmap them (``madvise``) to keep RSS bounded, after
-which every read cost a page fault, and read a bench_ps step's misses at about half the
-speed of these reads (docs/performance.md).
+the file's pages are the kernel's page cache and never count in the process's RSS (an earlier
+memory-mapped version unmapped them to keep RSS bounded, and then paid a page fault per row
+read: ``kernels.fileio`` gives the measurement).
 
-The files are always created fresh (any previous ones are deleted).
+The file is always created fresh (a previous one is deleted).
 """
 
 from __future__ import annotations
