@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
+import threading
 import time
 from typing import Any, Dict, Optional
 
@@ -22,7 +24,7 @@ from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
-from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
+from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, last_step
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
@@ -57,14 +59,27 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows) -> None:
-  """After the last step: its checkpoint, or with ``config.final_checkpoint`` False none, but every
-  push applied and the hot rows back in the PS, which the final evaluation reads."""
-  if config.get("final_checkpoint", True):
-    ckpts.save(config.num_steps, state, ps, pusher, hot_rows)
+def _last_cut(config, ckpts: RunCheckpoints, done: int, state, ps, pusher: Pusher, hot_rows) -> None:
+  """After the last step (``done`` steps in all): its checkpoint, or with ``config.final_checkpoint``
+  False none, but every push applied and the hot rows back in the PS, which the final evaluation reads."""
+  if config.get("final_checkpoint", True) and ckpts.last_saved != done:
+    ckpts.save(done, state, ps, pusher, hot_rows)
   else:
-    pusher.flush(config.num_steps - 1)
+    pusher.flush(done - 1)
     hot_rows[0].write_back(hot_rows[1], ps)
+
+
+def _next_batch(pre, gate: StalenessGate, t: int, stop: Optional[threading.Event]):
+  """Step ``t``'s placed batch, or None when a stop was requested (``stop`` set) and no lookup of
+  step ``t`` had begun: the run ends after step t - 1, and its PS holds nothing of step t (lookups
+  from t on are held). A lookup already made is trained first. Waits as long as the data does."""
+  while True:
+    if stop is not None and stop.is_set() and gate.hold(t):
+      return None
+    try:
+      return pre.get(timeout=None if stop is None else 0.25)[1]
+    except queue.Empty:
+      continue
 
 
 def _resume(config, workdir: str, job: Job):
@@ -73,7 +88,7 @@ def _resume(config, workdir: str, job: Job):
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
-  if start >= config.num_steps and ckpts.latest is not None:
+  if 0 <= config.num_steps <= start and ckpts.latest is not None:
     say(
       f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={config.num_steps}: no step to train, the "
       "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
@@ -92,17 +107,26 @@ def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, ba
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  on_metrics: Optional[MetricsCallback] = None,
+  stop: Optional[threading.Event] = None,
 ) -> Dict[str, Any]:
   """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary.
+
+  Training ends after ``config.num_steps`` steps (-1: never), when the data ends (a stream idle for
+  ``config.data.stream_idle_exit_s``), or when ``stop`` is set (``main.py`` sets it on SIGTERM);
+  each way the last checkpoint is at the step reached, and the evaluation and summary follow.
 
   Args:
     config: a config like ``configs/default.py``.
     workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
     on_metrics: called with every metrics.jsonl record as it is written (``writers.MetricsCallback``).
+    stop: when set, training ends after the step under way (None: only as above).
 
   Returns the summary dict (also written to ``<workdir>/summary.json``). Raises NonFiniteLossError
-  if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value.
+  if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value
+  or bad data (after a checkpoint at the step before the batch it was met in).
   """
   t_start = time.perf_counter()
   validate_config(config)
@@ -115,19 +139,31 @@ def train_and_evaluate(
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
+  done, data_error = start, None
   try:
-    for t in range(start, n):
+    for t in range(start, last_step(n)):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
       try:
-        _, (p, rows, batch) = pre.get()
-        ckpts.positions[t] = p.position
+        placed = _next_batch(pre, gate, t, stop)
+      except EndOfData:
+        say(f"the training data ended: stopping after step {t}")
+        break
+      except DataError as e:  # bad data in step t's batch: the steps before it are saved first
+        data_error = e.error
+        break
       except Aborted:
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
+      if placed is None:
+        say(f"stop requested: stopping after step {t}")
+        break
+      p, rows, batch = placed
+      ckpts.positions[t] = p.position
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
-      if save:
+      stopping = stop is not None and stop.is_set()
+      if save or stopping:
         gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
       pusher.push(t, (p.groups, g_rows, m))
       progress.bar.update(1)
@@ -143,9 +179,13 @@ def train_and_evaluate(
         try:
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
-          gate.release()
-    if n > start:
-      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
+          if not stopping:
+            gate.release()
+      if stopping:
+        say(f"stop requested: stopping after step {done - 1}")
+        break
+    if done > start:
+      _last_cut(config, ckpts, done, state, ps, pusher, (hot, hot_state))
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -157,13 +197,17 @@ def train_and_evaluate(
   finally:
     progress.bar.close()
     hot.close()
+    gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
     pre.close()
     pusher.close()
     ckpts.close()
+  if data_error is not None:
+    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
+    raise type(data_error)(f"{data_error} (training stopped before step {done}; {saved})") from data_error
   train_end = time.perf_counter()
 
   distributed.barrier("final eval")
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot)
+  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=max(done, start))
