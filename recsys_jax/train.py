@@ -146,7 +146,7 @@ def train_and_evaluate(
       try:
         placed = _next_batch(pre, gate, t, stop)
       except EndOfData:
-        say(f"the training data ended: stopping after step {t}")
+        say(f"the training data ended: stopping at step {t} (its checkpoint follows)")
         break
       except DataError as e:  # bad data in step t's batch: the steps before it are saved first
         data_error = e.error
@@ -155,7 +155,7 @@ def train_and_evaluate(
         pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
         raise
       if placed is None:
-        say(f"stop requested: stopping after step {t}")
+        say(f"stop requested: stopping at step {t} (its checkpoint follows)")
         break
       p, rows, batch = placed
       ckpts.positions[t] = p.position
@@ -182,7 +182,7 @@ def train_and_evaluate(
           if not stopping:
             gate.release()
       if stopping:
-        say(f"stop requested: stopping after step {done - 1}")
+        say(f"stop requested: stopping at step {done} (its checkpoint follows)")
         break
     if done > start:
       _last_cut(config, ckpts, done, state, ps, pusher, (hot, hot_state))
