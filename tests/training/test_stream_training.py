@@ -87,6 +87,8 @@ def stream_config(stream_dir, eval_path):
   c.hot_warmup_steps = 2  # hot rows chosen before the stops below
   c.hot_every = 3
   c.hot_min_count = 1
+  # Admission counts every lookup: a lookup made past a stop's cut would be counted twice.
+  c.embeddings.admit_after = 2
   c.data.name = "csv"
   c.data.stream_dir = str(stream_dir)
   c.data.stream_poll_s = 0.05
@@ -136,16 +138,35 @@ def _checkpoint_steps(workdir):
   return sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
 
 
-def test_a_restart_mid_stream_equals_the_uninterrupted_run(reference, tmp_path):
+@pytest.mark.parametrize("when", ["between_steps", "during_a_step"])
+def test_a_restart_mid_stream_equals_the_uninterrupted_run(reference, tmp_path, monkeypatch, when):
   """Stopped (the SIGTERM path, in process) mid-file and mid-chunk, then restarted: the restart
-  continues at the next record, and the end is the uninterrupted run's, every row and weight."""
+  continues at the next record, and the end is the uninterrupted run's, every row and weight. The
+  stop arrives after step 5's metrics are written (the loop is between steps; the lookup of step 5
+  may have been made, and it is then trained first) or while step 5 trains (no lookup of step 6
+  may enter the checkpoint)."""
   ref_c, ref_dir, ref = reference
   c = ref_c.copy_and_resolve_references()
   workdir = str(tmp_path / "run")
   stop = threading.Event()
-  first = train.train_and_evaluate(c, workdir, on_metrics=_stop_after(5, stop), stop=stop)
+  on_metrics = None
+  if when == "between_steps":
+    on_metrics = _stop_after(5, stop)
+  else:
+    real = train._train_step
+
+    def train_step(job, progress, t, *args):
+      out = real(job, progress, t, *args)
+      if t == 5:
+        stop.set()
+      return out
+
+    monkeypatch.setattr(train, "_train_step", train_step)
+  first = train.train_and_evaluate(c, workdir, on_metrics=on_metrics, stop=stop)
+  monkeypatch.undo()
   stopped_at = first["steps"]
-  assert stopped_at in (5, 6) and _checkpoint_steps(workdir)[-1] == stopped_at  # 5 * 64: in b.csv, mid-chunk
+  assert stopped_at in ((5, 6) if when == "between_steps" else (6,)), stopped_at  # 5 * 64: in b.csv, mid-chunk
+  assert _checkpoint_steps(workdir)[-1] == stopped_at
   second = train.train_and_evaluate(c, workdir)
   assert second["resumed_from"] == stopped_at and second["steps"] == STEPS
   assert second["bad_records_skipped"] == ref["bad_records_skipped"] == 1
