@@ -59,27 +59,58 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(config, ckpts: RunCheckpoints, done: int, state, ps, pusher: Pusher, hot_rows) -> None:
-  """After the last step (``done`` steps in all): its checkpoint, or with ``config.final_checkpoint``
-  False none, but every push applied and the hot rows back in the PS, which the final evaluation reads."""
-  if config.get("final_checkpoint", True) and ckpts.last_saved != done:
+def _last_cut(config, ckpts: RunCheckpoints, start, done, state, ps, pusher: Pusher, hot_rows, data_error=None) -> None:
+  """After the last step (``done`` steps in all; none if ``done`` is ``start``): its checkpoint, or with
+  ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
+  which the final evaluation reads. Then raises ``data_error`` (a ``DataError``) if there is one."""
+  if done > start and config.get("final_checkpoint", True) and ckpts.last_saved != done:
     ckpts.save(done, state, ps, pusher, hot_rows)
-  else:
+  elif done > start:
     pusher.flush(done - 1)
     hot_rows[0].write_back(hot_rows[1], ps)
+  if data_error is not None:
+    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
+    msg = f"{data_error.error} (training stopped before step {done}; {saved})"
+    try:
+      error = type(data_error.error)(msg)
+    except TypeError:  # an error type that takes other arguments
+      error = ValueError(msg)
+    raise error from data_error.error
 
 
-def _next_batch(pre, gate: StalenessGate, t: int, stop: Optional[threading.Event]):
-  """Step ``t``'s placed batch, or None when a stop was requested (``stop`` set) and no lookup of
-  step ``t`` had begun: the run ends after step t - 1, and its PS holds nothing of step t (lookups
-  from t on are held). A lookup already made is trained first. Waits as long as the data does."""
+def _next_batch(pre, gate: StalenessGate, pusher: Pusher, t: int, stop: Optional[threading.Event]):
+  """``(step t's placed batch, None)``, or ``(None, why)`` if the run is to end after step t - 1:
+  ``why`` is the reader's error (``DataError``: the steps before are saved first), or None when the
+  data ended or a stop was requested (``stop`` set) before any lookup of step t (the lookups from t
+  on are then held, so the PS holds nothing of step t; a lookup already made is trained first).
+  Waits as long as the data does."""
   while True:
     if stop is not None and stop.is_set() and gate.hold(t):
-      return None
+      say(f"stop requested: stopping at step {t} (its checkpoint follows)")
+      return None, None
     try:
-      return pre.get(timeout=None if stop is None else 0.25)[1]
+      return pre.get(timeout=None if stop is None else 0.25)[1], None
     except queue.Empty:
       continue
+    except EndOfData:
+      say(f"the training data ended: stopping at step {t} (its checkpoint follows)")
+      return None, None
+    except DataError as e:
+      return None, e
+    except Aborted:
+      pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
+      raise
+
+
+def _hold_for_cut(gate: StalenessGate, done: int, save: bool, stop: Optional[threading.Event]) -> bool:
+  """Before step ``done - 1``'s push: holds the lookups of step ``done`` on if a checkpoint is due
+  there (``save``) or a stop was requested (returned: the run then ends at ``done``)."""
+  stopping = stop is not None and stop.is_set()
+  if save or stopping:
+    gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+  if stopping:
+    say(f"stop requested: stopping at step {done} (its checkpoint follows)")
+  return stopping
 
 
 def _resume(config, workdir: str, job: Job):
@@ -112,29 +143,20 @@ def train_and_evaluate(
   on_metrics: Optional[MetricsCallback] = None,
   stop: Optional[threading.Event] = None,
 ) -> Dict[str, Any]:
-  """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary.
-
-  Training ends after ``config.num_steps`` steps (-1: never), when the data ends (a stream idle for
-  ``config.data.stream_idle_exit_s``), or when ``stop`` is set (``main.py`` sets it on SIGTERM);
-  each way the last checkpoint is at the step reached, and the evaluation and summary follow.
-
-  Args:
-    config: a config like ``configs/default.py``.
-    workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
-    on_metrics: called with every metrics.jsonl record as it is written (``writers.MetricsCallback``).
-    stop: when set, training ends after the step under way (None: only as above).
+  """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary. ``on_metrics``
+  gets every metrics.jsonl record as it is written (``writers.MetricsCallback``). Training ends after ``num_steps``
+  (-1: never), when the data ends (a stream gone idle) or once ``stop`` is set (``main.py``: on SIGTERM).
 
   Returns the summary dict (also written to ``<workdir>/summary.json``). Raises NonFiniteLossError
   if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value
-  or bad data (after a checkpoint at the step before the batch it was met in).
+  or bad data (with a checkpoint of the steps before its batch).
   """
   t_start = time.perf_counter()
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
-  host, ps, n = job.host, job.ps, config.num_steps
+  host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
   ckpts, state, start, position, hot_state = _resume(config, workdir, job)
-  hot = job.hot
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
@@ -143,28 +165,15 @@ def train_and_evaluate(
   try:
     for t in range(start, last_step(n)):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
-      try:
-        placed = _next_batch(pre, gate, t, stop)
-      except EndOfData:
-        say(f"the training data ended: stopping at step {t} (its checkpoint follows)")
-        break
-      except DataError as e:  # bad data in step t's batch: the steps before it are saved first
-        data_error = e.error
-        break
-      except Aborted:
-        pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
-        raise
+      placed, data_error = _next_batch(pre, gate, pusher, t, stop)
       if placed is None:
-        say(f"stop requested: stopping at step {t} (its checkpoint follows)")
         break
       p, rows, batch = placed
       ckpts.positions[t] = p.position
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
-      stopping = stop is not None and stop.is_set()
-      if save or stopping:
-        gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+      stopping = _hold_for_cut(gate, done, save, stop)
       pusher.push(t, (p.groups, g_rows, m))
       progress.bar.update(1)
       if progress.log_due(done):
@@ -179,13 +188,10 @@ def train_and_evaluate(
         try:
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
-          if not stopping:
-            gate.release()
+          gate.release()  # a stop's hold too: its cut is this checkpoint
       if stopping:
-        say(f"stop requested: stopping at step {done} (its checkpoint follows)")
         break
-    if done > start:
-      _last_cut(config, ckpts, done, state, ps, pusher, (hot, hot_state))
+    _last_cut(config, ckpts, start, done, state, ps, pusher, (hot, hot_state), data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -201,13 +207,10 @@ def train_and_evaluate(
     pre.close()
     pusher.close()
     ckpts.close()
-  if data_error is not None:
-    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
-    raise type(data_error)(f"{data_error} (training stopped before step {done}; {saved})") from data_error
   train_end = time.perf_counter()
 
   distributed.barrier("final eval")
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=max(done, start))
+  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)

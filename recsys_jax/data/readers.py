@@ -269,6 +269,8 @@ def build_reader(config, process_index: int = 0, process_count: int = 1, workdir
         f"config.data.stream_dir = {d.stream_dir!r}: a stream is read by one trainer process, this job has "
         f"{process_count} (they would have to agree on the arrival order and on where the stream ends)"
       )
+    if not os.path.isdir(os.path.expanduser(str(d.stream_dir))):
+      raise ValueError(f"config.data.stream_dir = {d.stream_dir!r}: no such directory")
     stream_fmt = fmt  # each arriving file is read once: caching it would only cost its writes
   root = cache_root(d, workdir)
   if root is not None:
