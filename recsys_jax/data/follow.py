@@ -238,17 +238,16 @@ class DirectoryStream:
         yield from self._file_chunks(name, 0)
 
   def _file_chunks(self, name: str, first_chunk: int) -> Iterator[Any]:
-    path = os.path.join(self.directory, name)
-    chunks = self.fmt.chunks(path, self.chunk_records)
-    i = 0
+    """The file's chunks from ``first_chunk`` on, then ``(name, None, None)``, or ``(name, None, error)``
+    if it cannot be read to its end: the error is raised or counted in its place in chunk order."""
+    chunks = self.fmt.chunks(os.path.join(self.directory, name), self.chunk_records)
     try:
       for i, chunk in enumerate(chunks):
         if i >= first_chunk:  # the earlier ones are cut, not parsed
           yield name, i, chunk
-    except ValueError as e:  # a file that cannot be read to its end (base.unreadable names it)
-      if self.bad.policy == "error":
-        raise
-      self.bad.report(path, 0, "<file>", f"the rest of the file is skipped: {base.one_line(e)}")
+    except ValueError as e:  # base.unreadable names the file and the last line read
+      yield name, None, e
+      return
     yield name, None, None
 
   # -- parsing ahead --------------------------------------------------------------------------
@@ -266,6 +265,12 @@ class DirectoryStream:
     def resolve(item, future):
       name, i, chunk = item
       before = self.bad.count
+      if isinstance(chunk, ValueError):  # the file cannot be read on from here
+        if self.bad.policy == "error":
+          raise chunk
+        path = os.path.join(self.directory, name)
+        self.bad.report(path, 0, "<file>", f"the rest of the file is skipped: {base.one_line(chunk)}")
+        chunk = None
       if chunk is None:
         return name, None, None, before
       if future is None:
@@ -283,7 +288,7 @@ class DirectoryStream:
         while pending:
           yield resolve(*pending.popleft())
         continue
-      if self.executor is None or item[2] is None:
+      if self.executor is None or not isinstance(item[2], base.RawChunk):
         pending.append((item, None))
       else:
         pending.append((item, self.executor.submit(parse, item[2])))

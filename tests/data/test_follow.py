@@ -165,8 +165,11 @@ def test_a_damaged_file_is_named_and_under_skip_the_stream_goes_on(tmp_path):
   (tmp_path / "b.csv.gz").write_bytes(data[: len(data) // 2])  # cut short
   os.utime(tmp_path / "b.csv.gz", (2, 2))
   _write(tmp_path, "c.csv", range(300, 310), mtime=3)
+  before = []
   with pytest.raises(ValueError, match=r"b\.csv\.gz: cannot be read after line"):
-    _drain(_stream(tmp_path, bad=base.BadRecords("error"), batch_size=5))
+    for cols, _ in _stream(tmp_path, bad=base.BadRecords("error"), batch_size=5):
+      before.append(_ids(cols))
+  assert before == [list(range(5)), list(range(5, 10))]  # the error comes in its place: a.csv's batches first
   bad = base.BadRecords("skip")
   got = [r for ids, _ in _drain(_stream(tmp_path, bad=bad, batch_size=5)) for r in ids]
   assert got[:10] == list(range(10)) and got[-10:] == list(range(300, 310))
