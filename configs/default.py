@@ -11,7 +11,9 @@ from recsys_jax.data.synthetic import DEFAULT_VOCAB
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds parameter init, PS row init and (via data.seed) the data.
-  c.num_steps = 1000  # Optimizer steps in the whole run (a resumed run continues to this).
+  # Optimizer steps in the whole run (a resumed run continues to this); -1: until stopped (SIGTERM: a
+  # final checkpoint at the step reached, exit 0) or until a stream ends (data.stream_idle_exit_s).
+  c.num_steps = 1000
   c.batch_size = 4096  # Global examples per step (split over all devices).
   c.staleness = 0  # k: lookups of step t wait for pushes of steps <= t-k-1; 0 = synchronous.
   # Dense gradients applied this many steps late (0: the dense part is synchronous, Persia's
@@ -62,6 +64,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.shuffle = True  # Permute files each epoch and records within a window.
   c.data.chunk_records = 8192  # Records per chunk (the unit split between processes).
   c.data.shuffle_window = 16  # Chunks per shuffle window (memory: one window of records).
+  # Online training (docs/data.md, "Online training: streams"): a directory that files of the format
+  # above arrive in; training reads each file once, in arrival order, as they come ('': the
+  # train_files, in epochs). A file counts once it is renamed into place: names that start with '.'
+  # or end in '.tmp' or '.inprogress' are a writer's and are ignored. One trainer process.
+  c.data.stream_dir = ""
+  c.data.stream_poll_s = 1.0  # Seconds between listings of stream_dir while no complete file waits.
+  # End the run (final checkpoint, exit 0) once stream_dir gave no new file for this long (0: wait forever).
+  c.data.stream_idle_exit_s = 0.0
   # Preprocessed cache of criteo/avazu/csv/parquet files (recsys_jax/data/cache.py): the first pass
   # writes each parsed chunk there, later epochs and runs read it. '' = <workdir>/data_cache;
   # a relative path is under the workdir (an absolute one can be shared by runs); 'none' = off.

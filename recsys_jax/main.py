@@ -9,6 +9,12 @@ processes (one per host) join one job with ``--coordinator_address``, ``--num_pr
 PS servers (``--config.ps.kind=remote --config.ps.addresses=...``); ``recsys_jax.launch``
 starts such a job on one machine.
 
+SIGTERM (one trainer process) stops training after the step under way: the final checkpoint is
+at the step reached, the evaluation and summary follow, and the exit status is 0, so a launcher or
+Kubernetes does not restart it; a second SIGTERM ends the process at once. ``--config.num_steps=-1``
+trains until then (an online run on a stream, ``--config.data.stream_dir``). With several trainer
+processes SIGTERM ends each at once (they would have to agree on the step to stop at).
+
 Exit status: 0 done; 2 (``EXIT_CONFIG``) for a failure that running again would repeat: bad flags
 or config, a workdir whose checkpoints do not fit the job or none of which can be read, a NaN loss
 (training from the same checkpoint replays the same steps); 1 for anything else, such as a lost PS
@@ -182,6 +188,20 @@ def _log_to_workdir(workdir: str, process_id: int):
   return path, write
 
 
+def _stop_on_sigterm() -> threading.Event:
+  """An event SIGTERM sets (training then ends after the step under way, with its checkpoint); a
+  second SIGTERM gets the default action, so a trainer that does not stop can still be ended."""
+  stop = threading.Event()
+
+  def handler(signum, _frame):
+    print("SIGTERM: stopping after the step under way (final checkpoint, then exit 0)", file=sys.stderr)
+    stop.set()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+  signal.signal(signal.SIGTERM, handler)
+  return stop
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=EXIT_CONFIG)
@@ -205,8 +225,9 @@ def main(argv):
   )
   print(f"workdir: {os.path.abspath(workdir)}", file=sys.stderr)
   log, to_log = _log_to_workdir(workdir, _PROCESS_ID.value)
+  stop = _stop_on_sigterm() if _NUM_PROCESSES.value == 1 else None
   try:
-    summary = train.train_and_evaluate(config, workdir)
+    summary = train.train_and_evaluate(config, workdir, stop=stop)
   # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact.
   except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError) as e:
     to_log("".join(traceback.format_exception(e)))  # with the causes the line leaves out

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
+import threading
 import time
 from typing import Any, Dict, Optional
 
@@ -22,7 +24,7 @@ from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
-from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
+from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, last_step
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
@@ -57,14 +59,58 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows) -> None:
-  """After the last step: its checkpoint, or with ``config.final_checkpoint`` False none, but every
-  push applied and the hot rows back in the PS, which the final evaluation reads."""
-  if config.get("final_checkpoint", True):
-    ckpts.save(config.num_steps, state, ps, pusher, hot_rows)
-  else:
-    pusher.flush(config.num_steps - 1)
+def _last_cut(config, ckpts: RunCheckpoints, start, done, state, ps, pusher: Pusher, hot_rows, data_error=None) -> None:
+  """After the last step (``done`` steps in all; none if ``done`` is ``start``): its checkpoint, or with
+  ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
+  which the final evaluation reads. Then raises ``data_error`` (a ``DataError``) if there is one."""
+  if done > start and config.get("final_checkpoint", True) and ckpts.last_saved != done:
+    ckpts.save(done, state, ps, pusher, hot_rows)
+  elif done > start:
+    pusher.flush(done - 1)
     hot_rows[0].write_back(hot_rows[1], ps)
+  if data_error is not None:
+    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
+    msg = f"{data_error.error} (training stopped before step {done}; {saved})"
+    try:
+      error = type(data_error.error)(msg)
+    except TypeError:  # an error type that takes other arguments
+      error = ValueError(msg)
+    raise error from data_error.error
+
+
+def _next_batch(pre, gate: StalenessGate, pusher: Pusher, t: int, stop: Optional[threading.Event]):
+  """``(step t's placed batch, None)``, or ``(None, why)`` if the run is to end after step t - 1:
+  ``why`` is the reader's error (``DataError``: the steps before are saved first), or None when the
+  data ended or a stop was requested (``stop`` set) before any lookup of step t (the lookups from t
+  on are then held, so the PS holds nothing of step t; a lookup already made is trained first).
+  Waits as long as the data does."""
+  while True:
+    if stop is not None and stop.is_set() and gate.hold(t):
+      say(f"stop requested: stopping at step {t} (its checkpoint follows)")
+      return None, None
+    try:
+      return pre.get(timeout=None if stop is None else 0.25)[1], None
+    except queue.Empty:
+      continue
+    except EndOfData:
+      say(f"the training data ended: stopping at step {t} (its checkpoint follows)")
+      return None, None
+    except DataError as e:
+      return None, e
+    except Aborted:
+      pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
+      raise
+
+
+def _hold_for_cut(gate: StalenessGate, done: int, save: bool, stop: Optional[threading.Event]) -> bool:
+  """Before step ``done - 1``'s push: holds the lookups of step ``done`` on if a checkpoint is due
+  there (``save``) or a stop was requested (returned: the run then ends at ``done``)."""
+  stopping = stop is not None and stop.is_set()
+  if save or stopping:
+    gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+  if stopping:
+    say(f"stop requested: stopping at step {done} (its checkpoint follows)")
+  return stopping
 
 
 def _resume(config, workdir: str, job: Job):
@@ -73,7 +119,7 @@ def _resume(config, workdir: str, job: Job):
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
-  if start >= config.num_steps and ckpts.latest is not None:
+  if 0 <= config.num_steps <= start and ckpts.latest is not None:
     say(
       f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={config.num_steps}: no step to train, the "
       "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
@@ -92,43 +138,42 @@ def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, ba
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, on_metrics: Optional[MetricsCallback] = None
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  on_metrics: Optional[MetricsCallback] = None,
+  stop: Optional[threading.Event] = None,
 ) -> Dict[str, Any]:
-  """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary.
-
-  Args:
-    config: a config like ``configs/default.py``.
-    workdir: where checkpoints, metrics.jsonl, TensorBoard events and summary.json go.
-    on_metrics: called with every metrics.jsonl record as it is written (``writers.MetricsCallback``).
+  """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes a summary. ``on_metrics``
+  gets every metrics.jsonl record as it is written (``writers.MetricsCallback``). Training ends after ``num_steps``
+  (-1: never), when the data ends (a stream gone idle) or once ``stop`` is set (``main.py``: on SIGTERM).
 
   Returns the summary dict (also written to ``<workdir>/summary.json``). Raises NonFiniteLossError
-  if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value.
+  if the loss becomes NaN or infinite (the last checkpoint is kept), ValueError for a bad config value
+  or bad data (with a checkpoint of the steps before its batch).
   """
   t_start = time.perf_counter()
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
-  host, ps, n = job.host, job.ps, config.num_steps
+  host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
   ckpts, state, start, position, hot_state = _resume(config, workdir, job)
-  hot = job.hot
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
+  done, data_error = start, None
   try:
-    for t in range(start, n):
+    for t in range(start, last_step(n)):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
-      try:
-        _, (p, rows, batch) = pre.get()
-        ckpts.positions[t] = p.position
-      except Aborted:
-        pusher.check()  # the pusher's error (e.g. a NaN loss) is the one to report
-        raise
+      placed, data_error = _next_batch(pre, gate, pusher, t, stop)
+      if placed is None:
+        break
+      p, rows, batch = placed
+      ckpts.positions[t] = p.position
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
-      if save:
-        gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+      stopping = _hold_for_cut(gate, done, save, stop)
       pusher.push(t, (p.groups, g_rows, m))
       progress.bar.update(1)
       if progress.log_due(done):
@@ -143,9 +188,10 @@ def train_and_evaluate(
         try:
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
-          gate.release()
-    if n > start:
-      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
+          gate.release()  # a stop's hold too: its cut is this checkpoint
+      if stopping:
+        break
+    _last_cut(config, ckpts, start, done, state, ps, pusher, (hot, hot_state), data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -157,6 +203,7 @@ def train_and_evaluate(
   finally:
     progress.bar.close()
     hot.close()
+    gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
     pre.close()
     pusher.close()
     ckpts.close()
@@ -166,4 +213,4 @@ def train_and_evaluate(
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot)
+  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)

@@ -27,6 +27,24 @@ class NonFiniteLossError(FloatingPointError):
   """The training loss became NaN or infinite."""
 
 
+class EndOfData(Exception):
+  """The training data ended before ``num_steps``: a stream idle for ``config.data.stream_idle_exit_s``."""
+
+
+class DataError(ValueError):
+  """The reader failed (a bad record under ``on_bad_record='error'``, an unreadable file) at
+  ``step``'s batch; the steps before it can be trained and saved."""
+
+  def __init__(self, step: int, error: BaseException):
+    super().__init__(str(error))
+    self.step, self.error = step, error
+
+
+def last_step(num_steps: int) -> int:
+  """The step after the last of a run (``num_steps``; -1, until stopped: a step never reached)."""
+  return num_steps if num_steps >= 0 else 1 << 62
+
+
 @dataclasses.dataclass
 class Prepared:
   """One batch on its way through the host pipeline."""
@@ -195,18 +213,20 @@ class HostPipeline:
 
   def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
     """Prepares training steps [start, config.num_steps) from the reader's ``position`` on; each
-    stage's time goes to ``self.times``."""
+    stage's time goes to ``self.times``. If the reader ends first (a stream gone idle), the step
+    after its last batch raises :class:`EndOfData`; a reader's failure raises :class:`DataError`."""
     feed = Feed(self.workers)
     times = self.times
-    batches = self.reader.train(position, executor=feed.pool, ahead=max(1, self.workers), times=times)
-    batches = times.timed_iter("read", batches)
+    stop = last_step(config.num_steps)
+    source = self.reader.train(position, executor=feed.pool, ahead=max(1, self.workers), times=times)
+    batches = times.timed_iter("read", source)
 
     def prepare_one(item) -> Prepared:
       with times.time("prepare"):
         return self.prepare(item[0], *item[1])
 
     # range first: zip stops before drawing a batch past the last step
-    feed.start(zip(range(start, config.num_steps), batches), prepare_one)
+    feed.start(zip(range(start, stop), batches), prepare_one)
 
     # With a disk tier, the batches of the next ``read_ahead`` steps are drawn from the feed
     # early and their tier misses read ahead (``read_ahead_many``), so step t's lookup finds
@@ -216,15 +236,28 @@ class HostPipeline:
     window: collections.deque = collections.deque()
     drawn = [start]  # the next step to draw from the feed
 
+    ended: list = []  # once the reader ended: [None], or [the error it raised]
+
     def prepare(t: int) -> Prepared:
-      while drawn[0] <= min(t + ahead, config.num_steps - 1):
-        p = next(feed)
+      while not ended and drawn[0] <= min(t + ahead, stop - 1):
+        try:
+          p = next(feed)
+        except StopIteration:
+          ended.append(None)
+          break
+        except ValueError as e:  # the steps drawn before it are trained first
+          ended.append(e)
+          break
         assert p.step == drawn[0], (p.step, drawn[0])  # the feed hands batches over in step order
         drawn[0] += 1
         if ahead:
           with times.time("read_ahead"):
             self.ps.read_ahead_many(self.ids_of(p), step=p.step)
         window.append(p)
+      if not window:
+        if ended[0] is not None:
+          raise DataError(t, ended[0]) from ended[0]
+        raise EndOfData(f"the training data ended before step {t}")
       p = window.popleft()
       assert p.step == t, (p.step, t)
       return p
@@ -237,16 +270,22 @@ class HostPipeline:
       with times.time("place"):
         return self.place(p)
 
+    def close():
+      getattr(source, "close", lambda: None)()  # wakes a stream waiting for files
+      feed.close()
+      if self.hot:
+        self.hot.close()
+
     return Prefetcher(
       start,
-      config.num_steps,
+      stop,
       prepare=prepare,
       lookup=lookup,
       place=place,
       gate=gate,
       staleness=config.staleness,
       depth=config.prefetch_depth,
-      on_close=lambda: (feed.close(), self.hot and self.hot.close()),
+      on_close=close,
       times=times,
     )
 

@@ -28,6 +28,7 @@ class StalenessGate:
     self.last_applied = last_applied
     self._error: Optional[BaseException] = None
     self._held_from: Optional[int] = None
+    self._passed = -1  # the last step whose lookup passed the gate
 
   def _wait(self, ready: Callable[[], bool], timeout: Optional[float], what: str) -> None:
     with self._cond:
@@ -44,21 +45,29 @@ class StalenessGate:
   def wait_lookup(self, step: int, staleness: int, timeout: Optional[float] = None) -> None:
     """Blocks until the lookup of ``step`` may run: the pushes of steps <= step - staleness - 1
     are applied and no ``hold`` covers ``step``."""
-    self._wait(
-      lambda: self.last_applied >= step - staleness - 1 and (self._held_from is None or step < self._held_from),
-      timeout,
-      f"the lookup of step {step} not allowed",
-    )
 
-  def hold(self, step: int) -> None:
+    def ready() -> bool:
+      ok = self.last_applied >= step - staleness - 1 and (self._held_from is None or step < self._held_from)
+      if ok:  # under the lock: a ``hold`` sees the lookup as passed or keeps it waiting
+        self._passed = max(self._passed, step)
+      return ok
+
+    self._wait(ready, timeout, f"the lookup of step {step} not allowed")
+
+  def hold(self, step: int) -> bool:
     """Until ``release``, lookups of steps >= ``step`` wait, however many pushes are applied.
 
     A checkpoint after step - 1 holds from ``step`` before that step's push is made, so no
     lookup of a later step runs into its PS snapshot: lookups change a bounded table (last
     seen, counts, the admission sketch, evictions), and the resumed run makes them again.
+
+    Returns:
+      Whether no lookup of ``step`` or later had passed the gate (a run may end after step - 1
+      without one in its PS).
     """
     with self._cond:
       self._held_from = step
+      return self._passed < step
 
   def release(self) -> None:
     with self._cond:
@@ -145,11 +154,14 @@ class Prefetcher:
         self._queue.put((None, None, e))
 
   def get(self, timeout: Optional[float] = None):
-    """Returns (step, placed item) in step order; re-raises a failure of the thread."""
+    """Returns (step, placed item) in step order; re-raises a failure of the thread; raises
+    ``queue.Empty`` after ``timeout`` seconds without one."""
     w, c = time.perf_counter(), time.thread_time()
-    t, item, err = self._queue.get(timeout=timeout)
-    if self._times is not None:
-      self._times.add("wait", time.perf_counter() - w, time.thread_time() - c)
+    try:
+      t, item, err = self._queue.get(timeout=timeout)
+    finally:  # a wait that timed out (a stream waiting for files) is waiting too
+      if self._times is not None:
+        self._times.add("wait", time.perf_counter() - w, time.thread_time() - c)
     if err is not None:
       raise err
     return t, item

@@ -33,12 +33,12 @@ _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.d
 _FLOATS = (
   "optimizer.learning_rate embeddings.learning_rate embeddings.initial_accumulator_value embeddings.init_scale "
   "embeddings.clip embeddings.admit_probability ps.timeout_s ps.snapshot_timeout_s data.eval_fraction data.zipf_alpha "
-  "data.bias data.dense_scale data.id_scale data.pair_scale"
+  "data.bias data.dense_scale data.id_scale data.pair_scale data.stream_poll_s data.stream_idle_exit_s"
 ).split()
 _BOOLS = "progress_bar final_checkpoint data.shuffle".split()
 _MAX_DENSE_STALENESS = 1024
 _STRS = (
-  "device_step data.name data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
+  "device_step data.name data.stream_dir data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
   "embeddings.optimizer embeddings.initializer embeddings.combiner embeddings.storage_dtype embeddings.eviction "
   "ps.tier ps.kind ps.addresses ps.token_file ps.tls_ca ps.wire_dtype model.name optimizer.name optimizer.state_memory"
 ).split()
@@ -92,7 +92,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
   _check_types(config, need)
   need(config.seed >= 0 and config.data.seed >= 0, "seed" if config.seed < 0 else "data.seed", "must be >= 0")
-  need(config.num_steps >= 0, "num_steps", "must be >= 0")
+  need(config.num_steps >= -1, "num_steps", "must be >= 0, or -1 (until stopped)")
+  if _has(config, "data.stream_poll_s"):
+    need(config.data.stream_poll_s > 0, "data.stream_poll_s", "must be > 0 (seconds between listings)")
+    need(config.data.stream_idle_exit_s >= 0, "data.stream_idle_exit_s", "must be >= 0 (0: wait for files forever)")
   need(config.batch_size > 0, "batch_size", "must be positive")
   need(config.staleness >= 0, "staleness", "must be >= 0 (0 = synchronous)")
   need(config.dense_staleness >= 0, "dense_staleness", "must be >= 0 (0 = synchronous dense part)")

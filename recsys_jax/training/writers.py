@@ -179,7 +179,7 @@ class Progress:
     self.writers = Writers(workdir, on_metrics)
     self.stats = TrainStats()
     self.bar = tqdm(
-      total=config.num_steps,
+      total=config.num_steps if config.num_steps >= 0 else None,  # -1: until stopped
       initial=start,
       unit="step",
       desc="train",
@@ -220,11 +220,20 @@ class Progress:
     self.eval_s += time.perf_counter() - t_eval
 
   def finish(
-    self, ev: Dict[str, float], job, start: int, resumed: bool, ps_stats, train_end: float, hot=None
+    self,
+    ev: Dict[str, float],
+    job,
+    start: int,
+    resumed: bool,
+    ps_stats,
+    train_end: float,
+    hot=None,
+    done: Optional[int] = None,
   ) -> Dict[str, Any]:
-    """Writes the final evaluation and summary.json; returns the summary (on every process)."""
+    """Writes the final evaluation and summary.json; returns the summary (on every process).
+    ``done``: the step training reached (default: ``num_steps``, or ``start`` if past it)."""
     config, B = self.config, self.config.batch_size
-    step = max(config.num_steps, start)  # a workdir past num_steps is evaluated where it is
+    step = max(config.num_steps, start) if done is None else done  # a workdir past num_steps is evaluated where it is
     self.writers.write(step, "eval", ev)
     self.writers.close()
     sps, recompiles, recompile_s = self.stats.throughput(B)
@@ -239,7 +248,7 @@ class Progress:
       "recompiles": recompiles,  # train step compiles after the first step's, left out of samples_per_sec
       "recompile_s": recompile_s,
       "steps": step,
-      "steps_this_run": max(0, config.num_steps - start),
+      "steps_this_run": max(0, step - start),
       "resumed_from": start if resumed else None,
       "batch_size": B,
       "staleness": config.staleness,

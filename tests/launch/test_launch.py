@@ -433,6 +433,20 @@ def test_a_stop_request_or_the_timeout_never_restarts(tmp_path):
   assert len(_RESTART_LINE.findall(text)) == 1 and 3.0 <= took < 4.5, (took, text)
 
 
+def test_a_trainer_that_exits_0_after_sigterm_is_not_restarted():
+  """A trainer told to stop from outside (SIGTERM from Kubernetes or a person, not the launcher)
+  saves its final checkpoint and exits 0, as recsys_jax.main does: that is the end of the job, and
+  the servers are stopped; one killed by the signal instead is restarted."""
+  graceful = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "time.sleep(0.2); os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)"
+  )
+  outcome, text = _relaunch(_servers(), _fake_workers(graceful, n=1), grace_s=2.0)
+  assert outcome.code == 0 and outcome.message == "all 1 workers finished", text
+  assert not _RESTART_LINE.findall(text) and len(_starts(text, "ps-0")) == 1, text
+
+
 def test_max_restarts_must_not_be_negative():
   with pytest.raises(ValueError, match="max_restarts must be >= 0"):
     launch.launch_with_restarts([], _fake_workers("pass"), max_restarts=-1)
