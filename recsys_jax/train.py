@@ -114,7 +114,7 @@ def train_and_evaluate(
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
-  pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
+  pusher = Pusher(lambda t, payload: progress.record_step(t, host.push_step(t, payload), payload[2]), gate)
   try:
     for t in range(start, n):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
