@@ -30,52 +30,68 @@ def window_of(config) -> int:
   return int(section.get("window", 0)) if section is not None else 0
 
 
+_EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] for the logloss, as metrics.logloss does
+
+
+def event_terms(logits: np.ndarray, labels: np.ndarray):
+  """Per event: the AUC's sort key (``metrics.score_keys``), the logloss and the probability (float64).
+
+  Computed once per event as its batch arrives, so that a report only sorts the keys and sums the
+  rest: each event stays in the window for several reports.
+  """
+  z = np.asarray(logits, np.float32).reshape(-1)
+  y = np.asarray(labels).reshape(-1) > 0.5
+  p = 1.0 / (1.0 + np.exp(-z.astype(np.float64)))
+  q = np.clip(p, _EPS, 1 - _EPS)
+  loss = -np.where(y, np.log(q), np.log1p(-q))
+  return metrics_lib.score_keys(y, z), loss, p
+
+
 class _Window:
-  """A ring of the last ``size`` events' logits and labels (float32, one byte)."""
+  """A ring of the last ``size`` events' terms (``event_terms``)."""
 
   def __init__(self, size: int):
-    self.logits = np.zeros(size, np.float32)
-    self.labels = np.zeros(size, np.uint8)
+    self.keys = np.zeros(size, np.int64)
+    self.loss = np.zeros(size, np.float64)
+    self.prob = np.zeros(size, np.float64)
     self.pos = 0  # where the next event goes
     self.filled = 0  # events held (<= size)
     self.seen = 0  # events added since the start
     self.reported = 0  # ``seen`` at the last report
 
-  def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
-    size, n = self.logits.size, logits.size
+  def add(self, terms) -> None:
+    size, n = self.keys.size, terms[0].size
     self.seen += n
     if n >= size:  # only the last ``size`` events stay
-      logits, labels, n = logits[-size:], labels[-size:], size
+      terms, n = [t[-size:] for t in terms], size
     first = min(n, size - self.pos)
-    self.logits[self.pos : self.pos + first] = logits[:first]
-    self.labels[self.pos : self.pos + first] = labels[:first]
-    self.logits[: n - first] = logits[first:]
-    self.labels[: n - first] = labels[first:]
+    for ring, t in zip((self.keys, self.loss, self.prob), terms):
+      ring[self.pos : self.pos + first] = t[:first]
+      ring[: n - first] = t[first:]
     self.pos = (self.pos + n) % size
     self.filled = min(size, self.filled + n)
 
-  def held(self):
-    """Copies of the events held (in ring order: the metrics do not depend on the order)."""
-    return self.logits[: self.filled].copy(), self.labels[: self.filled].copy()
+  def snapshot(self):
+    """(a copy of the keys held, the sum of their losses, of their probabilities): what a report needs."""
+    k = self.filled
+    return self.keys[:k].copy(), float(self.loss[:k].sum()), float(self.prob[:k].sum())
 
 
-def window_metrics(logits: np.ndarray, labels: np.ndarray) -> Dict[str, Optional[float]]:
-  """AUC, logloss and calibration of events (float64, as the evaluation computes them).
+def window_metrics(keys: np.ndarray, loss_sum: float, prob_sum: float) -> Dict[str, Optional[float]]:
+  """AUC, logloss and calibration of events from their terms (float64, as the evaluation computes them).
 
   AUC is None (JSON null) where the events hold one class only, or none; logloss and calibration
   too where there are no events.
   """
-  n = int(labels.size)
+  n = int(keys.size)
   if n == 0:
     return {"auc": None, "logloss": None, "calibration": None, "mean_prediction": None, "mean_label": None}
-  y = labels.astype(np.float64)
-  p = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-  n_pos = int(labels.sum())
+  n_pos = int(np.count_nonzero(keys & 1))
   return {
-    "auc": metrics_lib.auc_float32(labels, logits) if 0 < n_pos < n else None,
-    "logloss": metrics_lib.logloss(y, p),
-    "calibration": metrics_lib.calibration(y, p) if n_pos else None,
-    "mean_prediction": float(p.mean()),
+    "auc": metrics_lib.auc_of_keys(keys) if 0 < n_pos < n else None,
+    "logloss": loss_sum / n,
+    "calibration": (prob_sum / n) / (n_pos / n) if n_pos else None,
+    "mean_prediction": prob_sum / n,
     "mean_label": n_pos / n,
   }
 
@@ -84,7 +100,8 @@ class ProgressiveValidation:
   """Windows of the last ``window`` scored events: one over every batch, one per source.
 
   ``add`` is called by the pusher thread, ``report`` by the training loop; a lock keeps them
-  apart (an add copies one batch; a report copies the window, then computes outside the lock).
+  apart (an add copies one batch's terms in; a report copies the window's sort keys and sums its
+  losses and probabilities, then sorts outside the lock).
   """
 
   def __init__(self, window: int):
@@ -98,25 +115,24 @@ class ProgressiveValidation:
   def add(self, logits, labels, source: Optional[str] = None) -> None:
     """One batch's scores (taken before the batch trained the model) and labels; ``source``
     names where the batch came from (e.g. its file), or None."""
-    z = np.asarray(logits, np.float32).reshape(-1)
-    y = (np.asarray(labels).reshape(-1) > 0.5).astype(np.uint8)
-    if z.shape != y.shape:
-      raise ValueError(f"progressive validation: {z.size} logits for {y.size} labels")
+    if np.size(logits) != np.size(labels):
+      raise ValueError(f"progressive validation: {np.size(logits)} logits for {np.size(labels)} labels")
+    terms = event_terms(logits, labels)  # outside the lock: the report may be sorting
     with self._lock:
-      self._all.add(z, y)
+      self._all.add(terms)
       if source is not None:
         w = self._sources.get(source)
         if w is None:
           w = self._sources[source] = _Window(self.window)
-        w.add(z, y)
+        w.add(terms)
 
   def report(self) -> Dict[str, Optional[float]]:
     """The metrics over the window (``events``: held in it; ``events_seen``: added since the start)."""
     with self._lock:
-      z, y = self._all.held()
+      snap = self._all.snapshot()
       seen = self._all.seen
       self._all.reported = seen
-    return {**window_metrics(z, y), "events": int(y.size), "events_seen": seen}
+    return {**window_metrics(*snap), "events": int(snap[0].size), "events_seen": seen}
 
   def report_sources(self) -> Dict[str, Dict[str, Optional[float]]]:
     """Per source that received events since the last call: the metrics over its window (its
@@ -128,6 +144,8 @@ class ProgressiveValidation:
         del self._sources[s]
       held = {}
       for s, w in self._sources.items():
-        held[s] = (*w.held(), w.seen)
+        held[s] = (w.snapshot(), w.seen)
         w.reported = w.seen
-    return {s: {**window_metrics(z, y), "events": int(y.size), "events_seen": seen} for s, (z, y, seen) in held.items()}
+    return {
+      s: {**window_metrics(*snap), "events": int(snap[0].size), "events_seen": seen} for s, (snap, seen) in held.items()
+    }
