@@ -4,6 +4,9 @@ AUC, logloss and calibration are those of float64 references written here (no sk
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +146,40 @@ def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_s
   np.testing.assert_allclose(np.asarray(m["logits"]), np.asarray(ref), rtol=1e-5, atol=1e-6)
   job.ps.close()
   scorer.ps.close()
+
+
+_MESH_CHECK = r"""
+import jax, jax.numpy as jnp, numpy as np
+from configs import tiny
+from recsys_jax import train
+c = tiny.get_config()
+c.hot_rows_bytes, c.micro_steps, c.mesh.fsdp, c.batch_size, c.progressive.window = 0, 2, 2, 512, 1000
+job = train.build_job(c, restore=False)
+state, worst = job.state, 0.0
+for t, (b, _) in zip(range(3), job.reader.train()):
+  p = job.host.lookup(job.host.prepare(t, b), create=True)
+  _, rows, batch = job.host.place(p)
+  ref = np.asarray(job.eval_step(jax.tree.map(jnp.copy, state.params), rows["cold"], batch)["logits"])
+  state, _, g, m = job.train_step(state, job.hot_state, rows, batch)
+  assert np.array_equal(np.asarray(m["label"]), b["label"])
+  worst = max(worst, float(np.abs(np.asarray(m["logits"]) - ref).max()))
+  job.host.push(p.groups, jax.device_get(g), t)
+assert dict(job.mesh.shape) == {"replica": 4, "fsdp": 2}, job.mesh.shape
+assert worst < 1e-5, worst
+print("ok", worst)
+"""
+
+
+@pytest.mark.slow
+def test_step_logits_on_a_mesh_are_the_batch_in_order():
+  """8 devices (4 replicas x 2 fsdp), 2 micro-steps: every device's micro-batches' logits come back
+  in the batch's order, equal to the eval step's forward with the pre-step parameters."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  p = subprocess.run(
+    [sys.executable, "-c", _MESH_CHECK], cwd=root, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert p.returncode == 0 and "ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
 
 def test_a_run_writes_progressive_records_and_the_summary(tiny_config, tmp_path):
