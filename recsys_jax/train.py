@@ -115,6 +115,7 @@ def train_and_evaluate(
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.record_step(t, host.push_step(t, payload), payload[2]), gate)
+  scoring = config.get("device_step", "model") == "score"  # zero gradients still move e.g. Adam rows
   try:
     for t in range(start, n):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -129,7 +130,7 @@ def train_and_evaluate(
       save = _due(config.checkpoint_every, done, n)
       if save:
         gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
-      pusher.push(t, (p.groups, g_rows, m))
+      pusher.push(t, ({} if scoring else p.groups, g_rows, m))  # a scoring step pushes no row
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)

@@ -198,6 +198,23 @@ def test_a_run_writes_progressive_records_and_the_summary(tiny_config, tmp_path)
   assert summary["progressive"]["auc"] == recs[-1][1]["auc"]
 
 
+def test_a_scoring_run_changes_no_row_or_weight(tiny_config, tmp_path):
+  """device_step 'score' continues a trained workdir without changing it: with Adam rows (which a zero
+  gradient would move) the final evaluation equals the trained run's to the bit, and the scoring
+  run's progressive records cover its own steps."""
+  c = tiny_config
+  c.data.vocab_sizes = (10,) * 8  # every id is trained before the scoring starts, so none is new to it
+  c.embeddings.optimizer = "adam"
+  c.num_steps, c.log_every, c.progressive.window = 3, 3, 10_000
+  c.eval_samples = c.eval_batch_size = 1024
+  trained = train.train_and_evaluate(c, str(tmp_path))
+  c.num_steps, c.device_step = 6, "score"
+  scored = train.train_and_evaluate(c, str(tmp_path))
+  for k in ("auc", "logloss", "calibration"):
+    assert scored[k] == trained[k], (k, scored[k], trained[k])
+  assert scored["progressive"]["events_seen"] == 3 * c.batch_size
+
+
 def test_progressive_off_returns_no_logits(tiny_config, tmp_path):
   c = tiny_config
   c.num_steps, c.log_every, c.progressive.window = 2, 1, 0
