@@ -17,6 +17,7 @@ process (they are not checkpointed): after a resume, the first reports cover few
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -111,15 +112,18 @@ class ProgressiveValidation:
     self._lock = threading.Lock()
     self._all = _Window(self.window)
     self._sources: Dict[str, _Window] = {}
+    self._add_s = 0.0  # the adds' time since the last report (on the pusher thread)
 
   def add(self, logits, labels, source: Optional[str] = None) -> None:
     """One batch's scores (taken before the batch trained the model) and labels; ``source``
     names where the batch came from (e.g. its file), or None."""
     if np.size(logits) != np.size(labels):
       raise ValueError(f"progressive validation: {np.size(logits)} logits for {np.size(labels)} labels")
+    t0 = time.perf_counter()
     terms = event_terms(logits, labels)  # outside the lock: the report may be sorting
     with self._lock:
       self._all.add(terms)
+      self._add_s += time.perf_counter() - t0
       if source is not None:
         w = self._sources.get(source)
         if w is None:
@@ -127,12 +131,14 @@ class ProgressiveValidation:
         w.add(terms)
 
   def report(self) -> Dict[str, Optional[float]]:
-    """The metrics over the window (``events``: held in it; ``events_seen``: added since the start)."""
+    """The metrics over the window (``events``: held in it; ``events_seen``: added since the start;
+    ``add_ms``: what adding the events since the last report took the pusher thread)."""
     with self._lock:
       snap = self._all.snapshot()
       seen = self._all.seen
       self._all.reported = seen
-    return {**window_metrics(*snap), "events": int(snap[0].size), "events_seen": seen}
+      add_ms, self._add_s = 1e3 * self._add_s, 0.0
+    return {**window_metrics(*snap), "events": int(snap[0].size), "events_seen": seen, "add_ms": add_ms}
 
   def report_sources(self) -> Dict[str, Dict[str, Optional[float]]]:
     """Per source that received events since the last call: the metrics over its window (its

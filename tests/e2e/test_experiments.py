@@ -50,7 +50,7 @@ SMOKE = {
   "bench_ps_threads.py": (["--threads=1,2", "--batches=2", "--warmup=1", "--batch_size=256", "--nosweep"], []),
   "bench_progressive.py": (
     ["--config=configs/tiny.py", "--steps=4", "--repeats=1", "--windows=0,1000", "--json_out={tmp}/bp.json"],
-    ["samples_per_sec_0", "ratio_1000", "report_ms_1000"],
+    ["samples_per_sec_0", "ratio_1000", "report_ms_1000", "time_share_1000"],
   ),
   "bench_readers.py": (
     ["--lines=2000", "--chunk_records=512", "--repeats=1", "--json_out={tmp}/bench_readers.json"],

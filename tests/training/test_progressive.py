@@ -193,7 +193,7 @@ def test_a_run_writes_progressive_records_and_the_summary(tiny_config, tmp_path)
   assert [s for s, _ in recs] == [2, 4, 6]
   assert [v["events_seen"] for _, v in recs] == [2 * 256, 4 * 256, 6 * 256]
   assert [v["events"] for _, v in recs] == [2 * 256, c.progressive.window, c.progressive.window]
-  assert all(0.0 < v["auc"] < 1.0 and v["logloss"] > 0 and v["report_ms"] >= 0 for _, v in recs)
+  assert all(0.0 < v["auc"] < 1.0 and v["logloss"] > 0 and v["report_ms"] >= 0 and v["add_ms"] > 0 for _, v in recs)
   assert train.read_metrics(str(tmp_path), "progressive")[-1]["auc"] == recs[-1][1]["auc"]
   assert summary["progressive"]["auc"] == recs[-1][1]["auc"]
 
