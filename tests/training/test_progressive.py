@@ -239,3 +239,7 @@ def test_source_metrics_are_written_under_their_name(tmp_path):
   recs = train.read_metrics(str(tmp_path), "progressive")
   assert [r.get("source") for r in recs] == [None, "f0.tsv", "f1.tsv"]
   assert [r["events"] for r in recs] == [100, 60, 60] and all(r["auc"] == 1.0 for r in recs)
+  tb = tmp_path / "tensorboard"
+  events = b"".join(f.read_bytes() for f in tb.iterdir())  # the tags are stored as they are spelled
+  for tag in (b"progressive/auc", b"progressive/f0.tsv/auc", b"progressive/f1.tsv/logloss"):
+    assert tag in events, tag
