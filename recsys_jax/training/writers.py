@@ -298,10 +298,11 @@ class Progress:
 
 
 def _host(x) -> np.ndarray:
-  """A step output on the host: with several processes, this process's copy of a replicated array."""
-  if getattr(x, "is_fully_addressable", True):
-    return np.asarray(x)
-  return np.asarray(x.addressable_data(0))
+  """A step output on the host (an explicit copy, as the step loop's transfer guard asks): with
+  several processes, this process's copy of a replicated array."""
+  if not getattr(x, "is_fully_addressable", True):
+    x = x.addressable_data(0)
+  return np.asarray(jax.device_get(x))
 
 
 def _throughput(s: Dict[str, Any]) -> str:
