@@ -48,7 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.progress_bar = True  # tqdm bar with samples/s and loss on stderr.
   # The jitted device step: 'model' trains the model; 'none' returns zero row gradients and leaves
   # the dense state and hot rows as they are, so a run measures the host pipeline alone (reading,
-  # dedup, PS lookups and pushes, copies to and from the device: experiments/bench_feed.py).
+  # dedup, PS lookups and pushes, copies to and from the device: experiments/bench_feed.py). 'score'
+  # scores each batch and updates nothing (a frozen model scored on the stream: progressive metrics only).
   c.device_step = "model"
 
   # Input data (recsys_jax/data/readers.py): 'synthetic' (Criteo-like schema, known oracle AUC),
@@ -105,6 +106,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.pair_scale = 0.3  # Weight of the field-pair dot-product interactions.
   c.data.num_pairs = 12  # Field pairs that interact.
   c.data.teacher_dim = 4  # Width of the teacher's interaction vectors.
+  # A drifting teacher (online learning): its id effects and interaction vectors turn, record by
+  # record, a quarter turn (to independent ones) every drift_records training records; 0 = fixed.
+  c.data.drift_records = 0
+  # The eval split is drawn as the training records from this index on would be (with drift, the
+  # teacher as it stands there): num_steps * batch_size evaluates on what follows the training.
+  c.data.eval_at_record = 0
 
   # Embedding tables on the parameter server: one table per categorical feature.
   c.embeddings = ml_collections.ConfigDict()
@@ -188,4 +195,11 @@ def get_config() -> ml_collections.ConfigDict:
   # step; row gradients are summed over the micro-batches and pushed once. batch_size must be a
   # multiple of devices x micro_steps.
   c.micro_steps = 1
+
+  # Progressive validation (recsys_jax/training/progressive.py): each training batch is scored
+  # before it is trained on (the step's own forward pass), and every log_every steps the AUC,
+  # logloss and calibration of the last `window` events go to metrics.jsonl and TensorBoard
+  # (kind 'progressive').
+  c.progressive = ml_collections.ConfigDict()
+  c.progressive.window = 1_000_000  # Events in the sliding window (0 = off).
   return c

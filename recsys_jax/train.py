@@ -113,6 +113,14 @@ def _hold_for_cut(gate: StalenessGate, done: int, save: bool, stop: Optional[thr
   return stopping
 
 
+def _payload(p: Prepared, g_rows, metrics, scoring: bool):
+  """What the pusher gets for a step: ``(groups, row grads, metrics, source)``. A scoring step
+  (``device_step='score'``) pushes no row: a zero gradient still moves e.g. Adam rows. ``source``
+  is the stream file the batch ends in (its own progressive metrics), None for other data."""
+  source = p.position.get("file") if isinstance(p.position, dict) else None
+  return ({} if scoring else p.groups, g_rows, metrics, source)
+
+
 def _resume(config, workdir: str, job: Job):
   """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
   tables)``, from the newest intact checkpoint (a config its checkpoints do not fit is named) or fresh."""
@@ -160,7 +168,8 @@ def train_and_evaluate(
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
-  pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
+  pusher = Pusher(lambda t, pl: progress.record_step(t, host.push_step(t, pl[:3]), pl[2], pl[3]), gate)
+  scoring = config.get("device_step", "model") == "score"
   done, data_error = start, None
   try:
     for t in range(start, last_step(n)):
@@ -174,7 +183,7 @@ def train_and_evaluate(
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       stopping = _hold_for_cut(gate, done, save, stop)
-      pusher.push(t, (p.groups, g_rows, m))
+      pusher.push(t, _payload(p, g_rows, m, scoring))
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)

@@ -53,7 +53,7 @@ def test_on_metrics_sees_every_record_of_metrics_jsonl(uninterrupted):
     (step, kind, json.loads(json.dumps(values))) for step, kind, values in summary["_on_metrics"]
   ]
   kinds = {r["kind"] for r in written}
-  assert kinds == {"train", "eval", "ps"}, kinds
+  assert kinds == {"train", "eval", "ps", "progressive"}, kinds
   assert [r["step"] for r in train.read_metrics(workdir, "eval")][-1] == summary["steps"]
   assert train.read_metrics(workdir, "eval")[-1]["auc"] == pytest.approx(summary["auc"], abs=0)
 

@@ -86,6 +86,7 @@ def accumulate_gradients(
   gather_every_micro_step=False,
   vary_over_replica=True,
   extras_replicated=True,
+  has_aux=False,
 ):
   """The MiCS gradient sync of one optimizer step; call inside ``shard_map`` over the mesh.
 
@@ -101,11 +102,15 @@ def accumulate_gradients(
       own rows), their gradients summed over this device's micro-batches only.
     gather_every_micro_step: all-gather in every micro-step instead of once per step.
     vary_over_replica: False builds the naive variant (see the module docstring).
+    has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. the micro-batch's logits, computed by the
+      forward pass the gradients come from, so with the parameters before the update).
 
   Returns:
     ``(param_grads, extra_grads, loss_sum)``: gradients summed over every micro-batch of every
     device (parameter gradients as local shards; per-device extras over this device's only),
     and the sum of the micro-batch mean losses over all devices. Divide by ``micro_steps * num_devices`` for the global-batch mean.
+    With ``has_aux``, a fourth item: this device's ``aux`` of every micro-batch, stacked on a
+    leading micro-step axis.
   """
   both = (REPLICA_AXIS, GROUP_AXIS)
   if vary_over_replica:
@@ -125,8 +130,8 @@ def accumulate_gradients(
     )
 
   def grads(full, extras_, mb):
-    loss, (g, ge) = jax.value_and_grad(lambda f, e: loss_fn(f, e, mb), argnums=(0, 1))(full, extras_)
-    return loss, scatter(g), ge
+    out, (g, ge) = jax.value_and_grad(lambda f, e: loss_fn(f, e, mb), argnums=(0, 1), has_aux=has_aux)(full, extras_)
+    return out, scatter(g), ge
 
   if gather_every_micro_step:
 
@@ -145,12 +150,14 @@ def accumulate_gradients(
       return jax.tree.map(jnp.add, acc, (g, ge)), loss
 
   acc0 = jax.tree.map(jnp.zeros_like, (w, extras))
-  (g, ge), losses = jax.lax.scan(body, acc0, micro_batches)
+  (g, ge), outs = jax.lax.scan(body, acc0, micro_batches)
+  losses, aux = outs if has_aux else (outs, None)
   if vary_over_replica:  # the once-per-step sync: across groups, and over all for the rest
     g = jax.tree.map(lambda x, d: jax.lax.psum(x, REPLICA_AXIS if d is not None else both), g, dims)
     if extras_replicated:
       ge = jax.tree.map(lambda x: jax.lax.psum(x, both), ge)
-  return g, ge, jax.lax.psum(jnp.sum(losses), both)
+  loss_sum = jax.lax.psum(jnp.sum(losses), both)
+  return (g, ge, loss_sum, aux) if has_aux else (g, ge, loss_sum)
 
 
 def split_micro_batches(batch, micro_steps: int):

@@ -18,6 +18,7 @@ from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training import progressive
 from recsys_jax.training import steps as steps_lib
 from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline
@@ -109,6 +110,8 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
       on_device,
       rows_per_device=multi,
       hot_opts=hot.device_opts(),
+      predictions=progressive.window_of(config) > 0,  # progressive validation scores each batch
+      update=config.get("device_step", "model") != "score",
     ),
     donate_argnums=(0, 1),
     out_shardings=(state_shardings, repl, rows_out, repl),

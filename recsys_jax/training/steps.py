@@ -98,6 +98,8 @@ def make_train_step(
   opt_state_on_device=None,
   rows_per_device: bool = False,
   hot_opts=None,
+  predictions: bool = False,
+  update: bool = True,
 ):
   """Returns train_step(state, hot, rows, batch) -> (state, hot, row grads, metrics), to be jitted.
 
@@ -125,6 +127,17 @@ def make_train_step(
   the update is sparse (the touched slots only); with several, each process touches its own
   slots, so the gradients are scattered into [H, D], summed over every device and applied to
   the slots any process touched.
+
+  ``predictions``: the metrics also hold ``logits`` [B] and ``label`` [B] of the global batch
+  (replicated by the jit's out_shardings), the logits being those of the forward pass the
+  gradients come from: the model's scores of the batch with the parameters and rows before this
+  step's update, which progressive validation (:mod:`recsys_jax.training.progressive`) needs,
+  at no second forward pass.
+
+  ``update`` False: the step scores and leaves everything as it was: the dense state and hot rows
+  are returned unchanged and the cold rows' gradients are zeros (a frozen model scored on the
+  stream, ``config.device_step = 'score'``). Its forward pass is the training step's own, so
+  its logits equal those a training step would have scored the batch with.
   """
   hot_opts = dict(hot_opts or {})
   all_axes = tuple(mesh.axis_names)
@@ -134,7 +147,8 @@ def make_train_step(
 
   def loss_fn(params, rows, batch):
     logits = model.apply({"params": params}, batch["dense"], *_embeddings(rows, batch, group_features))
-    return optax.sigmoid_binary_cross_entropy(logits, batch["label"]).mean()
+    loss = optax.sigmoid_binary_cross_entropy(logits, batch["label"]).mean()
+    return (loss, logits) if predictions else loss
 
   def hot_update(opt, table, idx, g):
     """The touched hot rows' update, from this device's gradient of rows ``w[idx]``."""
@@ -152,14 +166,20 @@ def make_train_step(
     extras = dict(cold)
     for k, idx in hot_idx.items():  # hot rows follow the cold ones, as the inverse expects
       extras[k] = jnp.concatenate([cold[k], jnp.take(hot[k]["w"], idx, axis=0, mode="fill", fill_value=0)])
-    g_params, g_rows, loss_sum = mics.accumulate_gradients(
+    g_params, g_rows, loss_sum, *aux = mics.accumulate_gradients(
       loss_fn,
       state.params,
       dims,
       mics.split_micro_batches(batch, micro_steps),
       extras,
       extras_replicated=not rows_per_device,
+      has_aux=predictions,
     )
+    metrics = {"loss": loss_sum / n_micro}
+    if predictions:  # [micro_steps, b / micro_steps] back to this device's b records, in order
+      metrics.update(logits=aux[0].reshape(batch["label"].shape), label=batch["label"])
+    if not update:
+      return state, hot, jax.tree.map(jnp.zeros_like, cold), metrics
     g_params, g_rows = jax.tree.map(lambda g: g / n_micro, (g_params, g_rows))
     new_hot = {}
     for k, idx in hot_idx.items():
@@ -170,13 +190,14 @@ def make_train_step(
       q = state.grad_queue
       state = state.replace(grad_queue=jax.tree.map(lambda x, g: jnp.concatenate([x[1:], g[None]]), q, g_params))
       g_params = jax.tree.map(lambda x: x[0], q)
-    return state.apply_gradients(grads=g_params), new_hot, g_rows, {"loss": loss_sum / n_micro}
+    return state.apply_gradients(grads=g_params), new_hot, g_rows, metrics
 
+  metrics_spec = {"loss": P(), **({"logits": mics.DATA_SPEC, "label": mics.DATA_SPEC} if predictions else {})}
   mapped = jax.shard_map(
     device_step,
     mesh=mesh,
     in_specs=(state_specs, P(), rows_spec, mics.DATA_SPEC),
-    out_specs=(state_specs, P(), rows_spec, P()),
+    out_specs=(state_specs, P(), rows_spec, metrics_spec),
   )
 
   def train_step(state, hot, rows, batch):

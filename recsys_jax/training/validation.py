@@ -26,7 +26,7 @@ _INTS = (
   "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
   "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp "
   "ps.read_ahead ps.read_ahead_rows "
-  "hot_rows_bytes hot_warmup_steps hot_every hot_min_count"
+  "hot_rows_bytes hot_warmup_steps hot_every hot_min_count progressive.window data.drift_records data.eval_at_record"
 ).split()
 # Sizes of arrays, or indices into them, that the jitted step holds as int32.
 _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.dim data.num_dense".split()
@@ -142,10 +142,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     need(config.eval_samples >= config.eval_batch_size, "eval_samples", "must be >= eval_batch_size")
   if _has(config, "device_step"):
     need(
-      config.device_step in ("model", "none"),
+      config.device_step in ("model", "none", "score"),
       "device_step",
-      "choose 'model' or 'none' (no training: zero row gradients)",
+      "choose 'model', 'none' (no training: zero row gradients) or 'score' (score each batch, update nothing)",
     )
+  if _has(config, "progressive.window"):
+    need(config.progressive.window >= 0, "progressive.window", "must be >= 0 (events; 0 = off)")
+  for f in ("data.drift_records", "data.eval_at_record"):
+    if _has(config, f):
+      need(_get(config, f) >= 0, f, "must be >= 0 (records; 0 = none)")
   known = models.names()
   need(config.model.name in known, "model.name", f"unknown model; choose one of {known}")
   _check_model_kwargs(config)

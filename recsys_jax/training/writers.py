@@ -12,11 +12,13 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
+import numpy as np
 from absl import logging
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
+from recsys_jax.training.progressive import ProgressiveValidation, window_of
 
 
 def say(msg: str) -> None:
@@ -79,7 +81,9 @@ class TrainStats:
 
 MetricsCallback = Callable[[int, str, Dict[str, Any]], None]
 """``on_metrics(step, kind, values)``: called with every record written to metrics.jsonl (kind
-"train": loss, samples/s, the interval's seconds, staleness, hot rows, host time per stage; "eval": AUC, logloss; "ps": rows, memory, hit rate),
+"train": loss, samples/s, the interval's seconds, staleness, hot rows, host time per stage; "eval": AUC, logloss; "ps": rows, memory, hit rate;
+"progressive": AUC, logloss, calibration of the last ``config.progressive.window`` training events, each scored before
+it was trained on, with ``source`` set in the records of one source's own window),
 e.g. to draw live plots in a notebook. An exception it raises stops the run like any other error
 (the last checkpoint is kept)."""
 
@@ -117,7 +121,8 @@ class Writers:
       self.jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
-  def write(self, step: int, kind: str, values: Dict[str, float]) -> None:
+  def write(self, step: int, kind: str, values: Dict[str, Any], tb_prefix: Optional[str] = None) -> None:
+    """One record; its finite numbers also go to TensorBoard as ``<tb_prefix or kind>/<name>``."""
     if not self.enabled:
       return
     self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
@@ -125,8 +130,8 @@ class Writers:
     if self.on_metrics is not None:
       self.on_metrics(step, kind, dict(values))
     for k, v in values.items():
-      if isinstance(v, (int, float)) and math.isfinite(v):
-        self.tb.add_scalar(f"{kind}/{k}", v, step)
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        self.tb.add_scalar(f"{tb_prefix or kind}/{k}", v, step)
 
   def write_ps(self, step: int, stats: Dict[str, Dict[str, float]]) -> None:
     """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
@@ -190,6 +195,18 @@ class Progress:
     self.log_t, self.log_step = time.perf_counter(), start
     self.evals: List[Dict[str, Any]] = []
     self.eval_s = 0.0  # time spent in evaluations during training
+    window = window_of(config)
+    # Process 0 writes the records, and every process's step returns the whole batch's scores.
+    self.progressive = ProgressiveValidation(window) if window and self.writers.enabled else None
+    self.last_progressive: Optional[Dict[str, Any]] = None
+
+  def record_step(self, step: int, loss: float, metrics: Dict[str, Any], source: Optional[str] = None) -> None:
+    """The pusher thread's record of an applied step: its loss, and with progressive validation on,
+    the scores the step's forward pass gave its batch (``metrics["logits"]``, before the update)
+    with its labels; ``source`` names where the batch came from (a stream's file), or None."""
+    self.stats.record(step, loss)
+    if self.progressive is not None and "logits" in metrics:
+      self.progressive.add(_host(metrics["logits"]), _host(metrics["label"]), source)
 
   def log_due(self, done: int) -> bool:
     return done % self.config.log_every == 0 or done == self.config.num_steps
@@ -206,8 +223,21 @@ class Progress:
     record = {"loss": loss, "samples_per_sec": sps, "train_s": now - self.log_t, **staleness, **hot_metrics, **stages}
     self.writers.write(done, "train", record)
     self.writers.write_ps(done, ps.stats())
+    if self.progressive is not None:
+      self.log_progressive(done)
     self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:,.0f}", refresh=False)
     self.log_t, self.log_step = now, done
+
+  def log_progressive(self, done: int) -> None:
+    """The progressive metrics over the window, then per source (``report_ms``: what computing them took)."""
+    t = time.perf_counter()
+    rec = self.progressive.report()
+    sources = self.progressive.report_sources()
+    rec["report_ms"] = 1e3 * (time.perf_counter() - t)
+    self.writers.write(done, "progressive", rec)
+    for name, r in sources.items():
+      self.writers.write(done, "progressive", {"source": name, **r}, tb_prefix=f"progressive/{name}")
+    self.last_progressive = rec
 
   def log_eval(self, done: int, evaluate: Callable[[], Dict[str, float]]) -> None:
     """Runs an evaluation during training and records it against the training time so far."""
@@ -267,12 +297,21 @@ class Progress:
       "mesh": dict(job.mesh.shape),
       "micro_steps": config.micro_steps,
       "evals": self.evals,
+      "progressive": self.last_progressive,  # the last report over the window (None: off)
       "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
       with open(os.path.join(self.workdir, workdir_lib.SUMMARY), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def _host(x) -> np.ndarray:
+  """A step output on the host (an explicit copy, as the step loop's transfer guard asks): with
+  several processes, this process's copy of a replicated array."""
+  if not getattr(x, "is_fully_addressable", True):
+    x = x.addressable_data(0)
+  return np.asarray(jax.device_get(x))
 
 
 def _throughput(s: Dict[str, Any]) -> str:

@@ -134,3 +134,49 @@ def test_multi_hot_bags():
   assert "sparse_weights" not in syn.SyntheticData(syn.SyntheticConfig(vocab_sizes=(5, 6))).batch(0, 0, 8)
   with pytest.raises(ValueError):
     syn.SyntheticData(syn.SyntheticConfig(vocab_sizes=(5, 6), multi_hot=(2,)))
+
+
+def _logit(p):
+  p = np.asarray(p, np.float64)
+  return np.log(p) - np.log1p(-p)
+
+
+def test_drift_turns_the_id_effects_and_keeps_the_records():
+  """With drift, record r's id effects are cos(theta) a + sin(theta) b, theta = (pi/2) r / drift_records:
+  checked on one eval batch placed (``eval_at_record``) at theta ~ 0, pi/4, pi/2 and pi, whose teacher
+  logits z(theta) = c + cos(theta) A + sin(theta) B (no pair term here) must satisfy
+  z(pi/4) = c + (A + B) / sqrt(2) with c, A, B read off the other three. The records themselves (ids,
+  dense features) are those of the teacher without drift: only labels and probabilities move."""
+  D = 10**12  # theta moves by ~1e-9 across a batch
+  base = dict(pair_scale=0.0, drift_records=D)
+  fixed = syn.SyntheticData(syn.SyntheticConfig(pair_scale=0.0)).batch(syn.EVAL, 0, 2048)
+  z = {}
+  for quarter in (0, 0.5, 1, 2):
+    b = syn.SyntheticData(syn.SyntheticConfig(**base, eval_at_record=int(quarter * D))).batch(syn.EVAL, 0, 2048)
+    for f in b["sparse"]:
+      np.testing.assert_array_equal(b["sparse"][f], fixed["sparse"][f])
+    np.testing.assert_array_equal(b["dense"], fixed["dense"])
+    z[quarter] = _logit(b["prob"])
+  np.testing.assert_allclose(z[0], _logit(fixed["prob"]), atol=1e-5)  # theta = 0 is the fixed teacher
+  c = (z[0] + z[2]) / 2
+  a, b_ = z[0] - c, z[1] - c
+  np.testing.assert_allclose(z[0.5], c + (a + b_) / np.sqrt(2), atol=1e-3)  # probabilities are float32
+  assert np.corrcoef(a, b_)[0, 1] < 0.1  # the effects turned toward independent ones
+  assert np.abs(a).mean() > 0.3
+
+
+def test_drift_moves_which_ids_click_not_the_click_rate():
+  """Training record r and r + drift_records: the teacher's probabilities of the same records are
+  nearly uncorrelated, while the mean click probability stays within a few percent."""
+  cfg = syn.SyntheticConfig(drift_records=20 * 4096)
+  d, fixed = syn.SyntheticData(cfg), syn.SyntheticData(syn.SyntheticConfig())
+  early = d.batch(syn.TRAIN, 0, 4096)
+  late = d.batch(syn.TRAIN, 20, 4096)  # a quarter turn on
+  np.testing.assert_array_equal(early["prob"][0], fixed.batch(syn.TRAIN, 0, 4096)["prob"][0])
+  again = fixed.batch(syn.TRAIN, 20, 4096)
+  r = np.corrcoef(_logit(late["prob"]), _logit(again["prob"]))[0, 1]
+  assert r < 0.6, r  # the dense term, which does not drift, keeps some correlation
+  assert abs(late["prob"].mean() / again["prob"].mean() - 1) < 0.05
+  np.testing.assert_array_equal(d.drift_angle([0, 20 * 4096]), [0.0, np.pi / 2])
+  with pytest.raises(ValueError, match="drift_records"):
+    syn.SyntheticData(syn.SyntheticConfig(drift_records=-1))

@@ -48,6 +48,10 @@ SMOKE = {
     [],
   ),
   "bench_ps_threads.py": (["--threads=1,2", "--batches=2", "--warmup=1", "--batch_size=256", "--nosweep"], []),
+  "bench_progressive.py": (
+    ["--config=configs/tiny.py", "--steps=4", "--repeats=1", "--windows=0,1000", "--json_out={tmp}/bp.json"],
+    ["samples_per_sec_0", "ratio_1000", "report_ms_1000", "time_share_1000"],
+  ),
   "bench_readers.py": (
     ["--lines=2000", "--chunk_records=512", "--repeats=1", "--json_out={tmp}/bench_readers.json"],
     [],
@@ -80,6 +84,12 @@ SMOKE = {
     [],
   ),
   "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes", "--json_out={tmp}/fuzz.json"], []),
+  # Online to step 8 of 256 records, frozen from step 4, drifting data only (3 jobs of 4 steps).
+  "online_drift.py": (
+    ["--config=configs/tiny.py", "--steps=8", "--freeze_at=4", "--batch_size=256", "--log_every=2"]
+    + ["--eval_samples=1024", "--nocontrol", "--out={tmp}/online_drift"],
+    ["drift_online_mean_auc", "drift_frozen_mean_auc", "drift_oracle_mean_auc", "drift_margin_mean"],
+  ),
   "persia_convergence.py": (["--smoke", "--out={tmp}/persia_convergence"], []),
   "persia_throughput.py": (["--smoke", "--throughput_out={tmp}/persia_throughput"], []),
   "ps_lockstep.py": (["--rounds=4", f"new={ROOT}"], []),
@@ -92,6 +102,7 @@ WRITES = {
   "bench_cache.py": ["{tmp}/bench_cache.json"],
   "bench_distributed.py": ["{tmp}/bench_distributed.json"],
   "bench_ps.py": ["{tmp}/bench_ps.json"],
+  "bench_progressive.py": ["{tmp}/bp.json"],
   "bench_readers.py": ["{tmp}/bench_readers.json"],
   "bench_tier_layout.py": ["{tmp}/bench_tier_layout.json"],
   "bench_train.py": ["{tmp}/bench_train.json"],
@@ -99,6 +110,7 @@ WRITES = {
   "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
   "comm_volume.py": ["{tmp}/c.json", "{tmp}/c.png"],
   "fuzz.py": ["{tmp}/fuzz.json"],
+  "online_drift.py": ["{tmp}/online_drift.json", "{tmp}/online_drift.png"],
   "persia_convergence.py": ["{tmp}/persia_convergence.json", "{tmp}/persia_convergence.png"],
   "persia_throughput.py": ["{tmp}/persia_throughput.json", "{tmp}/persia_throughput.png"],
   "zoo_movielens.py": ["{tmp}/zoo.json"],

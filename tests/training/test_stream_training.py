@@ -252,3 +252,19 @@ def test_sigterm_ends_an_endless_run_with_its_checkpoint_and_exit_0(reference, t
   with open(workdir / "summary.json") as f:
     assert json.load(f)["steps"] == STEPS
   _assert_same_model(ref_c, str(workdir), ref_dir, STEPS)
+
+
+def test_progressive_metrics_per_stream_file(reference):
+  """Each batch's progressive scores also count in the window of the file it ends in: every file
+  gets records under its name, and their events add up to every trained event."""
+  _, ref_dir, _ = reference
+  with open(os.path.join(ref_dir, "metrics.jsonl")) as f:
+    records = [r for r in map(json.loads, f) if r["kind"] == "progressive"]
+  overall = [r for r in records if "source" not in r]
+  assert overall and overall[-1]["events_seen"] == STEPS * B
+  last = {}
+  for r in records:
+    if "source" in r:
+      last[r["source"]] = r["events_seen"]
+  assert set(last) == {name for name, _, _ in FILES}, last
+  assert sum(last.values()) == STEPS * B, last
