@@ -25,6 +25,7 @@ from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import HostPipeline, NonFiniteLossError, Prepared
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
+from recsys_jax.training.publish import Publisher
 from recsys_jax.training.run_checkpoints import RunCheckpoints
 from recsys_jax.training.specs import build_specs
 from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_train_step
@@ -115,6 +116,7 @@ def train_and_evaluate(
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
+  publisher = Publisher(config, workdir, ps, hot, start)  # rows for serving between checkpoints (publish_every_s)
   try:
     for t in range(start, n):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -127,9 +129,12 @@ def train_and_evaluate(
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
-      if save:
+      publish = publisher.step(p.groups, save)  # records the ids pushed; whether this cut is published
+      if save or publish:
         gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
       pusher.push(t, (p.groups, g_rows, m))
+      if publish:
+        publisher.publish(done, state, hot_state, pusher, None if save else gate)  # releases the gate
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
@@ -144,8 +149,12 @@ def train_and_evaluate(
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
+        publisher.checkpointed(ckpts.covered())
     if n > start:
       _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
+      publisher.publish(n, state, hot_state, pusher, dense=True)
+      publisher.checkpointed(ckpts.covered())
+    publisher.close()
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -156,6 +165,7 @@ def train_and_evaluate(
     raise
   finally:
     progress.bar.close()
+    publisher.close(quiet=True)
     hot.close()
     pre.close()
     pusher.close()

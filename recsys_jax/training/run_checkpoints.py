@@ -130,6 +130,12 @@ class RunCheckpoints:
       raise checkpoint_lib.CheckpointError(f"{e}; last good checkpoint: {self.last_good()} (left as it was)") from e
     self.last_saved = step
 
+  def covered(self) -> Optional[int]:
+    """The older of the two newest checkpoints kept (None with fewer): deltas published at or
+    before it are in both, so a model server that loads either needs none of them."""
+    steps = self.ckpt.all_steps()
+    return steps[-2] if len(steps) >= 2 else None
+
   def latest_part(self, name: str) -> Optional[str]:
     """Where the part ``name`` of the checkpoint this run resumed from is (None: a fresh run)."""
     return None if self.latest is None else self.ckpt.part_path(self.latest, self._latest_meta, name)

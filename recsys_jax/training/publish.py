@@ -1,0 +1,211 @@
+"""Publishing fresh rows and dense parameters for the model server, between checkpoints.
+
+Every ``config.publish_every_s`` seconds the training loop hands the publisher one cut, taken as a
+checkpoint takes its own (:meth:`recsys_jax.training.run_checkpoints.RunCheckpoints.save`): the
+lookups of later steps are held (``StalenessGate.hold``), the pushes of every step up to the cut
+are applied (``Pusher.flush``) and the hot rows are written back into the PS. The rows of every id
+touched since the previous publish (the ids each step pushed, and every id that was hot on the
+device meanwhile) are then read from the PS without changing it (``lookup_many(create=False)``:
+an id whose row was dropped reads what the trainer's evaluation reads for it) and the lookups go
+on; the rows are written to disk by a background thread. Every ``config.publish_dense_every_s``
+seconds the cut also carries the dense parameters. The files and their index are
+:mod:`recsys_jax.async_ps.snapshot.published`.
+
+The set of ids touched is the publisher's own, apart from the PS's change tracking, which
+belongs to the checkpoints' incremental snapshots (a publish changes nothing they write).
+
+Limits: one trainer process (the ids a step pushes are this process's own); a row dropped by a
+bounded table (expiry, eviction without a tier) that was not touched since the previous publish
+reaches the server with the next checkpoint, not with a delta.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import jax
+import numpy as np
+from absl import logging
+
+from recsys_jax.async_ps.snapshot import published
+
+PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
+
+
+def publish_dir(config, workdir: str) -> str:
+  """Where ``config``'s run publishes: ``config.publish_dir``, or ``<workdir>/publish``; relative
+  paths are under the workdir."""
+  d = str(config.get("publish_dir", "") or "")
+  return os.path.abspath(os.path.join(workdir, d or PUBLISH))
+
+
+class Publisher:
+  """Publishes a run's rows and dense parameters (see the module docstring).
+
+  Args:
+    config: ``publish_every_s`` (0: off), ``publish_dense_every_s``, ``publish_dir``.
+    workdir: the run's directory.
+    ps: the run's PS (read with ``lookup_many(create=False)``).
+    hot: the run's ``HotRows`` (or None).
+    start: the step the run starts at (the checkpoint it resumed from, 0 for a fresh one): the
+      first delta continues from there, and deltas of an earlier run past it are dropped.
+    clock: seconds, monotonic (tests pass their own).
+  """
+
+  def __init__(self, config, workdir: str, ps, hot=None, start: int = 0, clock=time.monotonic):
+    self.every_s = float(config.get("publish_every_s", 0.0) or 0.0)
+    self.dense_every_s = float(config.get("publish_dense_every_s", 0.0) or 0.0)
+    self.enabled = self.every_s > 0
+    self.ps, self.hot, self._clock = ps, hot, clock
+    self.directory = publish_dir(config, workdir)
+    self.published = 0  # deltas published by this process
+    self.seconds = 0.0  # the training loop's time spent in cuts
+    self._touched: Dict[str, List[np.ndarray]] = {}
+    self._hot_seen: Dict[str, Any] = {}
+    self._error: Optional[BaseException] = None
+    if not self.enabled:
+      return
+    if jax.process_count() > 1:
+      raise ValueError(
+        "config.publish_every_s > 0 needs one trainer process: each process pushes its own ids, and the "
+        "publisher sees only this one's"
+      )
+    os.makedirs(self.directory, exist_ok=True)
+    index = published.read_index(self.directory) or published.empty_index()
+    # Deltas past the checkpoint this run resumed from are of steps it trains again: a server must not
+    # apply them to the new rows. Their seq numbers are not reused.
+    gone = [os.path.join(self.directory, published.ROWS, d["name"]) for d in index["deltas"] if d["step"] > start]
+    gone += [os.path.join(self.directory, published.DENSE, d["name"]) for d in index["dense"] if d["step"] > start]
+    index["deltas"] = [d for d in index["deltas"] if d["step"] <= start]
+    index["dense"] = [d for d in index["dense"] if d["step"] <= start]
+    published.write_index(self.directory, index)
+    published.remove(gone)
+    self._index = index
+    self._parent: Optional[int] = None
+    self._parent_step = int(start)
+    now = clock()
+    self._next, self._next_dense = now + self.every_s, now
+    self._last_step = self._last_dense = None
+    self._queue: "queue.Queue" = queue.Queue(maxsize=2)
+    self._thread = threading.Thread(target=self._write_loop, name="publisher", daemon=True)
+    self._thread.start()
+
+  # -- the training loop's side ---------------------------------------------------------
+  def step(self, groups, save: bool = False) -> bool:
+    """Records the ids a step pushes (its deduplicated groups) and the hot set in use; returns
+    whether the step's cut is published (its time has come, or ``save``: a checkpoint's cut, so
+    that the deltas reach past each checkpoint at once)."""
+    if not self.enabled:
+      return False
+    for g in groups.values():
+      for name, ids, _ in g.tables:
+        if ids.shape[0]:
+          self._touched.setdefault(name, []).append(ids)
+    if self.hot is not None and self.hot.enabled:
+      for ts in self.hot.groups.values():
+        for t in ts:
+          ids = self.hot.set.hot(t)[0]
+          if self._hot_seen.get(t) is not ids:  # a new choice: its ids are touched from now on
+            self._hot_seen[t] = ids
+            self._touched.setdefault(t, []).append(ids)
+    return save or self._clock() >= self._next
+
+  def publish(self, step: int, state, hot_state, pusher, gate=None, dense: Optional[bool] = None) -> None:
+    """Publishes the cut after ``step`` steps: lookups of step ``step`` on must be held until the
+    rows are read; then ``gate`` (if given) is released.
+
+    ``dense``: carry the dense parameters (None: if their time has come)."""
+    if not self.enabled:
+      return
+    try:
+      self._publish(step, state, hot_state, pusher, dense)
+    finally:
+      if gate is not None:
+        gate.release()
+
+  def _publish(self, step: int, state, hot_state, pusher, dense: Optional[bool]) -> None:
+    self.check()
+    now = self._clock()
+    dense = bool(dense or (dense is None and now >= self._next_dense and self.dense_every_s > 0))
+    if step == self._last_step and (not dense or self._last_dense == step):
+      return  # this cut is published already (the last step's, by time and again at the end)
+    t0 = time.perf_counter()
+    pusher.flush(step - 1)
+    if self.hot is not None and self.hot.enabled:
+      self.hot.write_back(hot_state, self.ps)  # the device's values of the hot rows into the PS
+      for t, ids in self._hot_seen.items():
+        self._touched.setdefault(t, []).append(ids)  # hot now: touched until the next choice
+    wanted = {t: np.unique(np.concatenate(v)) for t, v in self._touched.items()}
+    self._touched = {}
+    wanted = {t: ids for t, ids in wanted.items() if ids.shape[0]}
+    rows = self.ps.lookup_many(wanted, create=False) if wanted else {}
+    leaves = None
+    if dense and self._last_dense != step:
+      leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+      self._next_dense, self._last_dense = now + self.dense_every_s, step
+    self._next = now + self.every_s
+    # A cut published again (for its dense parameters) has no row to add: no delta.
+    arrays = None if step == self._last_step else {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
+    self._last_step = step
+    self._queue.put((int(step), arrays, leaves))
+    self.seconds += time.perf_counter() - t0
+
+  def checkpointed(self, covered_step: Optional[int]) -> None:
+    """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the
+    two newest checkpoints: a server that polls keeps its line, one far behind starts again)."""
+    if self.enabled and covered_step is not None:
+      self._queue.put(("prune", int(covered_step), None))
+
+  def check(self) -> None:
+    """Re-raises the writing thread's failure (a full disk), naming the publish directory."""
+    if self._error is not None:
+      raise RuntimeError(f"publishing to {self.directory} failed: {self._error}") from self._error
+
+  def close(self, quiet: bool = False) -> None:
+    """Waits for what was handed over to be written; ``quiet``: a failure is not raised (the run
+    is failing for another reason, which is the one to report)."""
+    if not self.enabled or not self._thread.is_alive():
+      return
+    self._queue.put(None)
+    self._thread.join()
+    if not quiet:
+      self.check()
+
+  # -- the writing thread -----------------------------------------------------------------
+  def _write_loop(self) -> None:
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      if self._error is not None:
+        continue  # reported by check(); what comes after a failure is not written
+      try:
+        if item[0] == "prune":
+          gone = published.prune(self.directory, self._index, item[1])
+          published.write_index(self.directory, self._index)
+          published.remove(gone)
+          continue
+        step, arrays, leaves = item
+        index = self._index
+        if arrays is not None:
+          seq = int(index["next_seq"])
+          entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays)
+          index["deltas"].append(entry)
+          index["next_seq"] = seq + 1
+        if leaves is not None:
+          index["dense"].append(published.write_dense(self.directory, step, leaves))
+          gone = published.prune(self.directory, index, None)
+        else:
+          gone = []
+        published.write_index(self.directory, index)
+        published.remove(gone)
+        if arrays is not None:
+          self._parent, self._parent_step = seq, step
+          self.published += 1
+      except Exception as e:  # noqa: BLE001 - re-raised in the training loop by check()
+        logging.exception("publishing to %s failed", self.directory)
+        self._error = e
