@@ -1,0 +1,242 @@
+"""Fresh rows to serving without reloads: the trainer publishes row deltas, the server applies them.
+
+One tiny run (``configs/tiny.py``, k = 0, hot rows on) publishes after every step and checkpoints
+every 3 steps (kept: 3, 6, 9). Its checkpoint 9 is the trainer's own state after step 9 (rows and
+dense parameters), the reference: a server that starts from checkpoint 6 (9 taken away, as if it
+started before 9 was written) and applies the deltas 7..9 must score every record exactly as
+checkpoint 9 does, read exactly its rows, and name each version it scores with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from recsys_jax.async_ps.snapshot import published
+from recsys_jax.serving import scorer as scorer_lib
+from recsys_jax.serving.batcher import Batcher
+from recsys_jax.serving.fresh import FreshModelHolder
+from recsys_jax.training.publish import Publisher
+
+STEPS, EVERY = 9, 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  from configs import tiny
+  from recsys_jax import train
+
+  c = tiny.get_config()
+  c.num_steps, c.checkpoint_every, c.max_checkpoints = STEPS, EVERY, 3
+  c.eval_samples = c.eval_batch_size = 1024
+  c.publish_every_s = c.publish_dense_every_s = 1e-9  # every step
+  w = str(tmp_path_factory.mktemp("fresh") / "run")
+  train.train_and_evaluate(c, w)
+  return w
+
+
+def _late_copy(run, dst, keep_newest=False):
+  """A copy of the run as a server that started when checkpoint 6 was the newest finds it."""
+  shutil.copytree(run, dst)
+  if not keep_newest:
+    shutil.move(os.path.join(dst, "checkpoints", str(STEPS)), os.path.join(os.path.dirname(dst), "aside"))
+  return str(dst)
+
+
+def _holder(w, **kw):
+  return FreshModelHolder(
+    w, scorer_lib.load_scorer, scorer_lib.newest_step, os.path.join(w, "publish"), steps=scorer_lib.complete_steps, **kw
+  )
+
+
+def _records(sc, w, n=64, seed=0):
+  """Records whose every id is one the published deltas carry (a row trained since step 6)."""
+  rng = np.random.default_rng(seed)
+  pub = os.path.join(w, "publish")
+  ids = {}
+  for d in published.read_index(pub)["deltas"]:
+    for t, a in published.read_delta(pub, d).items():
+      ids[t] = np.union1d(ids.get(t, np.zeros(0, np.uint64)), a["ids"])
+  tables = {f.name: f.table for f in sc.features}
+  out = []
+  for _ in range(n):
+    r = {}
+    for f, k in sc.fields().items():
+      r[f] = float(rng.exponential()) if k == "float" else int(rng.choice(ids[tables[f]]))
+    out.append(r)
+  return out
+
+
+def _index(w):
+  return published.read_index(os.path.join(w, "publish"))
+
+
+def test_published_deltas_are_the_ones_past_the_covered_checkpoint(run):
+  index = _index(run)
+  steps = [d["step"] for d in index["deltas"]]
+  assert steps == [7, 8, 9]  # 6 = the older of the two newest checkpoints covers the rest: pruned
+  names = {d["name"] for d in index["deltas"]}
+  assert set(os.listdir(os.path.join(run, "publish", published.ROWS))) == names
+  assert [d["parent"] for d in index["deltas"][1:]] == [d["seq"] for d in index["deltas"][:-1]]
+  assert [e["step"] for e in index["dense"]] == [8, 9]
+
+
+def test_late_server_catches_up_to_the_trainers_rows_and_scores(run, tmp_path):
+  w = _late_copy(run, tmp_path / "w")
+  h = _holder(w)
+  sc = h.current()
+  assert (sc.row_version, sc.dense_version, sc.base.step, sc.version) == (9, 9, 6, "step-9")
+  ref, old = scorer_lib.load_scorer(run, STEPS), scorer_lib.load_scorer(run, 6)
+  recs = _records(sc, run)
+  want = ref.predict(recs)
+  np.testing.assert_array_equal(sc.predict(recs), want)  # the trainer's evaluation of them, bit for bit
+  assert (old.predict(recs) != want).all()
+  # Every row the deltas carry is the trainer's row after step 9, and many moved since step 6.
+  moved = 0
+  for t, (ids, rows) in sc.rows.overlay.items():
+    np.testing.assert_array_equal(rows, ref.rows.lookup_many({t: ids})[t], err_msg=t)
+    np.testing.assert_array_equal(sc.rows.lookup_many({t: ids})[t], rows, err_msg=t)
+    moved += int((old.rows.lookup_many({t: ids})[t] != rows).any(axis=1).sum())
+  assert moved > 100
+
+
+def test_rows_alone_move_the_scores(run, tmp_path):
+  """No dense publish: the server scores step 6's dense parameters with step 9's rows."""
+  w = _late_copy(run, tmp_path / "w")
+  index = _index(w)
+  index["dense"] = []
+  published.write_index(os.path.join(w, "publish"), index)
+  sc = _holder(w).current()
+  assert (sc.row_version, sc.dense_version, sc.version) == (9, 6, "rows-9.dense-6")
+  ref, old = scorer_lib.load_scorer(run, STEPS), scorer_lib.load_scorer(run, 6)
+  recs = _records(sc, run)
+  want = old.derive("rows of 9", rows=ref.rows).predict(recs)
+  np.testing.assert_array_equal(sc.predict(recs), want)
+  assert (old.predict(recs) != want).sum() > len(recs) // 2
+
+
+def _truncate_weights(delta_dir):
+  for top, _, files in os.walk(delta_dir):
+    if os.sep + "weights" + os.sep in top + os.sep and "c" in top.split(os.sep):
+      for f in files:
+        p = os.path.join(top, f)
+        with open(p, "r+b") as fh:
+          fh.truncate(os.path.getsize(p) // 2)
+        return p
+  raise AssertionError(f"no weights chunk under {delta_dir}")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "manifest"])
+def test_damaged_delta_is_named_and_the_server_catches_up_from_the_chain(run, tmp_path, damage, caplog):
+  w = _late_copy(run, tmp_path / "w")
+  d8 = next(d for d in _index(w)["deltas"] if d["step"] == 8)
+  path = os.path.join(w, "publish", published.ROWS, d8["name"])
+  if damage == "truncated":
+    _truncate_weights(path)
+  elif damage == "deleted":
+    shutil.rmtree(path)
+  else:
+    with open(os.path.join(path, "manifest.json"), "r+b") as fh:
+      fh.truncate(100)
+  h = _holder(w)
+  sc = h.current()
+  # It applies delta 7 and stops before the damaged one: never rows of 8 or 9 with 8's missing.
+  assert sc.row_version == 7, sc.version
+  assert any(d8["name"] in why for why in h.bad.values()), h.bad
+  assert any(d8["name"] in r.getMessage() for r in caplog.records), "the damaged delta is not named in the log"
+  assert not h.check() and h.current() is sc  # no checkpoint past it yet: it keeps what it has
+  shutil.move(os.path.join(tmp_path, "aside"), os.path.join(w, "checkpoints", str(STEPS)))
+  assert h.check()
+  sc = h.current()
+  assert (sc.row_version, sc.base.step, h.catch_ups) == (9, 9, 1)
+  recs = _records(sc, run)
+  np.testing.assert_array_equal(sc.predict(recs), scorer_lib.load_scorer(run, STEPS).predict(recs))
+
+
+def test_a_delta_applied_mid_stream_never_mixes_versions(run, tmp_path):
+  """Requests scored while deltas are applied: each answer is the reference of the versions it names."""
+  w = _late_copy(run, tmp_path / "w")
+  pub = os.path.join(w, "publish")
+  os.rename(pub, pub + ".later")  # the server starts before anything is published
+  a, b = _holder(w), _holder(w)
+  os.rename(pub + ".later", pub)
+  recs = _records(a.current(), run, n=8)
+  ref = {(6, 6): a.current().predict(recs)}
+  while a.check(limit=1):  # one delta at a time (the dense parameters of 9 come with the first)
+    sc = a.current()
+    ref[(sc.row_version, sc.dense_version)] = sc.predict(recs)
+  assert sorted(ref) == [(6, 6), (7, 9), (8, 9), (9, 9)]
+  for x in ref:  # each version scores the records its own way: an answer mixing two would show
+    assert all((ref[x] != ref[y]).any() for y in ref if y != x), x
+  batcher = Batcher(b.current, max_batch=64, max_wait_s=0.0005)
+  batcher.predict(recs)  # compiled before the clients start
+  got, stop = [[], []], threading.Event()
+
+  def client(mine):
+    while not stop.is_set():
+      p = batcher.predict(recs, timeout=30)
+      mine.append((p.row_version, p.dense_version, p.version, np.asarray(p.scores, np.float32)))
+
+  threads = [threading.Thread(target=client, args=(g,)) for g in got]
+  for t in threads:
+    t.start()
+  def answered(version):  # every client has had an answer of this version
+    end = time.monotonic() + 30
+    while not all(m and m[-1][:2] == version for m in got):
+      assert time.monotonic() < end, "no answer of the new version"
+      time.sleep(0.01)
+
+  try:
+    answered((6, 6))
+    while b.check(limit=1):
+      answered((b.current().row_version, b.current().dense_version))
+  finally:
+    stop.set()
+    for t in threads:
+      t.join()
+    batcher.close()
+  for mine in got:
+    seen = [(r, d) for r, d, _, _ in mine]
+    assert sorted(set(seen)) == sorted(ref), set(seen)
+    assert all(x <= y for x, y in zip(seen, seen[1:])), f"versions went back: {seen}"
+    for r, d, version, scores in mine:
+      np.testing.assert_array_equal(scores, ref[(r, d)], err_msg=f"{version}: scores of another version")
+
+
+class _Cfg(dict):
+  def get(self, k, default=None):
+    return dict.get(self, k, default)
+
+
+def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
+  """The steps after the checkpoint it resumes from are trained again: their old deltas go, seq goes on."""
+  d = str(tmp_path / "publish")
+  os.makedirs(d)
+  index = published.empty_index()
+  for seq, step in enumerate(range(4, 10)):
+    e = published.write_delta(
+      d,
+      seq,
+      step,
+      seq - 1 if seq else None,
+      step - 1,
+      {"t": {"ids": np.array([step], np.uint64), "weights": np.ones((1, 2), np.float32)}},
+    )
+    index["deltas"].append(e)
+  index["next_seq"] = 6
+  published.write_index(d, index)
+  p = Publisher(_Cfg(publish_every_s=1.0, publish_dir=d), str(tmp_path), ps=None, start=6)
+  p.close()
+  after = published.read_index(d)
+  assert [e["step"] for e in after["deltas"]] == [4, 5, 6] and after["next_seq"] == 6
+  assert sorted(os.listdir(os.path.join(d, published.ROWS))) == sorted(e["name"] for e in after["deltas"])
+  got = published.read_delta(d, after["deltas"][-1])
+  assert got["t"]["ids"].tolist() == [6]
+  with open(os.path.join(d, published.INDEX)) as f:
+    assert json.load(f) == after
