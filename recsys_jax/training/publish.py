@@ -90,6 +90,7 @@ class Publisher:
     now = clock()
     self._next, self._next_dense = now + self.every_s, now
     self._last_step = self._last_dense = None
+    self._first_update: Optional[float] = None
     self._queue: "queue.Queue" = queue.Queue(maxsize=2)
     self._thread = threading.Thread(target=self._write_loop, name="publisher", daemon=True)
     self._thread.start()
@@ -101,6 +102,8 @@ class Publisher:
     that the deltas reach past each checkpoint at once)."""
     if not self.enabled:
       return False
+    if self._first_update is None:
+      self._first_update = time.time()  # the oldest change the next delta carries (its push follows)
     for g in groups.values():
       for name, ids, _ in g.tables:
         if ids.shape[0]:
@@ -151,14 +154,16 @@ class Publisher:
     # A cut published again (for its dense parameters) has no row to add: no delta.
     arrays = None if step == self._last_step else {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
     self._last_step = step
-    self._queue.put((int(step), arrays, leaves))
+    times = {"first_update": self._first_update or time.time(), "cut": time.time()}
+    self._first_update = None
+    self._queue.put((int(step), arrays, leaves, times))
     self.seconds += time.perf_counter() - t0
 
   def checkpointed(self, covered_step: Optional[int]) -> None:
     """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the
     two newest checkpoints: a server that polls keeps its line, one far behind starts again)."""
     if self.enabled and covered_step is not None:
-      self._queue.put(("prune", int(covered_step), None))
+      self._queue.put(("prune", int(covered_step), None, None))
 
   def check(self) -> None:
     """Re-raises the writing thread's failure (a full disk), naming the publish directory."""
@@ -189,11 +194,11 @@ class Publisher:
           published.write_index(self.directory, self._index)
           published.remove(gone)
           continue
-        step, arrays, leaves = item
+        step, arrays, leaves, times = item
         index = self._index
         if arrays is not None:
           seq = int(index["next_seq"])
-          entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays)
+          entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays, times)
           index["deltas"].append(entry)
           index["next_seq"] = seq + 1
         if leaves is not None:

@@ -105,8 +105,12 @@ def write_delta(
   parent: Optional[int],
   parent_step: int,
   rows: Mapping[str, Mapping[str, np.ndarray]],
+  times: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, Any]:
-  """Writes delta ``seq`` (``rows``: {table: {"ids", "weights"}}) atomically; returns its index entry."""
+  """Writes delta ``seq`` (``rows``: {table: {"ids", "weights"}}) atomically; returns its index entry.
+
+  ``times``: wall-clock seconds kept in the entry (``first_update``: the step of the oldest change
+  it carries; ``cut``: when its rows were read), for measuring freshness."""
   name = delta_name(seq, step)
   path = os.path.join(publish_dir, ROWS, name)
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -124,6 +128,7 @@ def write_delta(
     "bytes": len(m),
     "crc32": crc32(m),
     "rows": n,
+    **{k: float(v) for k, v in (times or {}).items()},
   }
 
 
