@@ -3,10 +3,12 @@
 Every ``config.publish_every_s`` seconds the training loop hands the publisher one cut, taken as a
 checkpoint takes its own (:meth:`recsys_jax.training.run_checkpoints.RunCheckpoints.save`): the
 lookups of later steps are held (``StalenessGate.hold``), the pushes of every step up to the cut
-are applied (``Pusher.flush``) and the hot rows are written back into the PS. The rows of every id
-touched since the previous publish (the ids each step pushed, and every id that was hot on the
-device meanwhile) are then read from the PS without changing it (``lookup_many(create=False)``:
-an id whose row was dropped reads what the trainer's evaluation reads for it) and the lookups go
+are applied (``Pusher.flush``). The rows of every id touched since the previous publish (the ids
+each step pushed, and every id that was hot on the device meanwhile) are then read: the cold ones
+from the PS without changing it (``lookup_many(create=False)``: an id whose row was dropped reads
+what the trainer's evaluation reads for it), the hot ones from the device tables, rounded to their
+table's storage dtype as a write-back into the PS would round them (the PS is not written: a
+write-back imports every hot row with its slots, most of a publish's cost). Then the lookups go
 on; the rows are written to disk by a background thread. Every ``config.publish_dense_every_s``
 seconds the cut also carries the dense parameters. The files and their index are
 :mod:`recsys_jax.async_ps.snapshot.published`.
@@ -28,12 +30,14 @@ import time
 from typing import Any, Dict, List, Optional
 
 import jax
+import ml_dtypes
 import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps.snapshot import published
 
 PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def publish_dir(config, workdir: str) -> str:
@@ -64,6 +68,7 @@ class Publisher:
     self.directory = publish_dir(config, workdir)
     self.published = 0  # deltas published by this process
     self.seconds = 0.0  # the training loop's time spent in cuts
+    self.times: Dict[str, float] = {"flush": 0.0, "hot": 0.0, "read": 0.0, "dense": 0.0}
     self._touched: Dict[str, List[np.ndarray]] = {}
     self._hot_seen: Dict[str, Any] = {}
     self._error: Optional[BaseException] = None
@@ -138,26 +143,60 @@ class Publisher:
       return  # this cut is published already (the last step's, by time and again at the end)
     t0 = time.perf_counter()
     pusher.flush(step - 1)
-    if self.hot is not None and self.hot.enabled:
-      self.hot.write_back(hot_state, self.ps)  # the device's values of the hot rows into the PS
-      for t, ids in self._hot_seen.items():
-        self._touched.setdefault(t, []).append(ids)  # hot now: touched until the next choice
+    t1 = time.perf_counter()
+    hot = self._hot_rows(hot_state)
+    t2 = time.perf_counter()
     wanted = {t: np.unique(np.concatenate(v)) for t, v in self._touched.items()}
-    self._touched = {}
+    # The rows hot now count as touched for the next publish too: one demoted meanwhile goes back
+    # into the PS with what it learnt on the device, and is read from there.
+    self._touched = {t: [ids] for t, (ids, _) in hot.items()}
+    for t, (ids, _) in hot.items():  # a hot row's value is the device's; the PS holds an older one
+      if t in wanted:
+        wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
     wanted = {t: ids for t, ids in wanted.items() if ids.shape[0]}
     rows = self.ps.lookup_many(wanted, create=False) if wanted else {}
+    arrays = {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
+    for t, (ids, w) in hot.items():
+      if t in arrays:
+        ids, w = np.concatenate([arrays[t]["ids"], ids]), np.concatenate([arrays[t]["weights"], w])
+      arrays[t] = {"ids": ids, "weights": w}
+    t3 = time.perf_counter()
     leaves = None
     if dense and self._last_dense != step:
       leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
       self._next_dense, self._last_dense = now + self.dense_every_s, step
+    self.times["flush"] += t1 - t0
+    self.times["hot"] += t2 - t1
+    self.times["read"] += t3 - t2
+    self.times["dense"] += time.perf_counter() - t3
     self._next = now + self.every_s
-    # A cut published again (for its dense parameters) has no row to add: no delta.
-    arrays = None if step == self._last_step else {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
+    if step == self._last_step:
+      arrays = None  # a cut published again (for its dense parameters) has no row to add: no delta
     self._last_step = step
     times = {"first_update": self._first_update or time.time(), "cut": time.time()}
     self._first_update = None
     self._queue.put((int(step), arrays, leaves, times))
     self.seconds += time.perf_counter() - t0
+
+  def _hot_rows(self, hot_state) -> Dict[str, tuple]:
+    """Table -> (ids, rows) of every row hot now, from the device tables (not written back into the
+    PS: that costs an import of every row and its slots; rounded to the table's storage dtype as
+    the write-back would round them, so they are the rows the trainer's evaluation reads)."""
+    out: Dict[str, tuple] = {}
+    if self.hot is None or not self.hot.enabled:
+      return out
+    for dim, tables in self.hot.groups.items():
+      w = None
+      for t in tables:
+        ids, slots = self.hot.set.hot(t)
+        if not ids.shape[0]:
+          continue
+        if w is None:
+          w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
+        rows = w[slots]
+        dtype = _DTYPES[self.ps.specs[t].storage_dtype]
+        out[t] = (ids, rows if dtype is np.float32 else rows.astype(dtype).astype(np.float32))
+    return out
 
   def checkpointed(self, covered_step: Optional[int]) -> None:
     """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the

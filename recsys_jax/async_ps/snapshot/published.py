@@ -2,16 +2,16 @@
 
 A publish directory (``<workdir>/publish`` unless ``config.publish_dir`` says otherwise) holds::
 
-  rows/<seq>-<step>/     a row delta: per table the ids touched since the previous delta and
-                         their rows after step ``step`` (a snapshot directory as
-                         ``snapshot.directory.write`` writes it: zarr3 ``ids`` and ``weights``,
-                         a manifest.json with every array's shape and CRC32)
+  rows/<seq>-<step>.npz  a row delta: per table the ids touched since the previous delta
+                         (``ids/<table>``) and their rows after step ``step`` (``weights/<table>``)
   dense/<step>.npz       the dense parameters after step ``step`` (``p00000``, ... in tree order)
   PUBLISHED.json         the index, replaced whole (written to a temporary name, then renamed)
 
-Each index entry names its file and records its size and CRC32 (for a delta: those of its
-manifest.json, whose own entries check every array), so a reader finds a delta or dense file that
-was deleted or truncated and names it instead of reading rows that are not there.
+Each index entry names its file and records its size and CRC32, so a reader finds a delta or
+dense file that was deleted, truncated or damaged and names it instead of reading rows that are
+not there. One file a delta (not a snapshot directory of zarr arrays): a delta is small and
+written every second or so, and one write of one file cost a few ms where a snapshot directory of
+26 tables cost tens.
 
 A delta carries every row changed in the steps (``parent_step``, ``step``]: ``parent`` is the
 ``seq`` of the delta before it, or None for the first delta of a trainer process (which then
@@ -35,8 +35,6 @@ import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
-
-from recsys_jax.async_ps.snapshot import directory as snapshot
 
 INDEX = "PUBLISHED.json"
 FORMAT = "recsys_jax.publish/1"
@@ -95,7 +93,36 @@ def write_index(publish_dir: str, index: Mapping[str, Any]) -> None:
 
 
 def delta_name(seq: int, step: int) -> str:
-  return f"{seq:010d}-{step:010d}"
+  return f"{seq:010d}-{step:010d}.npz"
+
+
+def _npz(arrays: Mapping[str, np.ndarray]) -> bytes:
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  return buf.getvalue()
+
+
+def _write_file(path: str, data: bytes) -> None:
+  """``data`` into ``path`` whole or not at all (a temporary name, renamed)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(f"{path}.tmp", "wb") as f:
+    f.write(data)
+  os.replace(f"{path}.tmp", path)
+
+
+def _read_file(path: str, entry: Mapping[str, Any], what: str) -> bytes:
+  """The bytes of ``path``, checked against ``entry``'s size and CRC32 (``PublishError`` naming it)."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise PublishError(f"{what} {path} is missing ({e.strerror})") from None
+  if len(data) != entry.get("bytes") or crc32(data) != entry.get("crc32"):
+    raise PublishError(
+      f"{what} {path} is damaged: {len(data)} bytes, CRC32 {crc32(data)}; the index says {entry.get('bytes')} "
+      f"bytes, CRC32 {entry.get('crc32')}"
+    )
+  return data
 
 
 def write_delta(
@@ -112,54 +139,43 @@ def write_delta(
   ``times``: wall-clock seconds kept in the entry (``first_update``: the step of the oldest change
   it carries; ``cut``: when its rows were read), for measuring freshness."""
   name = delta_name(seq, step)
-  path = os.path.join(publish_dir, ROWS, name)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  shutil.rmtree(path, ignore_errors=True)  # an orphan of a process that died before its index entry
-  snapshot.write(rows, path, meta={"seq": int(seq), "step": int(step)})
-  with open(os.path.join(path, snapshot.MANIFEST), "rb") as f:
-    m = f.read()
-  n = sum(int(np.shape(a["ids"])[0]) for a in rows.values())
+  arrays = {}
+  for t, a in rows.items():
+    arrays[f"ids/{t}"] = np.asarray(a["ids"], np.uint64)
+    arrays[f"weights/{t}"] = np.asarray(a["weights"], np.float32)
+  data = _npz(arrays)
+  _write_file(os.path.join(publish_dir, ROWS, name), data)
   return {
     "seq": int(seq),
     "step": int(step),
     "parent": None if parent is None else int(parent),
     "parent_step": int(parent_step),
     "name": name,
-    "bytes": len(m),
-    "crc32": crc32(m),
-    "rows": n,
+    "bytes": len(data),
+    "crc32": crc32(data),
+    "rows": sum(int(np.shape(a["ids"])[0]) for a in rows.values()),
     **{k: float(v) for k, v in (times or {}).items()},
   }
 
 
 def read_delta(publish_dir: str, entry: Mapping[str, Any]) -> Dict[str, Dict[str, np.ndarray]]:
-  """Delta ``entry``'s rows, {table: {"ids", "weights"}}, every array checked.
+  """Delta ``entry``'s rows, {table: {"ids", "weights"}}, checked against the index's size and CRC32.
 
   Raises:
     PublishError: naming the delta, if it is missing, truncated or damaged.
   """
+  what = f"row delta (seq {entry['seq']}, step {entry['step']})"
   path = os.path.join(publish_dir, ROWS, str(entry["name"]))
-  mpath = os.path.join(path, snapshot.MANIFEST)
-  try:
-    with open(mpath, "rb") as f:
-      m = f.read()
-  except OSError as e:
-    raise PublishError(
-      f"row delta {path} (seq {entry['seq']}, step {entry['step']}) is missing ({e.strerror})"
-    ) from None
-  if len(m) != entry["bytes"] or crc32(m) != entry["crc32"]:
-    raise PublishError(
-      f"row delta {path} (seq {entry['seq']}, step {entry['step']}) is damaged: its manifest has {len(m)} bytes, "
-      f"CRC32 {crc32(m)}; the index says {entry['bytes']} bytes, CRC32 {entry['crc32']}"
-    )
-  try:
-    got = snapshot.read(path)
-  except (ValueError, OSError) as e:
-    raise PublishError(f"row delta {path} (seq {entry['seq']}, step {entry['step']}) is damaged: {e}") from None
-  n = sum(int(a["ids"].shape[0]) for a in got.values())
-  if n != entry["rows"]:
-    raise PublishError(f"row delta {path}: {n} rows, the index says {entry['rows']}")
-  return got
+  data = _read_file(path, entry, what)
+  out: Dict[str, Dict[str, np.ndarray]] = {}
+  with np.load(io.BytesIO(data)) as z:
+    for key in z.files:
+      kind, _, table = key.partition("/")
+      out.setdefault(table, {})[kind] = z[key]
+  n = sum(int(a["ids"].shape[0]) for a in out.values())
+  if n != entry["rows"] or any(a["ids"].shape[0] != a["weights"].shape[0] for a in out.values()):
+    raise PublishError(f"{what} {path}: {n} rows or arrays of unequal length; the index says {entry['rows']} rows")
+  return out
 
 
 def dense_name(step: int) -> str:
@@ -168,31 +184,16 @@ def dense_name(step: int) -> str:
 
 def write_dense(publish_dir: str, step: int, leaves: Sequence[np.ndarray]) -> Dict[str, Any]:
   """Writes the dense parameters after ``step`` (flat leaves, tree order) atomically; returns its entry."""
-  buf = io.BytesIO()
-  np.savez(buf, **{f"p{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
-  data = buf.getvalue()
+  data = _npz({f"p{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
   name = dense_name(step)
-  path = os.path.join(publish_dir, DENSE, name)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(f"{path}.tmp", "wb") as f:
-    f.write(data)
-  os.replace(f"{path}.tmp", path)
+  _write_file(os.path.join(publish_dir, DENSE, name), data)
   return {"step": int(step), "name": name, "bytes": len(data), "crc32": crc32(data), "count": len(leaves)}
 
 
 def read_dense(publish_dir: str, entry: Mapping[str, Any]) -> List[np.ndarray]:
   """The leaves of dense entry ``entry``, checked against its size and CRC32 (``PublishError``)."""
   path = os.path.join(publish_dir, DENSE, str(entry["name"]))
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise PublishError(f"dense parameters {path} (step {entry['step']}) are missing ({e.strerror})") from None
-  if len(data) != entry.get("bytes") or crc32(data) != entry.get("crc32"):
-    raise PublishError(
-      f"dense parameters {path} (step {entry['step']}) are damaged: {len(data)} bytes, CRC32 {crc32(data)}; "
-      f"the index says {entry.get('bytes')} bytes, CRC32 {entry.get('crc32')}"
-    )
+  data = _read_file(path, entry, f"dense parameters (step {entry['step']})")
   with np.load(io.BytesIO(data)) as z:
     return [z[f"p{i:05d}"] for i in range(int(entry["count"]))]
 
