@@ -12,7 +12,8 @@ the config), while this process serves the copy the way ``python -m recsys_jax.s
 client threads each send ``--rate`` requests a second of ``--records`` records (paced; the latency
 of each is its wait and scoring).
 
-Freshness (publishing on): for each delta the trainer published, the time from the oldest update
+Freshness (publishing on): for each delta the trainer published during the run (the one after its
+last step, published once its final checkpoint is saved, is shown apart as ``final_delta_s``), the time from the oldest update
 it carries (``first_update`` in its index entry: the wall clock when the first step after the
 previous publish handed its ids to the pusher; the push is applied after it, so this overstates
 by the push time) to the first answer of any client naming a row version at or past the delta's
@@ -21,7 +22,7 @@ over the deltas; ``cut_to_answer``: the same from the time the delta's rows were
 
 Serving: the clients' p50/p99 latency with deltas applied (publishing on) and without (off).
 Training: the trainer's own samples/s (its summary.json, compiles left out) on vs off, and their
-ratio. Both runs have the same server and clients beside them, so the ratio is the cost of
+ratio; with ``--repeats`` the modes alternate and each figure is the median over the repeats. Both runs have the same server and clients beside them, so the ratio is the cost of
 publishing, not of serving; on a machine with 2 cores the trainer, server and clients share them.
 
 A table on stderr and one JSON line on stdout (also written to ``--json_out``).
@@ -60,6 +61,7 @@ _RATE = flags.DEFINE_float("rate", 50.0, "Requests a second per client.")
 _RECORDS = flags.DEFINE_integer("records", 1, "Records per request.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch directory (default: a temporary one, removed).")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each mode, alternating off and on; the figures are medians.")
 _ORDER = ("off", "on")
 
 
@@ -162,6 +164,8 @@ def _measure(base: str, workdir: str, publish: bool) -> Dict[str, Any]:
     seen = sorted((t, v) for a in answers for t, _, v in a if v is not None)
     times, versions = np.array([t for t, _ in seen]), np.array([v for _, v in seen])
     lags, cut_lags = [], []
+    last = max(d["step"] for d in index["deltas"])
+    final = []
     for d in index["deltas"]:
       at = np.flatnonzero(versions >= d["step"])
       if not at.shape[0]:
@@ -169,6 +173,9 @@ def _measure(base: str, workdir: str, publish: bool) -> Dict[str, Any]:
           f"no answer scored with the rows of step {d['step']} (delta {d['name']}); the server fell behind"
         )
       first = times[at[0]]
+      if d["step"] == last:  # published after the run's last step, its final checkpoint saved first
+        final.append(first - d["first_update"])
+        continue
       lags.append(first - d["first_update"])
       cut_lags.append(first - d["cut"])
     lags, cut_lags = np.array(lags), np.array(cut_lags)
@@ -179,10 +186,23 @@ def _measure(base: str, workdir: str, publish: bool) -> Dict[str, Any]:
       freshness_p95_s=float(np.percentile(lags, 95)),
       freshness_max_s=float(lags.max()),
       cut_to_answer_p50_s=float(np.percentile(cut_lags, 50)),
+      lags_s=[round(float(x), 3) for x in lags],
+      final_delta_s=float(max(final)),
       deltas_applied=holder.deltas_applied,
       catch_ups=holder.catch_ups,
       bad=dict(holder.bad),
     )
+  return out
+
+
+def _median(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+  """The median of each figure over the repeats (the last run's lists and counters), and every run's samples/s."""
+  out = dict(runs[-1])
+  for k, v in runs[-1].items():
+    if isinstance(v, float):
+      out[k] = float(np.median([r[k] for r in runs]))
+  out["failed"] = sum(r["failed"] for r in runs)
+  out["samples_per_sec_each"] = [r["samples_per_sec"] for r in runs]
   return out
 
 
@@ -194,14 +214,17 @@ def main(argv) -> None:
     shutil.rmtree(base, ignore_errors=True)
     cmd = _trainer(base, _BASE.value, False)
     subprocess.run(cmd, check=True, capture_output=True)
-    runs = {}
-    for mode in _ORDER:
-      w = os.path.join(scratch, mode)
-      shutil.rmtree(w, ignore_errors=True)
-      runs[mode] = _measure(base, w, mode == "on")
+    every: Dict[str, List[Dict[str, Any]]] = {m: [] for m in _ORDER}
+    for r in range(_REPEATS.value):
+      for mode in _ORDER:
+        w = os.path.join(scratch, f"{mode}{r}")
+        shutil.rmtree(w, ignore_errors=True)
+        every[mode].append(_measure(base, w, mode == "on"))
+        shutil.rmtree(w, ignore_errors=True)
   finally:
     if _WORKDIR.value is None:
       shutil.rmtree(scratch, ignore_errors=True)
+  runs = {m: _median(v) for m, v in every.items()}
   on, off = runs["on"], runs["off"]
   result = {
     "config": _CONFIG.value,
@@ -221,6 +244,7 @@ def main(argv) -> None:
     "samples_per_sec_on": on["samples_per_sec"],
     "samples_per_sec_off": off["samples_per_sec"],
     "train_ratio": on["samples_per_sec"] / off["samples_per_sec"],
+    "repeats": _REPEATS.value,
     "failed": on["failed"] + off["failed"],
     "runs": runs,
   }
