@@ -58,19 +58,23 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows) -> None:
+def _last_cut(config, ckpts: RunCheckpoints, state, ps, pusher: Pusher, hot_rows, publisher: Publisher) -> None:
   """After the last step: its checkpoint, or with ``config.final_checkpoint`` False none, but every
-  push applied and the hot rows back in the PS, which the final evaluation reads."""
+  push applied and the hot rows back in the PS, which the final evaluation reads; the last rows and
+  dense parameters published for serving."""
   if config.get("final_checkpoint", True):
     ckpts.save(config.num_steps, state, ps, pusher, hot_rows)
   else:
     pusher.flush(config.num_steps - 1)
     hot_rows[0].write_back(hot_rows[1], ps)
+  publisher.publish(config.num_steps, state, hot_rows[1], pusher, dense=True)
+  publisher.close()
 
 
 def _resume(config, workdir: str, job: Job):
   """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
-  tables)``, from the newest intact checkpoint (a config its checkpoints do not fit is named) or fresh."""
+  tables, publisher)``, from the newest intact checkpoint (a config its checkpoints do not fit is
+  named) or fresh; the publisher of rows for serving (``config.publish_every_s``) starts there."""
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
@@ -80,7 +84,9 @@ def _resume(config, workdir: str, job: Job):
       "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
     )
   hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
-  return ckpts, state, start, position, hot_state
+  publisher = Publisher(config, workdir, job.ps, job.hot, start)
+  ckpts.after_save = publisher.checkpointed  # deltas two checkpoints cover are pruned
+  return ckpts, state, start, position, hot_state, publisher
 
 
 def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, batch):
@@ -110,13 +116,12 @@ def train_and_evaluate(
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, n = job.host, job.ps, config.num_steps
-  ckpts, state, start, position, hot_state = _resume(config, workdir, job)
+  ckpts, state, start, position, hot_state, publisher = _resume(config, workdir, job)
   hot = job.hot
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, payload: progress.stats.record(t, host.push_step(t, payload)), gate)
-  publisher = Publisher(config, workdir, ps, hot, start)  # rows for serving between checkpoints (publish_every_s)
   try:
     for t in range(start, n):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -129,12 +134,11 @@ def train_and_evaluate(
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
-      publish = publisher.step(p.groups, save)  # records the ids pushed; whether this cut is published
-      if save or publish:
+      if save:
         gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
+      publisher.step(p.groups, done, gate, save)  # records the ids pushed; holds the lookups if it publishes
       pusher.push(t, (p.groups, g_rows, m))
-      if publish:
-        publisher.publish(done, state, hot_state, pusher, None if save else gate)  # releases the gate
+      publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
@@ -149,12 +153,8 @@ def train_and_evaluate(
           ckpts.save(done, state, ps, pusher, (hot, hot_state))
         finally:
           gate.release()
-        publisher.checkpointed(ckpts.covered())
     if n > start:
-      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state))
-      publisher.publish(n, state, hot_state, pusher, dense=True)
-      publisher.checkpointed(ckpts.covered())
-    publisher.close()
+      _last_cut(config, ckpts, state, ps, pusher, (hot, hot_state), publisher)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:

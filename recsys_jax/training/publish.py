@@ -69,6 +69,7 @@ class Publisher:
     self.published = 0  # deltas published by this process
     self.seconds = 0.0  # the training loop's time spent in cuts
     self.times: Dict[str, float] = {"flush": 0.0, "hot": 0.0, "read": 0.0, "dense": 0.0}
+    self._due: Optional[tuple] = None  # (step, the gate to release or None) of the cut ``cut`` publishes
     self._touched: Dict[str, List[np.ndarray]] = {}
     self._hot_seen: Dict[str, Any] = {}
     self._error: Optional[BaseException] = None
@@ -101,10 +102,15 @@ class Publisher:
     self._thread.start()
 
   # -- the training loop's side ---------------------------------------------------------
-  def step(self, groups, save: bool = False) -> bool:
-    """Records the ids a step pushes (its deduplicated groups) and the hot set in use; returns
-    whether the step's cut is published (its time has come, or ``save``: a checkpoint's cut, so
-    that the deltas reach past each checkpoint at once)."""
+  def step(self, groups, step: int, gate, save: bool = False) -> bool:
+    """Records the ids a step pushes (its deduplicated groups) and the hot set in use, before its
+    push; if the cut after it (``step`` steps done) is to be published (its time has come, or
+    ``save``: a checkpoint's cut, so that the deltas reach past each checkpoint at once), holds the
+    lookups of ``step`` on (``gate.hold``; a checkpoint holds them itself) until ``cut``.
+
+    Returns:
+      Whether ``cut`` publishes this step's cut."""
+    self._due = None
     if not self.enabled:
       return False
     if self._first_update is None:
@@ -120,7 +126,19 @@ class Publisher:
           if self._hot_seen.get(t) is not ids:  # a new choice: its ids are touched from now on
             self._hot_seen[t] = ids
             self._touched.setdefault(t, []).append(ids)
-    return save or self._clock() >= self._next
+    if not (save or self._clock() >= self._next):
+      return False
+    if not save:
+      gate.hold(step)
+    self._due = (step, None if save else gate)
+    return True
+
+  def cut(self, step: int, state, hot_state, pusher) -> None:
+    """Publishes the cut after ``step`` steps if ``step`` said so (after the step's push), then
+    releases the lookups it held."""
+    if self._due is not None and self._due[0] == step:
+      gate, self._due = self._due[1], None
+      self.publish(step, state, hot_state, pusher, gate)
 
   def publish(self, step: int, state, hot_state, pusher, gate=None, dense: Optional[bool] = None) -> None:
     """Publishes the cut after ``step`` steps: lookups of step ``step`` on must be held until the
