@@ -117,6 +117,9 @@ class FreshModelHolder(ModelHolder):
     publish_dir: the trainer's publish directory (``training.publish.publish_dir``).
     reload_every_s: how often to look for a checkpoint newer than the rows served (the trainer
       publishes nothing, or a delta is damaged and a newer checkpoint is the way past it).
+    max_overlay_rows: the delta rows held in RAM over the base at most: past it, the version is
+      rebuilt from the newest checkpoint (its rows read on demand, behind the bounded cache) and the
+      deltas after it, once one newer than the base exists (RAM stays bounded however long it serves).
     clock: monotonic seconds (tests pass their own).
   """
 
@@ -130,10 +133,12 @@ class FreshModelHolder(ModelHolder):
     steps=None,
     signature=None,
     reload_every_s: float = 5.0,
+    max_overlay_rows: int = 1 << 20,
     clock=time.monotonic,
   ):
     super().__init__(workdir, load, newest, None, warm, steps, signature)
     self.publish_dir, self.reload_every_s, self._clock = publish_dir, float(reload_every_s), clock
+    self.max_overlay_rows = int(max_overlay_rows)
     self.bad: Dict[str, str] = {}  # what could not be applied (a delta, a dense file, the index) -> why
     self.deltas_applied = self.dense_applied = self.catch_ups = 0
     base = self._scorer
@@ -286,6 +291,8 @@ class FreshModelHolder(ModelHolder):
           behind = (
             f"checkpoint {newer[0]} is newer than the rows served (step {new.row_version}) and no delta reaches it"
           )
+        elif new.rows.num_overlay_rows() > self.max_overlay_rows and self._candidates(self._tried):
+          behind = f"{new.rows.num_overlay_rows()} delta rows over checkpoint {new.base.step}: rebuilt on a newer one"
       if behind is not None:
         cand = self._catch_up(index, behind)
         if cand is not None and cand.row_version >= new.row_version:

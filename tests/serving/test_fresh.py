@@ -152,6 +152,20 @@ def test_damaged_delta_is_named_and_the_server_catches_up_from_the_chain(run, tm
   np.testing.assert_array_equal(sc.predict(recs), scorer_lib.load_scorer(run, STEPS).predict(recs))
 
 
+def test_delta_rows_in_ram_are_bounded_by_a_rebuild_on_a_newer_checkpoint(run, tmp_path):
+  w = _late_copy(run, tmp_path / "w")
+  h = _holder(w, max_overlay_rows=100, reload_every_s=0)
+  sc = h.current()
+  assert (sc.row_version, sc.base.step) == (9, 6) and sc.rows.num_overlay_rows() > 100
+  assert not h.check()  # no checkpoint newer than its base: it keeps the rows it has
+  shutil.move(os.path.join(tmp_path, "aside"), os.path.join(w, "checkpoints", str(STEPS)))
+  assert h.check()
+  sc = h.current()
+  assert (sc.row_version, sc.base.step, sc.rows.num_overlay_rows(), sc.version) == (9, 9, 0, "step-9")
+  recs = _records(sc, run)
+  np.testing.assert_array_equal(sc.predict(recs), scorer_lib.load_scorer(run, STEPS).predict(recs))
+
+
 def test_a_delta_applied_mid_stream_never_mixes_versions(run, tmp_path):
   """Requests scored while deltas are applied: each answer is the reference of the versions it names."""
   w = _late_copy(run, tmp_path / "w")
