@@ -211,8 +211,9 @@ class FreshModelHolder(ModelHolder):
         stop = (
           f"row delta seq {d['seq']} (step {d['step']}) of {self.publish_dir} follows seq {d['parent']} "
           f"(step {d['parent_step']}), but the rows served are at step {r} (seq {last}): the deltas between are "
-          "gone (pruned, or the trainer restarted)"
+          "gone (pruned, or the trainer restarted); catching up from the newest checkpoint"
         )
+        self._say("line", stop)
         break
       key = f"delta {d['seq']}"
       if key in self.bad:
@@ -310,6 +311,8 @@ class FreshModelHolder(ModelHolder):
             cand.row_version,
             new.row_version,
           )
+      if stop is None:
+        self.bad.pop("line", None)  # the line goes on (a checkpoint past the gap took it up)
       new = self._apply_dense(new, index)
       if new is old:
         return False

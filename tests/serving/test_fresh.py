@@ -248,3 +248,50 @@ def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
   assert got["t"]["ids"].tolist() == [6]
   with open(os.path.join(d, published.INDEX)) as f:
     assert json.load(f) == after
+
+
+def test_http_and_grpc_answers_name_the_dense_and_row_versions(run, tmp_path):
+  from recsys_jax.serving.client import GrpcClient, HttpClient
+  from recsys_jax.serving.server import Serving
+
+  w = _late_copy(run, tmp_path / "w")
+  s = Serving(
+    w,
+    scorer_lib.load_scorer,
+    scorer_lib.newest_step,
+    steps=scorer_lib.complete_steps,
+    publish_dir=os.path.join(w, "publish"),
+    deltas_every_s=0.05,
+  )
+  try:
+    recs = _records(s.holder.current(), run, n=5)
+    want = scorer_lib.load_scorer(run, STEPS).predict(recs)
+    for c in (HttpClient("127.0.0.1", s.http_port), GrpcClient(f"127.0.0.1:{s.grpc_port}")):
+      a = c.predict(recs)
+      assert (a["version"], a["dense_version"], a["row_version"]) == ("step-9", 9, 9), a
+      np.testing.assert_allclose(a["scores"], want, rtol=1e-6)
+      assert c.model()["fresh"]["base_step"] == 6 and c.health()["row_version"] == 9
+  finally:
+    s.stop()
+
+
+def test_a_trainer_restart_never_moves_the_versions_back(run, tmp_path):
+  """The trainer resumes from checkpoint 6 while the server serves rows of step 9 (of the steps it
+  trains again): the server stays at 9 until the new line passes it through a checkpoint, never
+  answering with rows of 7 or 8, nor with the new line's deltas over the old line's rows."""
+  w = _late_copy(run, tmp_path / "w")
+  h = _holder(w, reload_every_s=0)
+  assert h.current().row_version == 9
+  pub = os.path.join(w, "publish")
+  Publisher(_Cfg(publish_every_s=1.0, publish_dir=pub), w, ps=None, start=6).close()
+  index = _index(w)
+  assert index["deltas"] == []  # every delta was past 6
+  rows = {"cat_00": {"ids": np.array([1], np.uint64), "weights": np.zeros((1, 8), np.float32)}}
+  seq, parent, parent_step = index["next_seq"], None, 6
+  for step in (7, 8, 10):
+    index["deltas"].append(published.write_delta(pub, seq, step, parent, parent_step, rows))
+    index["next_seq"], parent, parent_step, seq = seq + 1, seq, step, seq + 1
+    published.write_index(pub, index)
+    h.check()
+    assert h.current().row_version == 9, h.current().version
+  assert any("gone" in why for why in h.bad.values()), h.bad
