@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -295,3 +296,28 @@ def test_a_trainer_restart_never_moves_the_versions_back(run, tmp_path):
     h.check()
     assert h.current().row_version == 9, h.current().version
   assert any("gone" in why for why in h.bad.values()), h.bad
+
+
+@pytest.mark.slow  # a second training run: about 15 s on 2 shared cores
+def test_publishing_changes_nothing_the_run_trains(run, tmp_path):
+  """k = 0: the same run without publishing writes the same checkpoint 9, bit for bit (the publisher
+  only reads the PS, and the PS's change tracking, which the incremental snapshots use, is its own)."""
+  from configs import tiny
+  from recsys_jax import train
+
+  c = tiny.get_config()
+  c.num_steps, c.checkpoint_every, c.max_checkpoints = STEPS, EVERY, 3
+  c.eval_samples = c.eval_batch_size = 1024
+  w = str(tmp_path / "plain")
+  train.train_and_evaluate(c, w)
+  assert not os.path.exists(os.path.join(w, "publish"))
+  a, b = scorer_lib.load_scorer(run, STEPS), scorer_lib.load_scorer(w, STEPS)
+  assert a.chain[-1].endswith("incr") and [os.path.basename(p) for p in a.chain] == [
+    os.path.basename(p) for p in b.chain
+  ]
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    np.testing.assert_array_equal(x, y)
+  for t in a.rows.tables:
+    ids = a.rows.tables[t].ids
+    np.testing.assert_array_equal(ids, b.rows.tables[t].ids, err_msg=t)
+    np.testing.assert_array_equal(a.rows.lookup_many({t: ids})[t], b.rows.lookup_many({t: ids})[t], err_msg=t)
