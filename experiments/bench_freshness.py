@@ -53,6 +53,11 @@ _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "The trainer's config
 _SET = flags.DEFINE_multi_string("set", [], "More config overrides, key=value (e.g. batch_size=1024).")
 _BASE = flags.DEFINE_integer("base_steps", 2, "Steps of the run both measured runs resume from.")
 _STEPS = flags.DEFINE_integer("steps", 3000, "Steps each measured run trains.")
+_CKPT = flags.DEFINE_integer(
+  "checkpoint_every",
+  1000,
+  "The trainers' config.checkpoint_every (publishing needs checkpoints: they prune the deltas).",
+)
 _EVERY = flags.DEFINE_float("publish_every_s", 1.0, "The trainer's config.publish_every_s when on.")
 _DENSE = flags.DEFINE_float("publish_dense_every_s", 10.0, "The trainer's config.publish_dense_every_s when on.")
 _POLL = flags.DEFINE_float("deltas_every_s", 0.1, "How often the server applies deltas.")
@@ -67,7 +72,7 @@ _ORDER = ("off", "on")
 
 def _trainer(workdir: str, steps: int, publish: bool) -> List[str]:
   cmd = [sys.executable, "-m", "recsys_jax.main", f"--config={_CONFIG.value}", f"--workdir={workdir}"]
-  cmd += [f"--config.num_steps={steps}", "--config.progress_bar=False", "--config.checkpoint_every=0"]
+  cmd += [f"--config.num_steps={steps}", "--config.progress_bar=False", f"--config.checkpoint_every={_CKPT.value}"]
   cmd += [
     f"--config.publish_every_s={_EVERY.value if publish else 0.0}",
     f"--config.publish_dense_every_s={_DENSE.value}",

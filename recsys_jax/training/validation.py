@@ -136,6 +136,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if _has(config, "publish_every_s"):
     need(config.publish_every_s >= 0, "publish_every_s", "must be >= 0 (seconds; 0 = no row deltas for serving)")
     need(config.publish_dense_every_s >= 0, "publish_dense_every_s", "must be >= 0 (seconds; 0 = never)")
+    need(
+      config.publish_every_s == 0 or config.checkpoint_every > 0,
+      "publish_every_s",
+      "needs config.checkpoint_every > 0: the deltas on disk are pruned once checkpoints cover them",
+    )
   need(config.eval_every >= 0, "eval_every", "must be >= 0 (0 = only at the end)")
   need(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
   if config.data.name == "synthetic":

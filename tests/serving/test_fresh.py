@@ -321,3 +321,18 @@ def test_publishing_changes_nothing_the_run_trains(run, tmp_path):
     ids = a.rows.tables[t].ids
     np.testing.assert_array_equal(ids, b.rows.tables[t].ids, err_msg=t)
     np.testing.assert_array_equal(a.rows.lookup_many({t: ids})[t], b.rows.lookup_many({t: ids})[t], err_msg=t)
+
+
+def test_publishing_without_checkpoints_is_refused_naming_the_field():
+  from configs import tiny
+  from recsys_jax.training.validation import validate_config
+
+  c = tiny.get_config()
+  c.publish_every_s, c.checkpoint_every = 1.0, 0
+  with pytest.raises(ValueError, match=r"config.publish_every_s = 1.0: needs config.checkpoint_every > 0"):
+    validate_config(c)
+  c.publish_every_s = -1.0
+  with pytest.raises(ValueError, match=r"config.publish_every_s = -1.0: must be >= 0"):
+    validate_config(c)
+  c.publish_every_s, c.checkpoint_every = 1.0, 10
+  validate_config(c)
