@@ -120,7 +120,13 @@ def _start():
   ):
     if value < 1:
       raise _Usage(f"--{name} must be at least 1, got {value}")
-  if FLAGS.max_wait_ms < 0 or FLAGS.reload_every_s < 0 or FLAGS.deltas_every_s < 0 or FLAGS.max_body_mb <= 0 or not FLAGS.cache_mb >= 0:
+  if (
+    FLAGS.max_wait_ms < 0
+    or FLAGS.reload_every_s < 0
+    or FLAGS.deltas_every_s < 0
+    or FLAGS.max_body_mb <= 0
+    or not FLAGS.cache_mb >= 0
+  ):
     raise _Usage("--max_wait_ms, --reload_every_s, --deltas_every_s and --cache_mb must be >= 0 and --max_body_mb > 0")
   if (FLAGS.tls_cert is None) != (FLAGS.tls_key is None):
     raise _Usage("TLS needs both --tls_cert and --tls_key")
