@@ -136,7 +136,7 @@ def train_and_evaluate(
       save = _due(config.checkpoint_every, done, n)
       if save:
         gate.hold(done)  # the checkpoint's cut: no lookup of step `done` before its PS snapshot
-      publisher.step(p.groups, done, gate, save)  # records the ids pushed; holds the lookups if it publishes
+      publisher.step(p, done, gate, save)  # records the ids pushed; holds the lookups if it publishes
       pusher.push(t, (p.groups, g_rows, m))
       publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)

@@ -4,7 +4,7 @@ Every ``config.publish_every_s`` seconds the training loop hands the publisher o
 checkpoint takes its own (:meth:`recsys_jax.training.run_checkpoints.RunCheckpoints.save`): the
 lookups of later steps are held (``StalenessGate.hold``), the pushes of every step up to the cut
 are applied (``Pusher.flush``). The rows of every id touched since the previous publish (the ids
-each step pushed, and every id that was hot on the device meanwhile) are then read: the cold ones
+each step pushed, and the hot rows each step trained on the device, by their slots) are then read: the cold ones
 from the PS without changing it (``lookup_many(create=False)``: an id whose row was dropped reads
 what the trainer's evaluation reads for it), the hot ones from the device tables, rounded to their
 table's storage dtype as a write-back into the PS would round them (the PS is not written: a
@@ -71,7 +71,8 @@ class Publisher:
     self.times: Dict[str, float] = {"flush": 0.0, "hot": 0.0, "read": 0.0, "dense": 0.0}
     self._due: Optional[tuple] = None  # (step, the gate to release or None) of the cut ``cut`` publishes
     self._touched: Dict[str, List[np.ndarray]] = {}
-    self._hot_seen: Dict[str, Any] = {}
+    self._hot_seen: Dict[str, Any] = {}  # table -> (hot ids, their slots) of the choice in force
+    self._hot_slots: Dict[int, List[np.ndarray]] = {}  # row width -> the hot slots each step trained
     self._error: Optional[BaseException] = None
     if not self.enabled:
       return
@@ -102,9 +103,9 @@ class Publisher:
     self._thread.start()
 
   # -- the training loop's side ---------------------------------------------------------
-  def step(self, groups, step: int, gate, save: bool = False) -> bool:
-    """Records the ids a step pushes (its deduplicated groups) and the hot set in use, before its
-    push; if the cut after it (``step`` steps done) is to be published (its time has come, or
+  def step(self, prepared, step: int, gate, save: bool = False) -> bool:
+    """Records the ids a step pushes (``prepared.groups``, deduplicated) and the hot rows it trains
+    on the device (``prepared.hot_idx``: their slots), before its push; if the cut after it (``step`` steps done) is to be published (its time has come, or
     ``save``: a checkpoint's cut, so that the deltas reach past each checkpoint at once), holds the
     lookups of ``step`` on (``gate.hold``; a checkpoint holds them itself) until ``cut``.
 
@@ -115,17 +116,19 @@ class Publisher:
       return False
     if self._first_update is None:
       self._first_update = time.time()  # the oldest change the next delta carries (its push follows)
-    for g in groups.values():
+    for g in prepared.groups.values():
       for name, ids, _ in g.tables:
         if ids.shape[0]:
           self._touched.setdefault(name, []).append(ids)
     if self.hot is not None and self.hot.enabled:
-      for ts in self.hot.groups.values():
-        for t in ts:
-          ids = self.hot.set.hot(t)[0]
-          if self._hot_seen.get(t) is not ids:  # a new choice: its ids are touched from now on
-            self._hot_seen[t] = ids
-            self._touched.setdefault(t, []).append(ids)
+      now = {t: self.hot.set.hot(t) for ts in self.hot.groups.values() for t in ts}
+      if any(self._hot_seen.get(t, (None,))[0] is not now[t][0] for t in now):
+        # A new choice: the slots recorded so far name rows of the old one (a row that left the
+        # device went back into the PS with what it learnt there, and is read from the PS).
+        self._hot_touched()
+        self._hot_seen = now
+      for d, idx in (prepared.hot_idx or {}).items():
+        self._hot_slots.setdefault(int(d), []).append(idx)
     if not (save or self._clock() >= self._next):
       return False
     if not save:
@@ -162,15 +165,13 @@ class Publisher:
     t0 = time.perf_counter()
     pusher.flush(step - 1)
     t1 = time.perf_counter()
-    hot = self._hot_rows(hot_state)
-    t2 = time.perf_counter()
+    self._hot_touched()
     wanted = {t: np.unique(np.concatenate(v)) for t, v in self._touched.items()}
-    # The rows hot now count as touched for the next publish too: one demoted meanwhile goes back
-    # into the PS with what it learnt on the device, and is read from there.
-    self._touched = {t: [ids] for t, (ids, _) in hot.items()}
-    for t, (ids, _) in hot.items():  # a hot row's value is the device's; the PS holds an older one
-      if t in wanted:
-        wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
+    self._touched = {}
+    hot = self._hot_rows(hot_state, wanted)  # a hot row's value is the device's; the PS holds an older one
+    t2 = time.perf_counter()
+    for t, (ids, _) in hot.items():
+      wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
     wanted = {t: ids for t, ids in wanted.items() if ids.shape[0]}
     rows = self.ps.lookup_many(wanted, create=False) if wanted else {}
     arrays = {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
@@ -196,22 +197,37 @@ class Publisher:
     self._queue.put((int(step), arrays, leaves, times))
     self.seconds += time.perf_counter() - t0
 
-  def _hot_rows(self, hot_state) -> Dict[str, tuple]:
-    """Table -> (ids, rows) of every row hot now, from the device tables (not written back into the
-    PS: that costs an import of every row and its slots; rounded to the table's storage dtype as
-    the write-back would round them, so they are the rows the trainer's evaluation reads)."""
+  def _hot_touched(self) -> None:
+    """The hot rows the steps since the last call trained (their slots, in the choice in force then)
+    among the ids touched."""
+    for dim, idx in self._hot_slots.items():
+      slots = np.unique(np.concatenate(idx))
+      for t in self.hot.groups.get(dim, ()):
+        ids, at = self._hot_seen.get(t, (None, None))
+        if ids is not None and ids.shape[0]:
+          self._touched.setdefault(t, []).append(ids[np.isin(at, slots)])
+    self._hot_slots = {}
+
+  def _hot_rows(self, hot_state, wanted: Dict[str, np.ndarray]) -> Dict[str, tuple]:
+    """Table -> (ids, rows) of the ``wanted`` ids hot now, from the device tables (not written back
+    into the PS: that imports every hot row with its slots, most of a publish's cost), rounded to
+    the table's storage dtype as the write-back would round them: the rows the trainer's evaluation
+    reads."""
     out: Dict[str, tuple] = {}
     if self.hot is None or not self.hot.enabled:
       return out
     for dim, tables in self.hot.groups.items():
       w = None
       for t in tables:
-        ids, slots = self.hot.set.hot(t)
+        hot_ids, slots = self.hot.set.hot(t)
+        if t not in wanted or not hot_ids.shape[0]:
+          continue
+        ids = wanted[t][np.isin(wanted[t], hot_ids)]
         if not ids.shape[0]:
           continue
         if w is None:
           w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
-        rows = w[slots]
+        rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
         dtype = _DTYPES[self.ps.specs[t].storage_dtype]
         out[t] = (ids, rows if dtype is np.float32 else rows.astype(dtype).astype(np.float32))
     return out

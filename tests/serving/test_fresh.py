@@ -105,6 +105,10 @@ def test_late_server_catches_up_to_the_trainers_rows_and_scores(run, tmp_path):
     np.testing.assert_array_equal(sc.rows.lookup_many({t: ids})[t], rows, err_msg=t)
     moved += int((old.rows.lookup_many({t: ids})[t] != rows).any(axis=1).sum())
   assert moved > 100
+  # And no row is missing: every id with a row after step 9 (or after 6) reads the trainer's row.
+  for t, tr in ref.rows.tables.items():
+    ids = np.union1d(tr.ids, old.rows.tables[t].ids)
+    np.testing.assert_array_equal(sc.rows.lookup_many({t: ids})[t], ref.rows.lookup_many({t: ids})[t], err_msg=t)
 
 
 def test_rows_alone_move_the_scores(run, tmp_path):
