@@ -1,10 +1,11 @@
 """Fresh rows to serving without reloads: the trainer publishes row deltas, the server applies them.
 
-One tiny run (``configs/tiny.py``, k = 0, hot rows on) publishes after every step and checkpoints
-every 3 steps (kept: 3, 6, 9). Its checkpoint 9 is the trainer's own state after step 9 (rows and
-dense parameters), the reference: a server that starts from checkpoint 6 (9 taken away, as if it
-started before 9 was written) and applies the deltas 7..9 must score every record exactly as
-checkpoint 9 does, read exactly its rows, and name each version it scores with.
+One tiny run (``configs/tiny.py``, k = 0, hot rows on and chosen again every 2 steps) publishes
+after every step and checkpoints every 3 steps (kept: 3, 6, 9). Its checkpoint 9 is the trainer's
+own state after step 9 (rows and dense parameters), the reference: a server that starts from
+checkpoint 6 (9 taken away, as if it started before 9 was written) and applies the deltas 7..9
+must score every record exactly as checkpoint 9 does, read exactly its rows, and name each
+version it scores with.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def run(tmp_path_factory):
   c.num_steps, c.checkpoint_every, c.max_checkpoints = STEPS, EVERY, 3
   c.eval_samples = c.eval_batch_size = 1024
   c.publish_every_s = c.publish_dense_every_s = 1e-9  # every step
+  c.hot_every = 2  # hot rows chosen again at 7 and 9: rows leave the device between deltas
   w = str(tmp_path_factory.mktemp("fresh") / "run")
   train.train_and_evaluate(c, w)
   return w
@@ -312,6 +314,7 @@ def test_publishing_changes_nothing_the_run_trains(run, tmp_path):
   c = tiny.get_config()
   c.num_steps, c.checkpoint_every, c.max_checkpoints = STEPS, EVERY, 3
   c.eval_samples = c.eval_batch_size = 1024
+  c.hot_every = 2
   w = str(tmp_path / "plain")
   train.train_and_evaluate(c, w)
   assert not os.path.exists(os.path.join(w, "publish"))
