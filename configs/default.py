@@ -42,6 +42,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.final_checkpoint = True
   c.max_checkpoints = 2  # Checkpoints kept in <workdir>/checkpoints.
   c.checkpoint_full_every = 4  # Every 4th PS snapshot is full, the others incremental (1: all full).
+  # Rows for serving between checkpoints (recsys_jax/online/publish.py): every this many seconds the
+  # rows touched since the last publish go to <publish_dir>/rows as a delta (0: off), and every
+  # publish_dense_every_s the dense parameters too; '' = <workdir>/publish (relative: under the workdir).
+  c.publish_every_s = 0.0
+  c.publish_dense_every_s = 30.0
+  c.publish_dir = ""
   c.eval_every = 0  # Steps between evaluations during training (0: only at the end).
   c.eval_samples = 131072  # Eval examples (synthetic: the split size; files: at most this many; 0: all).
   c.eval_batch_size = 16384  # Examples per eval step.
@@ -196,7 +202,7 @@ def get_config() -> ml_collections.ConfigDict:
   # multiple of devices x micro_steps.
   c.micro_steps = 1
 
-  # Progressive validation (recsys_jax/training/progressive.py): each training batch is scored
+  # Progressive validation (recsys_jax/online/progressive.py): each training batch is scored
   # before it is trained on (the step's own forward pass), and every log_every steps the AUC,
   # logloss and calibration of the last `window` events go to metrics.jsonl and TensorBoard
   # (kind 'progressive').

@@ -66,7 +66,7 @@ def auc_float32(labels: np.ndarray, scores: np.ndarray) -> float:
 def score_keys(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
   """int64 keys that order as the float32 scores do, with the 0/1 label in the lowest bit.
 
-  A progressive-validation window (:mod:`recsys_jax.training.progressive`) packs each batch as it
+  A progressive-validation window (:mod:`recsys_jax.online.progressive`) packs each batch as it
   arrives and keeps the keys, so a report only sorts them (``auc_of_keys``).
 
   Raises:

@@ -45,6 +45,13 @@ def _define_flags() -> None:
   flags.DEFINE_bool(
     "warm_reload", True, "Score recent requests with a new version before swapping it in (compiles its shapes)."
   )
+  flags.DEFINE_float(
+    "deltas_every_s",
+    0.2,
+    "How often to apply the trainer's row deltas and dense publishes, s, when its config publishes them "
+    "(config.publish_every_s > 0; 0: never, checkpoints only).",
+  )
+  flags.DEFINE_string("publish_dir", None, "The trainer's publish directory (default: the one its config names).")
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
   flags.DEFINE_integer(
@@ -113,8 +120,14 @@ def _start():
   ):
     if value < 1:
       raise _Usage(f"--{name} must be at least 1, got {value}")
-  if FLAGS.max_wait_ms < 0 or FLAGS.reload_every_s < 0 or FLAGS.max_body_mb <= 0 or not FLAGS.cache_mb >= 0:
-    raise _Usage("--max_wait_ms, --reload_every_s and --cache_mb must be >= 0 and --max_body_mb > 0")
+  if (
+    FLAGS.max_wait_ms < 0
+    or FLAGS.reload_every_s < 0
+    or FLAGS.deltas_every_s < 0
+    or FLAGS.max_body_mb <= 0
+    or not FLAGS.cache_mb >= 0
+  ):
+    raise _Usage("--max_wait_ms, --reload_every_s, --deltas_every_s and --cache_mb must be >= 0 and --max_body_mb > 0")
   if (FLAGS.tls_cert is None) != (FLAGS.tls_key is None):
     raise _Usage("TLS needs both --tls_cert and --tls_key")
   for name in ("tls_cert", "tls_key"):
@@ -133,6 +146,17 @@ def _start():
     load_scorer = functools.partial(load_scorer, max_batch=1 << (FLAGS.max_batch - 1).bit_length())
   if "cache_bytes" in params:
     load_scorer = functools.partial(load_scorer, cache_bytes=int(FLAGS.cache_mb * (1 << 20)))
+  publish_dir = None
+  if FLAGS.deltas_every_s > 0 and FLAGS.step is None and FLAGS.model_module == "recsys_jax.serving.scorer":
+    from recsys_jax.online import publish
+    from recsys_jax.training import run_config
+
+    try:
+      config = run_config.load(FLAGS.workdir)
+    except (OSError, ValueError) as e:
+      raise _Usage(f"cannot read the run's config in {FLAGS.workdir}: {e}") from None
+    if FLAGS.publish_dir or float(config.get("publish_every_s", 0.0) or 0.0) > 0:
+      publish_dir = FLAGS.publish_dir or publish.publish_dir(config, FLAGS.workdir)
   from recsys_jax.serving.reload import NoModel
   from recsys_jax.serving.server import Serving
 
@@ -158,6 +182,8 @@ def _start():
       steps=steps,
       signature=signature,
       backlog=FLAGS.listen_backlog,
+      publish_dir=publish_dir,
+      deltas_every_s=FLAGS.deltas_every_s,
     )
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
+from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
@@ -59,15 +60,21 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(config, ckpts: RunCheckpoints, start, done, state, ps, pusher: Pusher, hot_rows, data_error=None) -> None:
+def _last_cut(
+  config, ckpts: RunCheckpoints, start, done, state, ps, pusher: Pusher, hot_rows, publisher: Publisher, data_error=None
+) -> None:
   """After the last step (``done`` steps in all; none if ``done`` is ``start``): its checkpoint, or with
   ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
-  which the final evaluation reads. Then raises ``data_error`` (a ``DataError``) if there is one."""
+  which the final evaluation reads; the last rows and dense parameters published for serving. Then
+  raises ``data_error`` (a ``DataError``) if there is one."""
   if done > start and config.get("final_checkpoint", True) and ckpts.last_saved != done:
     ckpts.save(done, state, ps, pusher, hot_rows)
   elif done > start:
     pusher.flush(done - 1)
     hot_rows[0].write_back(hot_rows[1], ps)
+  if done > start:
+    publisher.publish(done, state, hot_rows[1], pusher, dense=True)
+  publisher.close()
   if data_error is not None:
     saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
     msg = f"{data_error.error} (training stopped before step {done}; {saved})"
@@ -121,9 +128,21 @@ def _payload(p: Prepared, g_rows, metrics, scoring: bool):
   return ({} if scoring else p.groups, g_rows, metrics, source)
 
 
+def _wind_down(progress: Progress, publisher: Publisher, hot, gate: StalenessGate, pre, pusher: Pusher, ckpts) -> None:
+  """Ends the loop's helpers, however the loop ended (its ``finally``), in this order."""
+  progress.bar.close()
+  publisher.close(quiet=True)
+  hot.close()
+  gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
+  pre.close()
+  pusher.close()
+  ckpts.close()
+
+
 def _resume(config, workdir: str, job: Job):
   """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
-  tables)``, from the newest intact checkpoint (a config its checkpoints do not fit is named) or fresh."""
+  tables, publisher)``, from the newest intact checkpoint (a config its checkpoints do not fit is
+  named) or fresh; the publisher of rows for serving (``config.publish_every_s``) starts there."""
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
@@ -133,7 +152,9 @@ def _resume(config, workdir: str, job: Job):
       "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
     )
   hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
-  return ckpts, state, start, position, hot_state
+  publisher = Publisher(config, workdir, job.ps, job.hot, start)
+  ckpts.after_save = publisher.checkpointed  # deltas two checkpoints cover are pruned
+  return ckpts, state, start, position, hot_state, publisher
 
 
 def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, batch):
@@ -164,7 +185,7 @@ def train_and_evaluate(
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
-  ckpts, state, start, position, hot_state = _resume(config, workdir, job)
+  ckpts, state, start, position, hot_state, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
@@ -183,7 +204,9 @@ def train_and_evaluate(
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       stopping = _hold_for_cut(gate, done, save, stop)
+      publisher.step(p, done, gate, save or stopping)  # records the ids pushed; holds the lookups if it publishes
       pusher.push(t, _payload(p, g_rows, m, scoring))
+      publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
@@ -200,7 +223,7 @@ def train_and_evaluate(
           gate.release()  # a stop's hold too: its cut is this checkpoint
       if stopping:
         break
-    _last_cut(config, ckpts, start, done, state, ps, pusher, (hot, hot_state), data_error)
+    _last_cut(config, ckpts, start, done, state, ps, pusher, (hot, hot_state), publisher, data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -210,12 +233,7 @@ def train_and_evaluate(
     ps.close()
     raise
   finally:
-    progress.bar.close()
-    hot.close()
-    gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
-    pre.close()
-    pusher.close()
-    ckpts.close()
+    _wind_down(progress, publisher, hot, gate, pre, pusher, ckpts)
   train_end = time.perf_counter()
 
   distributed.barrier("final eval")

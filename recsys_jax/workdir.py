@@ -11,6 +11,8 @@ A trainer writes, and ``serve`` and ``build_job`` read::
   <workdir>/trainer_p<i>.log             process i's tracebacks (the console gets one line)
   <workdir>/data_cache/                  the parsed-data cache, unless config.data.cache_dir says otherwise
   <workdir>/serving_held/<host>-<pid>/   what the versions a model server holds keep from rotation
+  <workdir>/publish/                     rows and dense parameters published between checkpoints
+                                         (config.publish_dir; async_ps/snapshot/published.py)
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ PACKAGE = ROOT / "recsys_jax"
 LAYERS = (
   ("main", "serve", "launch", "plan"),  # entry points and what only they use
   ("train", "serving"),  # the loop; serving a trained model
-  ("training",),  # the parts the loop is assembled from
+  ("training", "online"),  # the parts the loop is assembled from; what online training adds
   ("checkpoint", "checkpoint_files", "data"),
   ("async_ps",),
   ("models", "parallel", "embeddings", "metrics"),

@@ -167,8 +167,9 @@ class DirectoryStream:
     self.bad.count = int(pos["bad_records"])
     self._it = self._batches()
 
-  def close(self) -> None:
-    """Wakes a reader waiting for files; the next draw ends the stream."""
+  def wake(self) -> None:
+    """Wakes a reader waiting for files; the next draw ends the stream (the trainer's prefetcher
+    calls it when the run ends, from another thread than the one drawing)."""
     self._closed.set()
 
   def __iter__(self):
@@ -181,7 +182,7 @@ class DirectoryStream:
   # -- files ----------------------------------------------------------------------------------
   def _files(self, done: List[str]) -> Iterator[Any]:
     """The names of the files to read, in arrival order, with ``_IDLE`` whenever none waits;
-    ends after ``idle_exit_s`` without a new file, or once closed. ``done`` (the files read to
+    ends after ``idle_exit_s`` without a new file, or once woken (``wake``). ``done`` (the files read to
     their end, in order) loses the names no longer in the directory at each listing."""
     seen = set(done)
     current = self.position["file"]

@@ -28,8 +28,12 @@ class Overloaded(RuntimeError):
   """More requests are waiting than the batcher holds (``max_pending``): answered 503 / UNAVAILABLE."""
 
 
-class Prediction(collections.namedtuple("Prediction", ["version", "scores"])):
-  """One request's answer: the version that scored all its records, and their probabilities in order."""
+class Prediction(collections.namedtuple("Prediction", ["version", "scores", "dense_version", "row_version"])):
+  """One request's answer: the version that scored all its records, and their probabilities in order;
+  the steps of the dense parameters and of the rows that version scores with (None: not known)."""
+
+  def __new__(cls, version, scores, dense_version=None, row_version=None):
+    return super().__new__(cls, version, scores, dense_version, row_version)
 
 
 class _Pending:
@@ -234,5 +238,12 @@ class Batcher:
         del self._sample[self.max_batch :]
     start = 0
     for item in ok:
-      item.future.set_result(Prediction(scorer.version, scores[start : start + item.n].tolist()))
+      item.future.set_result(
+        Prediction(
+          scorer.version,
+          scores[start : start + item.n].tolist(),
+          getattr(scorer, "dense_version", None),
+          getattr(scorer, "row_version", None),
+        )
+      )
       start += item.n

@@ -13,9 +13,10 @@ inverse index have the layout the training eval step reads.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
-from typing import Any, Callable, Dict, Mapping, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -78,6 +79,8 @@ class BatchScorer:
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch = {max_batch} must be a power of two")
     self.version = version
+    self.dense_version: Optional[int] = None  # the step of the dense parameters (None: not known)
+    self.row_version: Optional[int] = None  # the step of the rows (None: not known)
     self.encoder = encoder
     self.features = tuple(features)
     self.table_dims = dict(table_dims)
@@ -91,6 +94,19 @@ class BatchScorer:
       d = self.table_dims[f.table]
       groups[d] = _Dim(d, groups.get(d, _Dim(d, False)).weighted or f.max_len > 1)
     self.groups = groups
+
+  def derive(self, version: str, rows=None, forward=None, **attrs) -> "BatchScorer":
+    """A new version that shares everything with this one but ``rows`` and ``forward`` (when given)
+    and the attributes ``attrs``: this one is not changed (a batch scoring with it goes on)."""
+    new = copy.copy(self)
+    new.version = version
+    if rows is not None:
+      new.rows = rows
+    if forward is not None:
+      new.forward = forward
+    for k, v in attrs.items():
+      setattr(new, k, v)
+    return new
 
   def fields(self) -> Dict[str, str]:
     return self.encoder.fields()

@@ -2,8 +2,10 @@
 
 A predict request is the JSON object ``{"records": [{field: value, ...}, ...]}`` (raw feature
 values in the training data's schema, ``Scorer.fields()``); the answer is
-``{"version": "...", "scores": [p, ...]}``, one click probability per record in order, all from
-the version named. Both sides carry the same JSON (over gRPC as the message bytes), so both
+``{"version": "...", "dense_version": step, "row_version": step, "scores": [p, ...]}``, one click
+probability per record in order, all from the version named: its dense parameters are those after
+training step ``dense_version`` and its rows those after step ``row_version`` (they differ when
+the server applies the trainer's row deltas between checkpoints: ``serving/fresh.py``). Both sides carry the same JSON (over gRPC as the message bytes), so both
 refuse the same requests with the same words. An error is ``{"error": text, "field": name or
 null, "record": index or null}``; ``FrontError.kind`` picks the HTTP status and gRPC code.
 """
@@ -126,13 +128,20 @@ class Front:
     except Exception as e:  # noqa: BLE001 - the model failed on a good request: say so, keep serving
       logging.warning("predict failed: %s: %s", type(e).__name__, e)
       raise FrontError("internal", f"the model failed: {type(e).__name__}: {e}") from None
-    return {"version": answer.version, "scores": answer.scores}
+    return {
+      "version": answer.version,
+      "dense_version": answer.dense_version,
+      "row_version": answer.row_version,
+      "scores": answer.scores,
+    }
 
   def model(self) -> Dict[str, Any]:
     """The version served, the step, its request fields, and the reload counters."""
     scorer = self.holder.current()
     return {
       "version": scorer.version,
+      "dense_version": getattr(scorer, "dense_version", None),
+      "row_version": getattr(scorer, "row_version", None),
       "step": self.holder.step,
       "fields": scorer.fields(),
       "max_batch": self.batcher.max_batch,
@@ -141,7 +150,14 @@ class Front:
       "last_load_error": self.holder.last_error,
       "skipped": {str(k): v for k, v in sorted(self.holder.skipped.items())},
       "batching": {k: v for k, v in self.batcher.stats().items() if k != "batch_sizes"},
+      **({"fresh": self.holder.model_info()} if hasattr(self.holder, "model_info") else {}),
     }
 
   def health(self) -> Dict[str, Any]:
-    return {"status": "serving", "version": self.holder.version}
+    sc = self.holder.current()
+    return {
+      "status": "serving",
+      "version": sc.version,
+      "dense_version": getattr(sc, "dense_version", None),
+      "row_version": getattr(sc, "row_version", None),
+    }

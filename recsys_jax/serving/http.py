@@ -1,8 +1,8 @@
 """The HTTP/JSON side of the model server (for people, curl and anything that speaks HTTP).
 
-- ``POST /v1/predict`` with ``{"records": [{...}, ...]}`` -> ``{"version": ..., "scores": [...]}``
+- ``POST /v1/predict`` with ``{"records": [{...}, ...]}`` -> ``{"version": ..., "dense_version": ..., "row_version": ..., "scores": [...]}``
 - ``GET /v1/model`` -> the version served, its step, its request fields, the reload counters
-- ``GET /v1/health`` -> ``{"status": "serving", "version": ...}``
+- ``GET /v1/health`` -> ``{"status": "serving", "version": ..., "dense_version": ..., "row_version": ...}``
 
 Errors are JSON ``{"error", "field", "record"}``: 400 (malformed JSON, a bad record: missing,
 unknown or mistyped feature), 401 (a token is set and the request lacks ``Authorization:

@@ -258,6 +258,8 @@ def load_scorer(
     forward,
     max_batch,
   )
+  scorer.dense_version = scorer.row_version = s
+  scorer.step_fn = step_fn
   scorer.step, scorer.workdir, scorer.chain, scorer.params = (
     s,
     workdir,

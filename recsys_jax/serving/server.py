@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from recsys_jax.serving.batcher import Batcher
+from recsys_jax.serving.fresh import FreshModelHolder
 from recsys_jax.serving.front import Front
 from recsys_jax.serving.grpc_service import serve_grpc
 from recsys_jax.serving.http import serve_http
@@ -30,6 +31,8 @@ class Serving:
     max_batch, max_wait_s, batch_workers: the micro-batcher's (``batcher.Batcher``); ``max_batch``
       also bounds the records of one request.
     reload_every_s: how often to look for a newer checkpoint (0: never).
+    publish_dir: the trainer's publish directory: apply its row deltas and dense parameters between
+      batches (``fresh.FreshModelHolder``) every ``deltas_every_s`` seconds; None: checkpoints only.
     warm_reload: score recent requests' records with a new version before it serves (``Batcher.warm``).
     step: serve this step (None: the newest).
     threads: gRPC calls served at once.
@@ -60,10 +63,17 @@ class Serving:
     steps=None,
     signature=None,
     backlog: int = 1024,
+    publish_dir: Optional[str] = None,
+    deltas_every_s: float = 0.2,
   ):
     if (tls_cert is None) != (tls_key is None):
       raise ValueError("TLS needs both --tls_cert and --tls_key")
-    self.holder = ModelHolder(workdir, load, newest, step, steps=steps, signature=signature)
+    if publish_dir is not None and step is None:
+      self.holder = FreshModelHolder(
+        workdir, load, newest, publish_dir, steps=steps, signature=signature, reload_every_s=reload_every_s or 5.0
+      )
+    else:
+      self.holder = ModelHolder(workdir, load, newest, step, steps=steps, signature=signature)
     self.batcher = Batcher(self.holder.current, max_batch, max_wait_s, batch_workers, on_gone=self.holder.check)
     if warm_reload:
       self.holder.warm = self.batcher.warm
@@ -87,7 +97,7 @@ class Serving:
       self.stop()
       raise
     if step is None:
-      self.holder.start(reload_every_s)
+      self.holder.start(deltas_every_s if isinstance(self.holder, FreshModelHolder) else reload_every_s)
     self.host = host
 
   def stop(self) -> None:

@@ -271,7 +271,9 @@ class HostPipeline:
         return self.place(p)
 
     def close():
-      getattr(source, "close", lambda: None)()  # wakes a stream waiting for files
+      # Wakes a stream waiting for files. Not ``close``: the file readers' sources are generators,
+      # and closing one that a worker thread is running raises ValueError.
+      getattr(source, "wake", lambda: None)()
       feed.close()
       if self.hot:
         self.hot.close()

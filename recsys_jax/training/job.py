@@ -17,8 +17,8 @@ from recsys_jax.async_ps import factory
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
+from recsys_jax.online import progressive
 from recsys_jax.parallel import mesh as mesh_lib
-from recsys_jax.training import progressive
 from recsys_jax.training import steps as steps_lib
 from recsys_jax.training.feed import worker_count
 from recsys_jax.training.host import HostPipeline

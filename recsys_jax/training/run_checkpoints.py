@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
@@ -42,6 +42,8 @@ class RunCheckpoints:
     self.last_saved: Optional[int] = None
     self.positions: Dict[int, Any] = {}
     """The reader's position after each step's batch, since the last save."""
+    self.after_save: Optional[Callable[[Optional[int]], None]] = None
+    """Called with ``covered()`` after each save (the publisher prunes the deltas it covers)."""
 
   def restore_latest(self, state, ps, announce: bool = True) -> Tuple[Any, int, Any]:
     """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
@@ -129,6 +131,14 @@ class RunCheckpoints:
     except checkpoint_lib.CheckpointError as e:
       raise checkpoint_lib.CheckpointError(f"{e}; last good checkpoint: {self.last_good()} (left as it was)") from e
     self.last_saved = step
+    if self.after_save is not None:
+      self.after_save(self.covered())
+
+  def covered(self) -> Optional[int]:
+    """The older of the two newest checkpoints kept (None with fewer): deltas published at or
+    before it are in both, so a model server that loads either needs none of them."""
+    steps = self.ckpt.all_steps()
+    return steps[-2] if len(steps) >= 2 else None
 
   def latest_part(self, name: str) -> Optional[str]:
     """Where the part ``name`` of the checkpoint this run resumed from is (None: a fresh run)."""

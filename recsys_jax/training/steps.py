@@ -131,7 +131,7 @@ def make_train_step(
   ``predictions``: the metrics also hold ``logits`` [B] and ``label`` [B] of the global batch
   (replicated by the jit's out_shardings), the logits being those of the forward pass the
   gradients come from: the model's scores of the batch with the parameters and rows before this
-  step's update, which progressive validation (:mod:`recsys_jax.training.progressive`) needs,
+  step's update, which progressive validation (:mod:`recsys_jax.online.progressive`) needs,
   at no second forward pass.
 
   ``update`` False: the step scores and leaves everything as it was: the dense state and hot rows

@@ -33,14 +33,15 @@ _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.d
 _FLOATS = (
   "optimizer.learning_rate embeddings.learning_rate embeddings.initial_accumulator_value embeddings.init_scale "
   "embeddings.clip embeddings.admit_probability ps.timeout_s ps.snapshot_timeout_s data.eval_fraction data.zipf_alpha "
-  "data.bias data.dense_scale data.id_scale data.pair_scale data.stream_poll_s data.stream_idle_exit_s"
+  "data.bias data.dense_scale data.id_scale data.pair_scale data.stream_poll_s data.stream_idle_exit_s "
+  "publish_every_s publish_dense_every_s"
 ).split()
 _BOOLS = "progress_bar final_checkpoint data.shuffle".split()
 _MAX_DENSE_STALENESS = 1024
 _STRS = (
   "device_step data.name data.stream_dir data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "
   "embeddings.optimizer embeddings.initializer embeddings.combiner embeddings.storage_dtype embeddings.eviction "
-  "ps.tier ps.kind ps.addresses ps.token_file ps.tls_ca ps.wire_dtype model.name optimizer.name optimizer.state_memory"
+  "publish_dir ps.tier ps.kind ps.addresses ps.token_file ps.tls_ca ps.wire_dtype model.name optimizer.name optimizer.state_memory"
 ).split()
 _SEQUENCES = "data.train_files data.eval_files data.dense data.categorical data.multi_hot data.sequence".split()
 
@@ -136,6 +137,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
   need(config.log_every > 0, "log_every", "must be positive")
   need(config.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
+  if _has(config, "publish_every_s"):
+    need(config.publish_every_s >= 0, "publish_every_s", "must be >= 0 (seconds; 0 = no row deltas for serving)")
+    need(config.publish_dense_every_s >= 0, "publish_dense_every_s", "must be >= 0 (seconds; 0 = never)")
+    need(
+      config.publish_every_s == 0 or config.checkpoint_every > 0,
+      "publish_every_s",
+      "needs config.checkpoint_every > 0: the deltas on disk are pruned once checkpoints cover them",
+    )
   need(config.eval_every >= 0, "eval_every", "must be >= 0 (0 = only at the end)")
   need(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
   if config.data.name == "synthetic":

@@ -18,7 +18,7 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
-from recsys_jax.training.progressive import ProgressiveValidation, window_of
+from recsys_jax.online.progressive import ProgressiveValidation, window_of
 
 
 def say(msg: str) -> None:

@@ -195,9 +195,9 @@ def test_deleted_files_leave_the_position_and_the_position_is_checked(tmp_path):
     follow.DirectoryStream(_fmt(), str(tmp_path), 5, position={"epoch": 0, "window": 0, "offset": 0})
 
 
-def test_an_idle_stream_waits_polling_and_close_wakes_it(tmp_path):
+def test_an_idle_stream_waits_polling_and_wake_ends_it(tmp_path):
   s = _stream(tmp_path, poll_s=30.0, idle_exit_s=0.0)  # would wait forever
   t0 = time.monotonic()
-  threading.Timer(0.3, s.close).start()
+  threading.Timer(0.3, s.wake).start()
   assert _drain(s) == []
   assert 0.25 < time.monotonic() - t0 < 5.0

@@ -1,7 +1,8 @@
 """Features that compose: a run stopped at N and resumed to 2N ends where the run that never
 stopped ends, bit for bit, whatever the combination of hot rows, bounds, disk tier (tensorstore
 in memory or plain files, both with read-ahead), remote PS, data source (synthetic, csv files in
-epochs, or a stream of them) and staleness (issue 24).
+epochs, or a stream of them) and staleness (issue 24), with rows published for serving every
+0.05 s in every case (issue 29: a publish holds the lookups for its cut, as a checkpoint does).
 
 Compared: every dense weight, every PS row with its optimizer slots and the state its bounds
 read (last-seen step, use count, RAM or tier), each table's bounds state, and the hot set with
@@ -124,6 +125,9 @@ def _config(tiny_config, case, tmp_path, addresses):
   c.hot_warmup_steps = 2
   c.hot_every = 3  # re-chosen before and after the stop
   c.hot_min_count = 1
+  c.publish_every_s = (
+    0.05  # rows for serving (online/publish.py) in every case: a publish's cut changes nothing trained
+  )
   bound = case["bound"]
   if bound in ("lru", "lfu"):
     c.embeddings.capacity = CAPACITY

@@ -41,6 +41,12 @@ SMOKE = {
     ["--smoke", "--out={tmp}/bench_distributed.json"],
     ["1x1"],
   ),
+  # Three trainer launches (the base run, then 4 steps publishing off and on) beside a server and a client.
+  "bench_freshness.py": (
+    ["--base_steps=1", "--steps=4", "--publish_every_s=0.05", "--publish_dense_every_s=0.1", "--clients=1"]
+    + ["--rate=20", "--set=eval_samples=256", "--set=eval_batch_size=256", "--json_out={tmp}/bench_freshness.json"],
+    ["freshness_p50_s", "freshness_p95_s", "freshness_max_s", "serving_p99_ms_deltas", "train_ratio"],
+  ),
   "bench_ps.py": (
     ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"]
     + ["--tier_rounds=2"]
@@ -101,6 +107,7 @@ SMOKE = {
 WRITES = {
   "bench_cache.py": ["{tmp}/bench_cache.json"],
   "bench_distributed.py": ["{tmp}/bench_distributed.json"],
+  "bench_freshness.py": ["{tmp}/bench_freshness.json"],
   "bench_ps.py": ["{tmp}/bench_ps.json"],
   "bench_progressive.py": ["{tmp}/bp.json"],
   "bench_readers.py": ["{tmp}/bench_readers.json"],

@@ -15,7 +15,7 @@ import pytest
 
 from configs import tiny
 from recsys_jax import metrics, train
-from recsys_jax.training import progressive as prog_lib
+from recsys_jax.online import progressive as prog_lib
 from recsys_jax.training.writers import Progress
 
 

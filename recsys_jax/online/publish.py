@@ -1,0 +1,289 @@
+"""Publishing fresh rows and dense parameters for the model server, between checkpoints.
+
+Every ``config.publish_every_s`` seconds the training loop hands the publisher one cut, taken as a
+checkpoint takes its own (:meth:`recsys_jax.training.run_checkpoints.RunCheckpoints.save`): the
+lookups of later steps are held (``StalenessGate.hold``), the pushes of every step up to the cut
+are applied (``Pusher.flush``). The rows of every id touched since the previous publish (the ids
+each step pushed, and the hot rows each step trained on the device, by their slots) are then read: the cold ones
+from the PS without changing it (``lookup_many(create=False)``: an id whose row was dropped reads
+what the trainer's evaluation reads for it), the hot ones from the device tables, rounded to their
+table's storage dtype as a write-back into the PS would round them (the PS is not written: a
+write-back imports every hot row with its slots, most of a publish's cost). Then the lookups go
+on; the rows are written to disk by a background thread. Every ``config.publish_dense_every_s``
+seconds the cut also carries the dense parameters. The files and their index are
+:mod:`recsys_jax.async_ps.snapshot.published`.
+
+The set of ids touched is the publisher's own, apart from the PS's change tracking, which
+belongs to the checkpoints' incremental snapshots (a publish changes nothing they write).
+
+Limits: one trainer process (the ids a step pushes are this process's own); a row dropped by a
+bounded table (expiry, eviction without a tier) that was not touched since the previous publish
+reaches the server with the next checkpoint, not with a delta.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import jax
+import ml_dtypes
+import numpy as np
+from absl import logging
+
+from recsys_jax.async_ps.snapshot import published
+
+PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def publish_dir(config, workdir: str) -> str:
+  """Where ``config``'s run publishes: ``config.publish_dir``, or ``<workdir>/publish``; relative
+  paths are under the workdir."""
+  d = str(config.get("publish_dir", "") or "")
+  return os.path.abspath(os.path.join(workdir, d or PUBLISH))
+
+
+class Publisher:
+  """Publishes a run's rows and dense parameters (see the module docstring).
+
+  Args:
+    config: ``publish_every_s`` (0: off), ``publish_dense_every_s``, ``publish_dir``.
+    workdir: the run's directory.
+    ps: the run's PS (read with ``lookup_many(create=False)``).
+    hot: the run's ``HotRows`` (or None).
+    start: the step the run starts at (the checkpoint it resumed from, 0 for a fresh one): the
+      first delta continues from there, and deltas of an earlier run past it are dropped.
+    clock: seconds, monotonic (tests pass their own).
+  """
+
+  def __init__(self, config, workdir: str, ps, hot=None, start: int = 0, clock=time.monotonic):
+    self.every_s = float(config.get("publish_every_s", 0.0) or 0.0)
+    self.dense_every_s = float(config.get("publish_dense_every_s", 0.0) or 0.0)
+    self.enabled = self.every_s > 0
+    self.ps, self.hot, self._clock = ps, hot, clock
+    self.directory = publish_dir(config, workdir)
+    self.published = 0  # deltas published by this process
+    self.seconds = 0.0  # the training loop's time spent in cuts
+    self.times: Dict[str, float] = {"flush": 0.0, "hot": 0.0, "read": 0.0, "dense": 0.0}
+    self._due: Optional[tuple] = None  # (step, the gate to release or None) of the cut ``cut`` publishes
+    self._touched: Dict[str, List[np.ndarray]] = {}
+    self._hot_seen: Dict[str, Any] = {}  # table -> (hot ids, their slots) of the choice in force
+    self._hot_slots: Dict[int, List[np.ndarray]] = {}  # row width -> the hot slots each step trained
+    self._error: Optional[BaseException] = None
+    if not self.enabled:
+      return
+    if jax.process_count() > 1:
+      raise ValueError(
+        "config.publish_every_s > 0 needs one trainer process: each process pushes its own ids, and the "
+        "publisher sees only this one's"
+      )
+    os.makedirs(self.directory, exist_ok=True)
+    index = published.read_index(self.directory) or published.empty_index()
+    # Deltas past the checkpoint this run resumed from are of steps it trains again: a server must not
+    # apply them to the new rows. Their seq numbers are not reused.
+    gone = [os.path.join(self.directory, published.ROWS, d["name"]) for d in index["deltas"] if d["step"] > start]
+    gone += [os.path.join(self.directory, published.DENSE, d["name"]) for d in index["dense"] if d["step"] > start]
+    index["deltas"] = [d for d in index["deltas"] if d["step"] <= start]
+    index["dense"] = [d for d in index["dense"] if d["step"] <= start]
+    published.write_index(self.directory, index)
+    published.remove(gone)
+    self._index = index
+    self._parent: Optional[int] = None
+    self._parent_step = int(start)
+    now = clock()
+    self._next, self._next_dense = now + self.every_s, now
+    self._last_step = self._last_dense = None
+    self._first_update: Optional[float] = None
+    self._queue: "queue.Queue" = queue.Queue(maxsize=2)
+    self._thread = threading.Thread(target=self._write_loop, name="publisher", daemon=True)
+    self._thread.start()
+
+  # -- the training loop's side ---------------------------------------------------------
+  def step(self, prepared, step: int, gate, save: bool = False) -> bool:
+    """Records the ids a step pushes (``prepared.groups``, deduplicated) and the hot rows it trains
+    on the device (``prepared.hot_idx``: their slots), before its push; if the cut after it (``step`` steps done) is to be published (its time has come, or
+    ``save``: a checkpoint's cut, so that the deltas reach past each checkpoint at once), holds the
+    lookups of ``step`` on (``gate.hold``; a checkpoint holds them itself) until ``cut``.
+
+    Returns:
+      Whether ``cut`` publishes this step's cut."""
+    self._due = None
+    if not self.enabled:
+      return False
+    if self._first_update is None:
+      self._first_update = time.time()  # the oldest change the next delta carries (its push follows)
+    for g in prepared.groups.values():
+      for name, ids, _ in g.tables:
+        if ids.shape[0]:
+          self._touched.setdefault(name, []).append(ids)
+    if self.hot is not None and self.hot.enabled:
+      now = {t: self.hot.set.hot(t) for ts in self.hot.groups.values() for t in ts}
+      if any(self._hot_seen.get(t, (None,))[0] is not now[t][0] for t in now):
+        # A new choice: the slots recorded so far name rows of the old one (a row that left the
+        # device went back into the PS with what it learnt there, and is read from the PS).
+        self._hot_touched()
+        self._hot_seen = now
+      for d, idx in (prepared.hot_idx or {}).items():
+        self._hot_slots.setdefault(int(d), []).append(idx)
+    if not (save or self._clock() >= self._next):
+      return False
+    if not save:
+      gate.hold(step)
+    self._due = (step, None if save else gate)
+    return True
+
+  def cut(self, step: int, state, hot_state, pusher) -> None:
+    """Publishes the cut after ``step`` steps if ``step`` said so (after the step's push), then
+    releases the lookups it held."""
+    if self._due is not None and self._due[0] == step:
+      gate, self._due = self._due[1], None
+      self.publish(step, state, hot_state, pusher, gate)
+
+  def publish(self, step: int, state, hot_state, pusher, gate=None, dense: Optional[bool] = None) -> None:
+    """Publishes the cut after ``step`` steps: lookups of step ``step`` on must be held until the
+    rows are read; then ``gate`` (if given) is released.
+
+    ``dense``: carry the dense parameters (None: if their time has come)."""
+    if not self.enabled:
+      return
+    try:
+      self._publish(step, state, hot_state, pusher, dense)
+    finally:
+      if gate is not None:
+        gate.release()
+
+  def _publish(self, step: int, state, hot_state, pusher, dense: Optional[bool]) -> None:
+    self.check()
+    now = self._clock()
+    dense = bool(dense or (dense is None and now >= self._next_dense and self.dense_every_s > 0))
+    if step == self._last_step and (not dense or self._last_dense == step):
+      return  # this cut is published already (the last step's, by time and again at the end)
+    t0 = time.perf_counter()
+    pusher.flush(step - 1)
+    t1 = time.perf_counter()
+    self._hot_touched()
+    wanted = {t: np.unique(np.concatenate(v)) for t, v in self._touched.items()}
+    self._touched = {}
+    hot = self._hot_rows(hot_state, wanted)  # a hot row's value is the device's; the PS holds an older one
+    t2 = time.perf_counter()
+    for t, (ids, _) in hot.items():
+      wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
+    wanted = {t: ids for t, ids in wanted.items() if ids.shape[0]}
+    rows = self.ps.lookup_many(wanted, create=False) if wanted else {}
+    arrays = {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
+    for t, (ids, w) in hot.items():
+      if t in arrays:
+        ids, w = np.concatenate([arrays[t]["ids"], ids]), np.concatenate([arrays[t]["weights"], w])
+      arrays[t] = {"ids": ids, "weights": w}
+    t3 = time.perf_counter()
+    leaves = None
+    if dense and self._last_dense != step:
+      leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+      self._next_dense, self._last_dense = now + self.dense_every_s, step
+    self.times["flush"] += t1 - t0
+    self.times["hot"] += t2 - t1
+    self.times["read"] += t3 - t2
+    self.times["dense"] += time.perf_counter() - t3
+    self._next = now + self.every_s
+    if step == self._last_step:
+      arrays = None  # a cut published again (for its dense parameters) has no row to add: no delta
+    self._last_step = step
+    times = {"first_update": self._first_update or time.time(), "cut": time.time()}
+    self._first_update = None
+    self._queue.put((int(step), arrays, leaves, times))
+    self.seconds += time.perf_counter() - t0
+
+  def _hot_touched(self) -> None:
+    """The hot rows the steps since the last call trained (their slots, in the choice in force then)
+    among the ids touched."""
+    for dim, idx in self._hot_slots.items():
+      slots = np.unique(np.concatenate(idx))
+      for t in self.hot.groups.get(dim, ()):
+        ids, at = self._hot_seen.get(t, (None, None))
+        if ids is not None and ids.shape[0]:
+          self._touched.setdefault(t, []).append(ids[np.isin(at, slots)])
+    self._hot_slots = {}
+
+  def _hot_rows(self, hot_state, wanted: Dict[str, np.ndarray]) -> Dict[str, tuple]:
+    """Table -> (ids, rows) of the ``wanted`` ids hot now, from the device tables (not written back
+    into the PS: that imports every hot row with its slots, most of a publish's cost), rounded to
+    the table's storage dtype as the write-back would round them: the rows the trainer's evaluation
+    reads."""
+    out: Dict[str, tuple] = {}
+    if self.hot is None or not self.hot.enabled:
+      return out
+    for dim, tables in self.hot.groups.items():
+      w = None
+      for t in tables:
+        hot_ids, slots = self.hot.set.hot(t)
+        if t not in wanted or not hot_ids.shape[0]:
+          continue
+        ids = wanted[t][np.isin(wanted[t], hot_ids)]
+        if not ids.shape[0]:
+          continue
+        if w is None:
+          w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
+        rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
+        dtype = _DTYPES[self.ps.specs[t].storage_dtype]
+        out[t] = (ids, rows if dtype is np.float32 else rows.astype(dtype).astype(np.float32))
+    return out
+
+  def checkpointed(self, covered_step: Optional[int]) -> None:
+    """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the
+    two newest checkpoints: a server that polls keeps its line, one far behind starts again)."""
+    if self.enabled and covered_step is not None:
+      self._queue.put(("prune", int(covered_step), None, None))
+
+  def check(self) -> None:
+    """Re-raises the writing thread's failure (a full disk), naming the publish directory."""
+    if self._error is not None:
+      raise RuntimeError(f"publishing to {self.directory} failed: {self._error}") from self._error
+
+  def close(self, quiet: bool = False) -> None:
+    """Waits for what was handed over to be written; ``quiet``: a failure is not raised (the run
+    is failing for another reason, which is the one to report)."""
+    if not self.enabled or not self._thread.is_alive():
+      return
+    self._queue.put(None)
+    self._thread.join()
+    if not quiet:
+      self.check()
+
+  # -- the writing thread -----------------------------------------------------------------
+  def _write_loop(self) -> None:
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      if self._error is not None:
+        continue  # reported by check(); what comes after a failure is not written
+      try:
+        if item[0] == "prune":
+          gone = published.prune(self.directory, self._index, item[1])
+          published.write_index(self.directory, self._index)
+          published.remove(gone)
+          continue
+        step, arrays, leaves, times = item
+        index = self._index
+        if arrays is not None:
+          seq = int(index["next_seq"])
+          entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays, times)
+          index["deltas"].append(entry)
+          index["next_seq"] = seq + 1
+        if leaves is not None:
+          index["dense"].append(published.write_dense(self.directory, step, leaves))
+          gone = published.prune(self.directory, index, None)
+        else:
+          gone = []
+        published.write_index(self.directory, index)
+        published.remove(gone)
+        if arrays is not None:
+          self._parent, self._parent_step = seq, step
+          self.published += 1
+      except Exception as e:  # noqa: BLE001 - re-raised in the training loop by check()
+        logging.exception("publishing to %s failed", self.directory)
+        self._error = e
