@@ -60,20 +60,21 @@ def test_coordinator_port():
 _FAKE_SRUN = r"""#!/bin/bash
 # A fake srun: runs the command once per task with SLURM_PROCID and SLURM_NTASKS set, the output
 # of each to the --output file (%t = the task), and returns the highest status.
-n=1; out=/dev/stdout; args=()
+n=1; out=/dev/stdout; args=(); nodes=nodeA
 while [ $# -gt 0 ]; do
   case $1 in
     --ntasks=*) n=${1#--ntasks=} ;;
     --output=*) out=${1#--output=} ;;
+    --nodelist=*) nodes=${1#--nodelist=} ;;
     --*) ;;
     *) args=("$@"); break ;;
   esac
   shift
 done
-echo "srun $n ${args[*]}" >> "$FAKE_LOG"
+echo "srun $n on $nodes: ${args[*]}" >> "$FAKE_LOG"
 pids=()
 for ((t = 0; t < n; t++)); do
-  SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_STEP_NODELIST=nodeA "${args[@]}" > "${out//%t/$t}" 2>&1 &
+  SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_STEP_NODELIST=$nodes "${args[@]}" > "${out//%t/$t}" 2>&1 &
   pids+=($!)
 done
 trap 'kill "${pids[@]}" 2>/dev/null' TERM
@@ -84,7 +85,11 @@ exit $worst
 
 _FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_LOG"
-[ "$1 $2" = "show hostnames" ] && { echo nodeA; exit 0; }
+# The job's node list is FAKE_HOSTS; a step's (n1,n2) is its names.
+if [ "$1 $2" = "show hostnames" ]; then
+  if [ "$3" = "$SLURM_JOB_NODELIST" ]; then printf '%s\n' $FAKE_HOSTS; else printf '%s\n' ${3//,/ }; fi
+  exit 0
+fi
 [ "$1" = requeue ] && exit 0
 exit 1
 """
@@ -103,7 +108,7 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _fake_job(tmp_path, trainer_exit, restart_count=0):
+def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA"):
   """Runs recsys.sbatch with fake srun, scontrol and python; returns (status, its output, the commands run)."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +129,8 @@ def _fake_job(tmp_path, trainer_exit, restart_count=0):
     RECSYS_PYTHON=str(bin_dir / "python"),
     SLURM_JOB_ID="77",
     SLURM_NTASKS="5",
-    SLURM_JOB_NODELIST="nodeA",
+    SLURM_JOB_NODELIST="fake[1-5]",
+    FAKE_HOSTS=hosts,
     SLURM_RESTART_COUNT=str(restart_count),
   )
   # The batch script's `sleep 300` after a requeue: SLURM would end it there; here sleep is short.
@@ -161,6 +167,15 @@ def test_the_batch_script_runs_the_roles(tmp_path):
     line = [ln for ln in (logs / f"trainer-{rank}.log").read_text().splitlines() if ln.startswith("trainer ")]
     assert line == [f"trainer {rank}/3 coordinator nodeA:{port}: {' '.join(argv[1:])}"], line
   assert "scontrol requeue" not in calls
+
+
+def test_with_a_node_per_task_the_roles_get_their_own_nodes(tmp_path):
+  code, out, calls = _fake_job(tmp_path, 0, hosts="n1 n2 n3 n4 n5")
+  assert code == 0, out
+  steps = [ln.split(":")[0] for ln in calls.splitlines() if ln.startswith("srun ")]
+  assert steps == ["srun 2 on n4,n5", "srun 3 on n1,n2,n3"], calls
+  log = tmp_path / "run" / "slurm-77" / "logs" / "attempt-0" / "trainer-0.log"
+  assert f"coordinator n1:{slurm.coordinator_port(77, 0)}:" in log.read_text()
 
 
 def test_a_lost_trainer_requeues_the_job_and_a_config_error_does_not(tmp_path):
