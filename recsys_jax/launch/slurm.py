@@ -13,8 +13,9 @@ SLURM placed the servers, not from a host list. Each trainer task waits for all 
 runs the launcher's trainer command (``trainer_argv``, ``trainer_env``) as JAX process
 ``SLURM_PROCID`` of ``SLURM_NTASKS``, the coordinator on the first node of its step
 (``scontrol show hostnames $SLURM_STEP_NODELIST``), and writes its exit status to
-``JOBDIR/trainer-<rank>.exit`` so that the batch script can tell a config error (2: never
-requeued) from a lost process. SIGTERM and SIGINT to a role are passed on to its process.
+``JOBDIR/trainer-<rank>.exit`` (a server to ``ps-<shard>.exit``) so that the batch script can
+tell a config error (2: never requeued) from a lost process, whatever status ``srun`` reports
+for the step once it stopped the others. SIGTERM and SIGINT to a role are passed on to its process.
 
 JOBDIR must be on a filesystem every node sees (the workdir's is the natural place).
 """
@@ -70,9 +71,9 @@ def address_file(jobdir: str, shard: int) -> str:
   return os.path.join(jobdir, f"ps-{shard}.address")
 
 
-def exit_file(jobdir: str, rank: int) -> str:
-  """Where trainer ``rank`` writes its exit status."""
-  return os.path.join(jobdir, f"trainer-{rank}.exit")
+def exit_file(jobdir: str, role: str, rank: int) -> str:
+  """Where the ``role`` ('ps' or 'trainer') of rank ``rank`` writes its exit status."""
+  return os.path.join(jobdir, f"{role}-{rank}.exit")
 
 
 def coordinator_port(job_id: int, restart: int) -> int:
@@ -119,6 +120,7 @@ def serve(args: argparse.Namespace) -> int:
   shard, ntasks = _rank()
   if ntasks != args.num_ps:
     print(f"error: the server step has {ntasks} tasks, --num_ps is {args.num_ps}", file=sys.stderr)
+    _write_atomically(exit_file(args.jobdir, "ps", shard), f"{EXIT_CONFIG}\n")
     return EXIT_CONFIG
   argv = ps_argv(shard, args.num_ps, port=0, host="0.0.0.0", token_file=args.token_file, python=args.python)
   if args.snapshot_root:
@@ -131,7 +133,9 @@ def serve(args: argparse.Namespace) -> int:
       _write_atomically(address_file(args.jobdir, shard), f"{host}:{port}\n")
 
   print(f"slurm: shard {shard}/{args.num_ps} on {host}: {' '.join(argv)}", flush=True)
-  return _run(argv, on_line=on_line)
+  code = _run(argv, on_line=on_line)
+  _write_atomically(exit_file(args.jobdir, "ps", shard), f"{code}\n")
+  return code
 
 
 def wait_for_addresses(jobdir: str, num_ps: int, timeout_s: float) -> list[str]:
@@ -170,7 +174,7 @@ def train(args: argparse.Namespace, overrides: Sequence[str], extra: Sequence[st
   env = trainer_env(rank, ntasks, coordinator, devices_per_worker=args.devices_per_worker, platforms=args.platforms)
   print(f"slurm: trainer {rank}/{ntasks}, coordinator {coordinator}, servers {','.join(addresses)}", flush=True)
   code = _run(argv, env)
-  _write_atomically(exit_file(args.jobdir, rank), f"{code}\n")
+  _write_atomically(exit_file(args.jobdir, "trainer", rank), f"{code}\n")
   return code
 
 

@@ -59,10 +59,12 @@ def test_coordinator_port():
 
 _FAKE_SRUN = r"""#!/bin/bash
 # A fake srun: runs the command once per task with SLURM_PROCID and SLURM_NTASKS set, the output
-# of each to the --output file (%t = the task), and returns the highest status.
-n=1; out=/dev/stdout; args=(); nodes=nodeA
+# of each to the --output file (%t = the task), and returns the highest status; with
+# --kill-on-bad-exit=1 a task's non-zero status stops the others.
+n=1; out=/dev/stdout; args=(); nodes=nodeA; kill_on_bad=0
 while [ $# -gt 0 ]; do
   case $1 in
+    --kill-on-bad-exit=1) kill_on_bad=1 ;;
     --ntasks=*) n=${1#--ntasks=} ;;
     --output=*) out=${1#--output=} ;;
     --nodelist=*) nodes=${1#--nodelist=} ;;
@@ -79,7 +81,11 @@ for ((t = 0; t < n; t++)); do
 done
 trap 'kill "${pids[@]}" 2>/dev/null' TERM
 worst=0
-for p in "${pids[@]}"; do wait "$p"; c=$?; [ $c -gt $worst ] && worst=$c; done
+for ((t = 0; t < n; t++)); do
+  wait -n; c=$?
+  [ $c -gt $worst ] && worst=$c
+  [ $c -ne 0 ] && [ $kill_on_bad = 1 ] && kill "${pids[@]}" 2>/dev/null
+done
 exit $worst
 """
 
@@ -101,6 +107,7 @@ if [ "$1 $2" = "-m recsys_jax.main" ]; then
   exit "${FAKE_TRAINER_EXIT:-0}"
 fi
 if [ "$1 $2" = "-m recsys_jax.async_ps.server" ]; then
+  [ -n "$FAKE_SERVER_EXIT" ] && [ "$SLURM_PROCID" = 1 ] && exit "$FAKE_SERVER_EXIT"
   echo "ready 0.0.0.0:$((4000 + ${SLURM_PROCID}))"
   exec sleep 60
 fi
@@ -108,7 +115,7 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA"):
+def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exit=""):
   """Runs recsys.sbatch with fake srun, scontrol and python; returns (status, its output, the commands run)."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +129,7 @@ def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA"):
     PATH=f"{bin_dir}:{os.environ['PATH']}",
     FAKE_LOG=str(log),
     FAKE_TRAINER_EXIT=str(trainer_exit),
+    FAKE_SERVER_EXIT=str(server_exit),
     REAL_PYTHON=sys.executable,
     PYTHONPATH=ROOT,
     RECSYS_CONFIG="configs/tiny.py",
@@ -173,7 +181,7 @@ def test_with_a_node_per_task_the_roles_get_their_own_nodes(tmp_path):
   code, out, calls = _fake_job(tmp_path, 0, hosts="n1 n2 n3 n4 n5")
   assert code == 0, out
   steps = [ln.split(":")[0] for ln in calls.splitlines() if ln.startswith("srun ")]
-  assert steps == ["srun 2 on n4,n5", "srun 3 on n1,n2,n3"], calls
+  assert sorted(steps) == ["srun 2 on n4,n5", "srun 3 on n1,n2,n3"], calls
   log = tmp_path / "run" / "slurm-77" / "logs" / "attempt-0" / "trainer-0.log"
   assert f"coordinator n1:{slurm.coordinator_port(77, 0)}:" in log.read_text()
 
@@ -185,6 +193,15 @@ def test_a_lost_trainer_requeues_the_job_and_a_config_error_does_not(tmp_path):
   assert code == 2 and "scontrol requeue" not in calls and "not requeued" in out, (out, calls)
   code, out, calls = _fake_job(tmp_path / "spent", 1, restart_count=3)
   assert code == 1 and "scontrol requeue" not in calls and "3 requeues spent" in out, (out, calls)
+
+
+def test_a_server_that_exits_stops_the_waiting_trainers(tmp_path):
+  t0 = time.monotonic()
+  code, out, calls = _fake_job(tmp_path / "lost", 0, server_exit=1)
+  assert "servers' step ended" in out and "a server exited" in out and "scontrol requeue 77" in calls, out
+  assert time.monotonic() - t0 < 60  # not the trainers' 300 s wait for the address
+  code, out, calls = _fake_job(tmp_path / "refused", 0, server_exit=2)
+  assert code == 2 and "scontrol requeue" not in calls and "not requeued" in out, out
 
 
 def test_the_batch_script_asks_for_requeue_and_an_early_sigterm():
