@@ -16,6 +16,7 @@ with fake ``srun`` and ``scontrol``.
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -104,6 +105,7 @@ exit 1
 _FAKE_PYTHON = r"""#!/bin/bash
 if [ "$1 $2" = "-m recsys_jax.main" ]; then
   echo "trainer $JAX_PROCESS_ID/$JAX_NUM_PROCESSES coordinator $JAX_COORDINATOR_ADDRESS: $*"
+  [ -n "$FAKE_TRAINER_SLEEP" ] && sleep "$FAKE_TRAINER_SLEEP"
   exit "${FAKE_TRAINER_EXIT:-0}"
 fi
 if [ "$1 $2" = "-m recsys_jax.async_ps.server" ]; then
@@ -115,8 +117,11 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exit=""):
-  """Runs recsys.sbatch with fake srun, scontrol and python; returns (status, its output, the commands run)."""
+def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exit="", sigterm_after=None):
+  """Runs recsys.sbatch with fake srun, scontrol and python; returns (status, its output, the commands run).
+
+  ``sigterm_after``: send the batch shell SIGTERM (as ``--signal=B:TERM@...`` does) once the
+  trainers run, that many seconds after; the trainers then sleep until stopped."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(parents=True, exist_ok=True)
   for name, text in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL), ("python", _FAKE_PYTHON)):
@@ -144,10 +149,36 @@ def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exi
   # The batch script's `sleep 300` after a requeue: SLURM would end it there; here sleep is short.
   (bin_dir / "sleep").write_text('#!/bin/bash\n[ "$1" = 300 ] && exit 0\nexec /bin/sleep "$@"\n')
   (bin_dir / "sleep").chmod(0o755)
-  p = subprocess.run(
-    ["bash", SBATCH, "--config.num_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  if sigterm_after is None:
+    p = subprocess.run(
+      ["bash", SBATCH, "--config.num_steps=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    return p.returncode, p.stdout + p.stderr, log.read_text()
+  env["FAKE_TRAINER_SLEEP"] = "60"
+  p = subprocess.Popen(
+    ["bash", SBATCH],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
   )
-  return p.returncode, p.stdout + p.stderr, log.read_text()
+  try:
+    first = tmp_path / "run" / "slurm-77" / "logs" / "attempt-0" / "trainer-0.log"
+    deadline = time.monotonic() + 60
+    while not (first.exists() and "trainer 0/" in first.read_text()) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    time.sleep(sigterm_after)
+    p.send_signal(signal.SIGTERM)
+    code = p.wait(timeout=60)
+  finally:
+    try:
+      os.killpg(p.pid, signal.SIGKILL)  # the fake steps (they hold the pipe): SLURM would end them as it requeues
+    except ProcessLookupError:
+      pass
+    out = p.communicate(timeout=60)[0]
+  return code, out, log.read_text()
 
 
 def test_the_batch_script_runs_the_roles(tmp_path):
@@ -202,6 +233,13 @@ def test_a_server_that_exits_stops_the_waiting_trainers(tmp_path):
   assert time.monotonic() - t0 < 60  # not the trainers' 300 s wait for the address
   code, out, calls = _fake_job(tmp_path / "refused", 0, server_exit=2)
   assert code == 2 and "scontrol requeue" not in calls and "not requeued" in out, out
+
+
+def test_sigterm_to_the_batch_shell_requeues_the_job(tmp_path):
+  """What --signal=B:TERM@300 sets off before the time limit: the trap requeues the job."""
+  code, out, calls = _fake_job(tmp_path, 0, sigterm_after=0.5)
+  assert "scontrol requeue 77" in calls and "SIGTERM to the batch script" in out, (out, calls)
+  assert code == 143 and calls.count("scontrol requeue") == 1, (code, out)
 
 
 def test_the_batch_script_asks_for_requeue_and_an_early_sigterm():
