@@ -98,6 +98,7 @@ if [ "$1 $2" = "show hostnames" ]; then
   exit 0
 fi
 [ "$1" = requeue ] && exit 0
+[ "$1 $2" = "show job" ] && { echo "JobId=$3 JobName=recsys JobState=$FAKE_JOB_STATE Restarts=0"; exit 0; }
 exit 1
 """
 
@@ -117,7 +118,9 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exit="", sigterm_after=None):
+def _fake_job(
+  tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exit="", sigterm_after=None, state="RUNNING"
+):
   """Runs recsys.sbatch with fake srun, scontrol and python; returns (status, its output, the commands run).
 
   ``sigterm_after``: send the batch shell SIGTERM (as ``--signal=B:TERM@...`` does) once the
@@ -135,6 +138,7 @@ def _fake_job(tmp_path, trainer_exit, restart_count=0, hosts="nodeA", server_exi
     FAKE_LOG=str(log),
     FAKE_TRAINER_EXIT=str(trainer_exit),
     FAKE_SERVER_EXIT=str(server_exit),
+    FAKE_JOB_STATE=state,
     REAL_PYTHON=sys.executable,
     PYTHONPATH=ROOT,
     RECSYS_CONFIG="configs/tiny.py",
@@ -237,9 +241,12 @@ def test_a_server_that_exits_stops_the_waiting_trainers(tmp_path):
 
 def test_sigterm_to_the_batch_shell_requeues_the_job(tmp_path):
   """What --signal=B:TERM@300 sets off before the time limit: the trap requeues the job."""
-  code, out, calls = _fake_job(tmp_path, 0, sigterm_after=0.5)
+  code, out, calls = _fake_job(tmp_path / "limit", 0, sigterm_after=0.5)
   assert "scontrol requeue 77" in calls and "SIGTERM to the batch script" in out, (out, calls)
   assert code == 143 and calls.count("scontrol requeue") == 1, (code, out)
+  # scancel: the job is CANCELLED when its SIGTERM arrives; a requeue would undo the user's cancel.
+  code, out, calls = _fake_job(tmp_path / "scancel", 0, sigterm_after=0.5, state="CANCELLED")
+  assert code == 143 and "scontrol requeue" not in calls and "being cancelled; not requeued" in out, (out, calls)
 
 
 def test_the_batch_script_asks_for_requeue_and_an_early_sigterm():
@@ -247,7 +254,7 @@ def test_the_batch_script_asks_for_requeue_and_an_early_sigterm():
   directives = re.findall(r"^#SBATCH (\S+)", text, re.M)
   assert "--requeue" in directives
   assert any(re.fullmatch(r"--signal=B:TERM@\d+", d) for d in directives), directives
-  assert re.search(r"^trap '.*requeue.*' TERM$", text, re.M)
+  assert re.search(r"^trap on_term TERM$", text, re.M) and re.search(r"^on_term\(\) \{\n(.*\n)*?.*requeue ", text, re.M)
   subprocess.run(["bash", "-n", SBATCH], check=True)
   subprocess.run(["bash", "-n", CLUSTER], check=True)
 
@@ -364,3 +371,39 @@ def test_slurm_job_matches_the_launcher_and_resumes_when_requeued(tmp_path, clus
   assert summary["resumed_from"] is not None and summary["resumed_from"] >= max(kept) > 0
   assert {m: summary[m] for m in METRICS} == {m: ref[m] for m in METRICS}
   assert sorted(os.listdir(os.path.join(workdir, f"slurm-{job_id}", "logs"))) == ["attempt-0", "attempt-1"]
+
+
+@pytest.mark.slow
+def test_the_sigterm_asked_for_before_the_time_limit_requeues_the_job(tmp_path, cluster):
+  """--signal=B:TERM@45 with a 1-minute limit: SLURM's SIGTERM reaches the batch shell before the
+  limit (slurmctld checks every ~30 s), its trap requeues the job, and the next attempt starts."""
+  env = cluster
+  workdir = str(tmp_path / "limited")
+  env = dict(
+    env,
+    RECSYS_CONFIG="configs/tiny.py",
+    RECSYS_WORKDIR=workdir,
+    RECSYS_PYTHON=sys.executable,
+    RECSYS_PLATFORMS="cpu",
+    PYTHONPATH=ROOT,
+  )
+  argv = ["sbatch", "--parsable", "--overcommit", "--nodes=1", "--ntasks=4", "--time=1", "--signal=B:TERM@45"]
+  argv += [f"--output={workdir}.out", SBATCH, *ARGS, "--config.num_steps=1000000"]
+  job_id = int(_sh(env, *argv).strip().split(";")[0])
+  try:
+    deadline = time.monotonic() + 240
+    out = ""
+    while "attempt 1 on" not in out and time.monotonic() < deadline:
+      time.sleep(0.5)
+      out = open(f"{workdir}.out").read() if os.path.exists(f"{workdir}.out") else ""
+      assert _job(env, job_id)["JobState"] not in ("TIMEOUT", "FAILED", "CANCELLED", "COMPLETED"), out
+    print(out)
+    assert "SIGTERM to the batch script (time limit near, or preempted); requeued (attempt 1" in out, out
+    assert "attempt 1 on" in out and _job(env, job_id)["Restarts"] == "1", (out, _job(env, job_id))
+  finally:
+    subprocess.run(["scancel", str(job_id)], env=env, timeout=60)
+  # scancel's own SIGTERM to the batch shell must not requeue the job.
+  t0 = time.monotonic()
+  job = _wait_job(env, job_id, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
+  print(f"after scancel: {job['JobState']} in {time.monotonic() - t0:.0f} s, restarts {job['Restarts']}")
+  assert job["JobState"] == "CANCELLED" and job["Restarts"] == "1", job
