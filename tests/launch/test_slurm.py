@@ -7,7 +7,9 @@ and checks its summary.json metrics equal (==) those of the launcher's run of th
 (staleness k=0, a checkpoint every 20 steps). Then it submits it again, kills the trainers' step
 (``scancel --signal=KILL <job>.<step>``) once a checkpoint exists, and checks that the batch
 script requeued the job, that the requeued job resumed from that checkpoint and ended with the
-same metrics. The cluster and everything it started is stopped at the end.
+same metrics. A second slow test gives the job a 1-minute limit with ``--signal=B:TERM@45``: SLURM's
+SIGTERM must requeue it before the limit, and a ``scancel`` after that must cancel it, not requeue
+it. Each test's cluster, and everything it started, is stopped at its end.
 
 The default-suite tests run the roles with fake SLURM variables and the batch script's decisions
 with fake ``srun`` and ``scontrol``.
@@ -242,11 +244,13 @@ def test_a_server_that_exits_stops_the_waiting_trainers(tmp_path):
 def test_sigterm_to_the_batch_shell_requeues_the_job(tmp_path):
   """What --signal=B:TERM@300 sets off before the time limit: the trap requeues the job."""
   code, out, calls = _fake_job(tmp_path / "limit", 0, sigterm_after=0.5)
-  assert "scontrol requeue 77" in calls and "SIGTERM to the batch script" in out, (out, calls)
+  assert "scontrol requeue 77" in calls and "SIGTERM to the batch script (JobState=RUNNING" in out, (out, calls)
   assert code == 143 and calls.count("scontrol requeue") == 1, (code, out)
   # scancel: the job is CANCELLED when its SIGTERM arrives; a requeue would undo the user's cancel.
   code, out, calls = _fake_job(tmp_path / "scancel", 0, sigterm_after=0.5, state="CANCELLED")
-  assert code == 143 and "scontrol requeue" not in calls and "being cancelled; not requeued" in out, (out, calls)
+  assert (
+    code == 143 and "scontrol requeue" not in calls and "being cancelled (JobState=CANCELLED); not requeued" in out
+  ), (out, calls)
 
 
 def test_the_batch_script_asks_for_requeue_and_an_early_sigterm():
@@ -398,12 +402,16 @@ def test_the_sigterm_asked_for_before_the_time_limit_requeues_the_job(tmp_path, 
       out = open(f"{workdir}.out").read() if os.path.exists(f"{workdir}.out") else ""
       assert _job(env, job_id)["JobState"] not in ("TIMEOUT", "FAILED", "CANCELLED", "COMPLETED"), out
     print(out)
-    assert "SIGTERM to the batch script (time limit near, or preempted); requeued (attempt 1" in out, out
-    assert "attempt 1 on" in out and _job(env, job_id)["Restarts"] == "1", (out, _job(env, job_id))
+    assert re.search(
+      r"SIGTERM to the batch script \(JobState=RUNNING: time limit near, or preempted\); requeued \(attempt 1", out
+    ), out
+    # >= 1: SLURM 22.05 was seen to send the warning again within a second of the requeued job's
+    # start (a 1-minute limit), which requeues it once more.
+    assert "attempt 1 on" in out and int(_job(env, job_id)["Restarts"]) >= 1, (out, _job(env, job_id))
   finally:
     subprocess.run(["scancel", str(job_id)], env=env, timeout=60)
   # scancel's own SIGTERM to the batch shell must not requeue the job.
   t0 = time.monotonic()
   job = _wait_job(env, job_id, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
   print(f"after scancel: {job['JobState']} in {time.monotonic() - t0:.0f} s, restarts {job['Restarts']}")
-  assert job["JobState"] == "CANCELLED" and job["Restarts"] == "1", job
+  assert job["JobState"] == "CANCELLED", job
