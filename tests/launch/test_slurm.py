@@ -408,10 +408,12 @@ def test_the_sigterm_asked_for_before_the_time_limit_requeues_the_job(tmp_path, 
     # >= 1: SLURM 22.05 was seen to send the warning again within a second of the requeued job's
     # start (a 1-minute limit), which requeues it once more.
     assert "attempt 1 on" in out and int(_job(env, job_id)["Restarts"]) >= 1, (out, _job(env, job_id))
+    restarts = _job(env, job_id)["Restarts"]
   finally:
     subprocess.run(["scancel", str(job_id)], env=env, timeout=60)
-  # scancel's own SIGTERM to the batch shell must not requeue the job.
+  # scancel's own SIGTERM to the batch shell must not requeue the job. SLURM records it CANCELLED,
+  # or FAILED when the batch shell's exit (143, from the trap) reaches it first.
   t0 = time.monotonic()
   job = _wait_job(env, job_id, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
   print(f"after scancel: {job['JobState']} in {time.monotonic() - t0:.0f} s, restarts {job['Restarts']}")
-  assert job["JobState"] == "CANCELLED", job
+  assert job["JobState"] in ("CANCELLED", "FAILED") and job["Restarts"] == restarts, (job, restarts)
