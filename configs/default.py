@@ -42,12 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.final_checkpoint = True
   c.max_checkpoints = 2  # Checkpoints kept in <workdir>/checkpoints.
   c.checkpoint_full_every = 4  # Every 4th PS snapshot is full, the others incremental (1: all full).
-  # Rows for serving between checkpoints (recsys_jax/online/publish.py): every this many seconds the
-  # rows touched since the last publish go to <publish_dir>/rows as a delta (0: off), and every
-  # publish_dense_every_s the dense parameters too; '' = <workdir>/publish (relative: under the workdir).
-  c.publish_every_s = 0.0
-  c.publish_dense_every_s = 30.0
-  c.publish_dir = ""
+  # Rows for serving between checkpoints (recsys_jax/online/publish.py), for a model server that
+  # applies them without reloading (python -m recsys_jax.serve; docs/serving.md).
+  c.publish_every_s = 0.0  # Seconds between deltas of the rows touched since the last one (0: off).
+  c.publish_dense_every_s = 30.0  # Seconds between publishes of the dense parameters (with a delta).
+  c.publish_dir = ""  # Where they go: '' = <workdir>/publish; a relative path is under the workdir.
   c.eval_every = 0  # Steps between evaluations during training (0: only at the end).
   c.eval_samples = 131072  # Eval examples (synthetic: the split size; files: at most this many; 0: all).
   c.eval_batch_size = 16384  # Examples per eval step.
