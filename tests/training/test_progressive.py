@@ -110,7 +110,8 @@ def _first_batches(job, c, n):
   return out
 
 
-@pytest.mark.parametrize("micro_steps", [1, 2])
+# One micro-step in the slow set only (the default suite's time): two cover the accumulation's order too.
+@pytest.mark.parametrize("micro_steps", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_steps):
   """The logits the train step returns equal a separate forward pass (the eval step) with the
   parameters and rows from before the step, on a fresh job and on one that trained a few steps;
@@ -215,6 +216,7 @@ def test_a_scoring_run_changes_no_row_or_weight(tiny_config, tmp_path):
   assert scored["progressive"]["events_seen"] == 3 * c.batch_size
 
 
+@pytest.mark.slow  # a whole run (6 s) for a switch; the default suite's runs all have it on
 def test_progressive_off_returns_no_logits(tiny_config, tmp_path):
   c = tiny_config
   c.num_steps, c.log_every, c.progressive.window = 2, 1, 0
