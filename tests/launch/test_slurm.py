@@ -288,8 +288,9 @@ def _wait_job(env, job_id, states, timeout=600):
   pytest.fail(f"job {job_id} not {states} within {timeout} s: {_job(env, job_id)}")
 
 
-def _submit(env, workdir):
-  env = dict(
+def _job_env(env, workdir):
+  """The cluster's environment with what the batch script reads: the tiny config, on the CPU."""
+  return dict(
     env,
     RECSYS_CONFIG="configs/tiny.py",
     RECSYS_WORKDIR=workdir,
@@ -297,6 +298,10 @@ def _submit(env, workdir):
     RECSYS_PLATFORMS="cpu",
     PYTHONPATH=ROOT,
   )
+
+
+def _submit(env, workdir):
+  env = _job_env(env, workdir)
   # 4 tasks on the 2 CPUs of the node: --overcommit.
   argv = ["sbatch", "--parsable", "--overcommit", "--nodes=1", "--ntasks=4", f"--output={workdir}.out", SBATCH, *ARGS]
   return int(_sh(env, *argv, timeout=60).strip().split(";")[0])
@@ -383,14 +388,7 @@ def test_the_sigterm_asked_for_before_the_time_limit_requeues_the_job(tmp_path, 
   limit (slurmctld checks every ~30 s), its trap requeues the job, and the next attempt starts."""
   env = cluster
   workdir = str(tmp_path / "limited")
-  env = dict(
-    env,
-    RECSYS_CONFIG="configs/tiny.py",
-    RECSYS_WORKDIR=workdir,
-    RECSYS_PYTHON=sys.executable,
-    RECSYS_PLATFORMS="cpu",
-    PYTHONPATH=ROOT,
-  )
+  env = _job_env(env, workdir)
   argv = ["sbatch", "--parsable", "--overcommit", "--nodes=1", "--ntasks=4", "--time=1", "--signal=B:TERM@45"]
   argv += [f"--output={workdir}.out", SBATCH, *ARGS, "--config.num_steps=1000000"]
   job_id = int(_sh(env, *argv).strip().split(";")[0])

@@ -108,6 +108,16 @@ def place(slot_keys, slot_rows, mask, salt, keys, rows):
     slot_rows[pos] = rows[i]
 
 
+@jit_inline
+def _slot_of(slot_keys, slot_rows, mask, salt, k):
+  """The slot holding id ``k``, or the empty slot its probe run ends at (the id is absent then)."""
+  imask = np.int64(mask)
+  pos = np.int64(splitmix64_one(k ^ salt) & mask)
+  while slot_rows[pos] >= 0 and slot_keys[pos] != k:
+    pos = (pos + 1) & imask
+  return pos
+
+
 @jit
 def remove(slot_keys, slot_rows, mask, salt, keys):
   """Deletes ids from the table of ``find`` (absent ids are skipped); returns how many were present.
@@ -120,10 +130,7 @@ def remove(slot_keys, slot_rows, mask, salt, keys):
   imask = np.int64(mask)
   removed = 0
   for i in range(keys.shape[0]):
-    k = keys[i]
-    pos = np.int64(splitmix64_one(k ^ salt) & mask)
-    while slot_rows[pos] >= 0 and slot_keys[pos] != k:
-      pos = (pos + 1) & imask
+    pos = _slot_of(slot_keys, slot_rows, mask, salt, keys[i])
     if slot_rows[pos] < 0:
       continue
     removed += 1
@@ -149,13 +156,9 @@ def relabel(slot_keys, slot_rows, mask, salt, keys, rows):
   _check_slots(slot_keys, slot_rows, mask)
   if rows.shape[0] != keys.shape[0]:
     raise ValueError("relabel: rows must be as long as keys")
-  imask = np.int64(mask)
   absent = 0
   for i in range(keys.shape[0]):
-    k = keys[i]
-    pos = np.int64(splitmix64_one(k ^ salt) & mask)
-    while slot_rows[pos] >= 0 and slot_keys[pos] != k:
-      pos = (pos + 1) & imask
+    pos = _slot_of(slot_keys, slot_rows, mask, salt, keys[i])
     if slot_rows[pos] < 0:
       absent += 1
     else:
