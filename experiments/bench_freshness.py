@@ -435,16 +435,22 @@ class _Prober:
       now, rv = time.time(), a["row_version"]
       for e, score in zip(pending, a["scores"]):
         has_rows = rv is not None and rv >= e["step"]
+        moved = abs(score - e["score"]) > 1e-6
+        if "rows_at" in e:  # the rows came and the score did not move: when does it, if ever (unresolved either way)?
+          if moved or a["dense_version"] != e["dense"] or now - e["t"] > self.timeout_s:
+            e["lag"], e["late"] = None, now - e["t"] if moved and a["dense_version"] == e["dense"] else None
+          continue
         if has_rows:
           e["rows_at"] = now - e["t"]  # the first answer scored with rows that include the event's
         if a["dense_version"] != e["dense"] and not has_rows:
           e["score"], e["dense"] = score, a["dense_version"]
           self.rebased += 1
         elif has_rows:  # scored with the event's rows (an answer names the rows it was scored with)
-          moved = abs(score - e["score"]) > 1e-6
-          e["lag"] = now - e["t"] if moved else None  # None: the rows came and the score did not move
           e["with_dense"] = a["dense_version"] != e["dense"]  # and new dense parameters in the same answer
-        elif abs(score - e["score"]) > 1e-6:
+          if moved:
+            e["lag"] = now - e["t"]
+          # else: the rows came and the score did not move (a bug somewhere); followed on, unresolved
+        elif moved:
           e["lag"] = now - e["t"]
           self.early += 1  # the score moved before the event's rows came: never, if the bench is right
         elif now - e["t"] > self.timeout_s:
@@ -636,7 +642,11 @@ def _stream_run(scratch: str, base: Dict[str, Any], name: str, publish: bool, du
     out["rebased"] = prober.rebased
     out["with_dense"] = sum(bool(e.get("with_dense")) for e in done)
     out["moved_before_rows"] = prober.early
-    out["each"] = [[e["kind"], e["item"], _r(e["lag"]), _r(e.get("rows_at")), e["step"]] for e in done]
+    # kind, id, lag, first answer with its rows, the step that trained it, and for an event whose score
+    # did not move with its rows, when it moved later with the same dense parameters (None: not seen)
+    out["each"] = [
+      [e["kind"], e["item"], _r(e["lag"]), _r(e.get("rows_at")), e["step"], _r(e.get("late"))] for e in done
+    ]
     out["probe_failed"] = len(prober.failures)
     for kind in ("all", "new", "flip"):
       lags = np.array([e["lag"] for e in done if e["lag"] is not None and kind in ("all", e["kind"])])
