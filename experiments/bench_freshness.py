@@ -669,7 +669,12 @@ def _r(x: Optional[float]) -> Optional[float]:
 def _stream_main(scratch: str) -> Dict[str, Any]:
   base = _stream_base(scratch)
   main_run = _stream_run(scratch, base, "stream_on", True, _DURATION.value, events=True)
-  shutil.rmtree(os.path.join(scratch, "stream_on"), ignore_errors=True)
+  m = main_run
+  if m["failed"] or m["versions_backwards"] or m["unresolved"] or m["moved_before_rows"] or m["probe_failed"]:
+    # the logs of the trainer and the server, its stream and deltas, to look at (with --workdir)
+    sys.stderr.write(f"the measured run went wrong: its directory is kept, {os.path.join(scratch, 'stream_on')}\n")
+  else:
+    shutil.rmtree(os.path.join(scratch, "stream_on"), ignore_errors=True)
   pairs = {"off": [], "on": []}
   for r in range(_PAIRS.value):
     for mode in _ORDER:
