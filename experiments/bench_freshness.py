@@ -593,6 +593,9 @@ def _stream_run(scratch: str, base: Dict[str, Any], name: str, publish: bool, du
     seconds, trained = time.time() - t0, steps.read() - step0
     while prober is not None and prober.pending and time.time() - t0 < duration + prober.timeout_s:
       time.sleep(0.1)  # the last events reach the server
+    from recsys_jax.serving.client import HttpClient
+
+    info = HttpClient("127.0.0.1", port).model()  # the server's own counts: deltas applied, catch-ups, damage named
     trainer.send_signal(signal.SIGTERM)
     rc = trainer.wait(timeout=300)
     if rc != 0:
@@ -631,6 +634,7 @@ def _stream_run(scratch: str, base: Dict[str, Any], name: str, publish: bool, du
     "last_versions": [g["last"] for g in got],
     "p50_ms": float(np.percentile(lat, 50)) if lat.shape[0] else None,
     "p99_ms": float(np.percentile(lat, 99)) if lat.shape[0] else None,
+    "server": {k: v for k, v in info.items() if k != "fields"},  # /v1/model at the end: reloads, deltas, damage
   }
   examples = [x for g in got for x in g["failures"][:3] + g["backwards"][:3]]
   if examples:
