@@ -382,6 +382,13 @@ def _batch_size(config: str) -> int:
   return int(tiny.get_config().batch_size)
 
 
+def _connect(port: int):
+  """An HTTP client of the server on ``port`` (imported here: the client processes need no more)."""
+  from recsys_jax.serving.client import HttpClient
+
+  return HttpClient("127.0.0.1", port, timeout=30)
+
+
 class _Prober:
   """Events for probing: records of a new id (or of a known id with its label turned over), and the
   time from the file carrying them counting (renamed into place) to the first answer of the server
@@ -398,9 +405,7 @@ class _Prober:
   event."""
 
   def __init__(self, port: int, timeout_s: float = 60.0):
-    from recsys_jax.serving.client import HttpClient
-
-    self.base_client, self.client = HttpClient("127.0.0.1", port), HttpClient("127.0.0.1", port)
+    self.base_client, self.client = _connect(port), _connect(port)
     self.pending: List[Dict[str, Any]] = []
     self.done: List[Dict[str, Any]] = []
     self.lock = threading.Lock()
@@ -469,14 +474,12 @@ class _Prober:
 def _client_proc(port: int, stop, rate: float, records: int, seed: int, out: str) -> None:
   """A client process: ``rate`` requests a second of ``records`` traffic records until ``stop``;
   counts failures and answers whose dense or row version is older than an earlier answer's."""
-  from recsys_jax.serving.client import HttpClient
-
   rng = np.random.default_rng(seed)
   recs = []
   for line in _traffic(rng, 64):
     _, d, c1, c2, item = line.split(",")
     recs.append({"d1": float(d), "c1": c1, "c2": c2, "item": item})
-  client = HttpClient("127.0.0.1", port, timeout=30)
+  client = _connect(port)
   lat, failures, backwards, k = [], [], [], 0
   last = {"dense_version": -1, "row_version": -1}
   period, nxt = 1.0 / rate, time.perf_counter()
@@ -593,9 +596,7 @@ def _stream_run(scratch: str, base: Dict[str, Any], name: str, publish: bool, du
     seconds, trained = time.time() - t0, steps.read() - step0
     while prober is not None and prober.pending and time.time() - t0 < duration + prober.timeout_s:
       time.sleep(0.1)  # the last events reach the server
-    from recsys_jax.serving.client import HttpClient
-
-    info = HttpClient("127.0.0.1", port).model()  # the server's own counts: deltas applied, catch-ups, damage named
+    info = _connect(port).model()  # the server's own counts: deltas applied, catch-ups, damage named
     trainer.send_signal(signal.SIGTERM)
     rc = trainer.wait(timeout=300)
     if rc != 0:
