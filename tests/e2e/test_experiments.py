@@ -341,6 +341,25 @@ def test_scorer_and_server_small(tmp_path):
   assert announced(p.stdout) == {str(out)}, p.stdout
 
 
+def test_bench_freshness_stream_small(tmp_path):
+  """bench_freshness --stream (its SMOKE run is the synthetic mode): a writer feeds a stream for 6 s
+  of training beside the real server and one client process; the events (a new id, a label flip)
+  must move the server's scores, each once its rows are there, with no failed request and no
+  version going back. One measured run, no publishing-off runs (--ratio_pairs=0)."""
+  out = tmp_path / "fresh_stream.json"
+  args = ["--stream", "--duration_s=6", "--ratio_pairs=0", "--clients=1", "--rate=20", "--event_every_s=0.3"]
+  args += ["--publish_every_s=0.1", "--publish_dense_every_s=1", "--set=hot_rows_bytes=0", f"--json_out={out}"]
+  p = run_script("bench_freshness.py", args, tmp_path)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+  rec = last_json(p.stdout)
+  main = rec["main"]
+  assert main["freshness_new"]["n"] >= 1 and main["freshness_flip"]["n"] >= 1, main
+  assert 0 < rec["freshness_p50_s"] <= rec["freshness_max_s"], rec
+  assert rec["failed"] == rec["versions_backwards"] == rec["unresolved"] == rec["moved_before_rows"] == 0, rec
+  assert main["requests"] > 0 and main["steps"] > 0, main
+  assert announced(p.stdout) == {str(out)}, p.stdout
+
+
 def test_bench_feed_names_a_failed_setting_and_exits_1(tmp_path):
   """bench_feed's smoke sweep with a second worker count its child refuses: the good setting's
   figures still print, the bad one is one line naming it, the exit code is 1, and no workdir is
