@@ -341,6 +341,7 @@ def test_scorer_and_server_small(tmp_path):
   assert announced(p.stdout) == {str(out)}, p.stdout
 
 
+@pytest.mark.slow  # 20-25 s of four processes starting; the default suite runs bench_freshness's synthetic smoke
 def test_bench_freshness_stream_small(tmp_path):
   """bench_freshness --stream (its SMOKE run is the synthetic mode): a writer feeds a stream for 6 s
   of training beside the real server and one client process; the events (a new id, a label flip)
