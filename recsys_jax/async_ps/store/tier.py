@@ -200,8 +200,7 @@ class DiskTier:
     self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
     self.backend, kv = _backend(spec, backend)
     if self.backend == "file":
-      # Small to start: the files take their capacity's room on disk (reserved, not sparse).
-      self._store = FileRowStore(kv["path"], self._fields, initial_rows or 0, self._counters)
+      self._store = FileRowStore(kv["path"], self._fields, self._counters)
     else:
       self._store = TierStore(
         spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters
@@ -337,11 +336,7 @@ class DiskTier:
     with self._lock:
       self._check_open()
       self._counters["reads"] += 1
-      if self._map.size:
-        index = self._map.find(ids)
-        rows = np.where(index >= 0, self._loc[np.maximum(index, 0)], -1)
-      else:
-        index = rows = np.full(ids.shape, -1, np.int64)
+      index, rows = self._index_and_rows(ids)
       found = rows >= 0
       at = np.flatnonzero(found)
       ids, rows, index = ids[at], rows[at], index[at]
@@ -370,12 +365,8 @@ class DiskTier:
         self._store.reap()
         self._store.gather(rows, todo, out)()
         self._counters["rows_read"] += int(todo.sum())
-      self._loc[index] = -1
-      self._live -= m
-      self._garbage += m
+      self._forget_locked(index)
       self._counters["rows_taken_ahead"] += from_ahead
-      if self._map.size - self._live > max(2 * self._live, 4096):
-        self._rebuild_index_locked()
     weights = out.pop("weights")
     return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}, from_ahead
 
@@ -442,17 +433,10 @@ class DiskTier:
       self._check_open()
       if ids.shape[0] == 0 or self._map.size == 0:
         return 0
-      slots = self._map.find(np.unique(ids))
-      slots = slots[slots >= 0]
-      slots = slots[self._loc[slots] >= 0]
-      self._loc[slots] = -1
-      k = int(slots.shape[0])
-      self._live -= k
-      self._garbage += k
-      # Removed ids still hold index slots; rebuild the index when they dominate it.
-      if self._map.size - self._live > max(2 * self._live, 4096):
-        self._rebuild_index_locked()
-      return k
+      slots, rows = self._index_and_rows(np.unique(ids))
+      slots = slots[rows >= 0]
+      self._forget_locked(slots)
+      return int(slots.shape[0])
 
   def flush(self) -> None:
     """Writes the buffered partial chunk and waits until every write has committed.
@@ -535,11 +519,25 @@ class DiskTier:
     held = sum(v.nbytes for v in vars(self._map).values() if isinstance(v, np.ndarray))
     return int(held + self._loc.nbytes)
 
-  def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+  def _index_and_rows(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The index slot of each id (-1: never written) and the disk row of its latest copy (-1: none)."""
     if self._map.size == 0:
-      return np.full(ids.shape, -1, np.int64)
+      none = np.full(ids.shape, -1, np.int64)
+      return none, none
     slots = self._map.find(ids)
-    return np.where(slots >= 0, self._loc[np.maximum(slots, 0)], -1)
+    return slots, np.where(slots >= 0, self._loc[np.maximum(slots, 0)], -1)
+
+  def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+    return self._index_and_rows(ids)[1]
+
+  def _forget_locked(self, slots: np.ndarray) -> None:
+    """Removes the live ids at distinct index ``slots``: their rows become garbage."""
+    self._loc[slots] = -1
+    self._live -= slots.shape[0]
+    self._garbage += slots.shape[0]
+    # Removed ids still hold index slots; rebuild the index when they dominate it.
+    if self._map.size - self._live > max(2 * self._live, 4096):
+      self._rebuild_index_locked()
 
   def _rebuild_index_locked(self) -> None:
     live = np.flatnonzero(self._loc[: self._map.size] >= 0)

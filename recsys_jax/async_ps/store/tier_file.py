@@ -73,19 +73,17 @@ class FileRowStore:
 
   FILE = "tier.rows"
 
-  def __init__(self, path: str, fields: Dict[str, Tuple[int, np.dtype]], initial_rows: int, counters: Dict[str, int]):
+  def __init__(self, path: str, fields: Dict[str, Tuple[int, np.dtype]], counters: Dict[str, int]):
     """Creates the file under ``path`` (a directory, made if absent; an earlier file replaced).
 
     Args:
       fields: the field name -> (row width, storage dtype), in record order.
-      initial_rows: unused (the file grows with its appends); kept for ``TierStore``'s signature.
       counters: the dict whose ``bytes_written``, ``bytes_read`` and ``rows_written`` entries
         this store adds to.
 
     Raises:
       ValueError: if the directory or the file cannot be created (naming the path).
     """
-    del initial_rows
     self.path = path
     self._fields = fields
     self._spans: Dict[str, Tuple[int, int]] = {}  # field -> (first byte, bytes) in a record
