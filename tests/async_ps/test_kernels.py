@@ -215,6 +215,25 @@ def test_gather_rows_matches_fancy_indexing_and_skips_minus_one(dim):
   assert (out2 == sentinel).all()
 
 
+@pytest.mark.parametrize("dtype,width", [(np.float32, 64), (np.int64, 1), (np.bool_, 1), (np.uint16, 3)])
+def test_move_rows_matches_numpy_moves_in_turn(dtype, width):
+  """An eviction's moves: holes below the new end take the rows past it; numpy, one row at a time, is the reference."""
+  rng = np.random.default_rng(width)
+  a = (rng.normal(size=(300, width)) * 1000).astype(dtype)
+  holes = np.sort(rng.choice(250, 40, replace=False)).astype(np.int64)
+  movers = np.sort(rng.choice(np.arange(250, 300), 40, replace=False)).astype(np.int64)
+  want = a.copy()
+  for h, m in zip(holes, movers):
+    want[h] = want[m]
+  kernels.move_rows(a.reshape(300, -1).view(np.uint8), holes, movers)
+  np.testing.assert_array_equal(a, want)
+  # A row out of range is refused before anything moves.
+  before = a.copy()
+  with pytest.raises(IndexError, match="out of range"):
+    kernels.move_rows(a.reshape(300, -1).view(np.uint8), holes, np.append(movers[:-1], 300))
+  np.testing.assert_array_equal(a, before)
+
+
 # -- hashing and the id map ----------------------------------------------------------------------
 
 

@@ -6,8 +6,8 @@ and allocate a temporary per operation. Here each id is hashed and probed once, 
 touched row is read and written once, in place.
 
 The kernels live by path: ``lookup`` (the id map's hashing and probing, the row
-gather), ``update`` (the fused row-optimizer updates); ``jit`` holds the
-numba options and the prefetching they share. This module gathers their public names, and
+gather and moves), ``update`` (the fused row-optimizer updates), ``fileio`` (reads of rows
+from files); ``jit`` holds the numba options and the prefetching they share. This module gathers their public names, and
 ``read_only``, which callers pass arrays through so that each kernel has one signature.
 """
 
@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys_jax.async_ps.kernels.lookup import find, first_repeat, gather_rows, place, relabel, remove, splitmix64
+from recsys_jax.async_ps.kernels.lookup import (
+  find,
+  first_repeat,
+  gather_rows,
+  move_rows,
+  place,
+  relabel,
+  remove,
+  splitmix64,
+)
 from recsys_jax.async_ps.kernels.update import (
   adagrad_apply,
   adam_apply,
@@ -48,6 +57,7 @@ __all__ = [
   "relabel",
   "first_repeat",
   "gather_rows",
+  "move_rows",
   "sgd_apply",
   "adagrad_apply",
   "rowwise_adagrad_apply",

@@ -179,7 +179,7 @@ class Table:
     holes, movers = self._ids.drop_rows(np.flatnonzero(~keep[: self.num_rows]))
     if holes.shape[0]:
       for arr in (self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()):
-        arr[holes] = arr[movers]
+        kernels.move_rows(arr.reshape(arr.shape[0], -1).view(np.uint8), holes, movers)
 
   # -- the interface ------------------------------------------------------------------
   def lookup(

@@ -32,11 +32,14 @@ import numpy as np
 import tensorstore as ts
 from absl import logging
 
+from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.tier_file import FileRowStore
 from recsys_jax.async_ps.store.tier_store import READ_METHODS, TierStore, storage_dtype
 
 BACKENDS = ("auto", "file", "tensorstore")
+
+_REPEAT_SALT = np.uint64(0x632BE59BD9B4E019)  # the hash salt of the repeated-id check in ``write``
 
 
 def _backend(spec: Any, backend: str) -> Tuple[str, Dict[str, Any]]:
@@ -270,9 +273,11 @@ class DiskTier:
       self._counters["writes"] += 1
       if n == 0:
         return
-      # Keep the last occurrence of a repeated id, in batch order.
-      uniq, first_rev = np.unique(ids[::-1], return_index=True)
-      if uniq.shape[0] != n:
+      # Keep the last occurrence of a repeated id, in batch order (an O(n) check first: an
+      # eviction's ids are distinct, and sorting them cost more than writing them).
+      ids = np.ascontiguousarray(ids)
+      if kernels.first_repeat(kernels.read_only(ids), _REPEAT_SALT) >= 0:
+        _, first_rev = np.unique(ids[::-1], return_index=True)
         keep = np.sort(n - 1 - first_rev)
         ids = ids[keep]
         batch = {f: v[keep] for f, v in batch.items()}
@@ -552,7 +557,7 @@ class DiskTier:
     slots = self._map.find(ids)
     new = slots < 0
     if new.any():
-      slots[new] = self._map.insert(ids[new])
+      slots[new] = self._map.insert(ids[new], absent=True)
       if self._map.size > self._loc.shape[0]:
         grown = np.full((max(self._map.size, 2 * self._loc.shape[0], 1024),), -1, np.int64)
         grown[: self._loc.shape[0]] = self._loc
