@@ -139,8 +139,9 @@ class Writers:
       return
     keys = ("rows", "tier_rows", "bytes", "evictions", "expirations", "admitted", "rejected", "dropped_grads")
     # The disk tier's: rows read back, read ahead and taken from the read-ahead, the seconds
-    # lookups spent on tier reads (all since the start), reads staged now, rows not yet written.
-    tier_keys = ("tier_reads", "read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "tier_wait_s")
+    # lookups spent on tier reads and evictions spent after lookups (write-behind; all since the
+    # start), reads staged now, rows not yet written.
+    tier_keys = ("tier_reads", "read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "tier_wait_s", "evict_s")
     tier_keys += ("reads_in_flight", "write_behind_rows")
     keys += tier_keys if any(t.get("tier_rows", 0) or t.get("tier_reads", 0) for t in stats.values()) else ()
     total = {k: sum(t.get(k, 0) for t in stats.values()) for k in keys}

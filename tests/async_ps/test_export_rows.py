@@ -80,7 +80,7 @@ def _from_snapshot(snap, ids):
 def _counters(stats):
   """A table's stats but the times (mean latencies, the time lookups waited on the tier) and the
   hit rate (nan before any lookup)."""
-  return {k: v for k, v in stats.items() if k not in ("lookup_ms", "apply_ms", "hit_rate", "tier_wait_s")}
+  return {k: v for k, v in stats.items() if k not in ("lookup_ms", "apply_ms", "hit_rate", "tier_wait_s", "evict_s")}
 
 
 def _equal(a, b, rtol=0.0):

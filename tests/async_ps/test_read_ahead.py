@@ -8,7 +8,7 @@ from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
 DIM = 8
-TIMES = ("tier_wait_s", "lookup_ms", "apply_ms", "hit_rate")
+TIMES = ("tier_wait_s", "evict_s", "lookup_ms", "apply_ms", "hit_rate")
 # What read-ahead changes: its own counters, and the bytes (staged rows are held in RAM).
 AHEAD = ("read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "reads_in_flight", "read_ahead_held", "bytes")
 
@@ -100,6 +100,7 @@ def test_a_staged_copy_that_went_stale_is_not_used(tmp_path):
     ps.lookup_many({"a": x}, step=0)
     ps.apply_many({"a": (x, np.ones((1, DIM), np.float32))}, step=0)
     ps.lookup_many({"a": others[0]}, step=1)  # evicts x to the tier
+    ps.shards[0]["a"].wait_evicted()  # the eviction runs after the lookup returns (write-behind)
     assert ps.shards[0]["a"].tier.locate(x)[0][0] >= 0
     if ahead:
       ps.read_ahead_many({"a": x}, step=4)

@@ -376,6 +376,52 @@ def test_a_full_disk_is_an_error_naming_the_file_and_keeps_what_was_written(tmp_
   assert int(line.split()[1]) > 0, line
 
 
+_FULL_DISK_BEHIND = r"""
+import resource, signal, sys
+import numpy as np
+from recsys_jax.async_ps.store.table import Table
+from recsys_jax.async_ps.store.tier import DiskTier
+from recsys_jax.embeddings.specs import TableSpec
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # 4,096 rows of 256 bytes
+spec = TableSpec(name="t", dim=32, optimizer="adagrad", capacity=1000)
+tier = DiskTier({"driver": "file", "path": sys.argv[1]}, 32, {"acc": 32})
+table, ref = Table(spec, tier=tier, capacity=1000), Table(spec)  # ref: all in RAM, no file
+rng = np.random.default_rng(0)
+seen = np.zeros(0, np.uint64)
+try:
+  for step in range(100):
+    ids = np.arange(step * 400, step * 400 + 500, dtype=np.uint64)  # 100 ids of the last step again
+    a = table.lookup(ids, step=step)
+    b = ref.lookup(ids, step=step)
+    assert np.array_equal(a, b), step
+    seen = np.union1d(seen, ids)
+    g = rng.standard_normal((500, 32)).astype(np.float32)
+    table.apply(ids, g)  # waits for the eviction the lookup left running
+    ref.apply(ids, g)
+except OSError as e:
+  print("ERROR", step, e)
+w, s = table.export_rows(seen)  # the failed spill's rows stayed in RAM; the spilled ones are read back
+rw, rs = ref.export_rows(seen)
+print("SAME", bool(np.array_equal(w, rw) and np.array_equal(s["acc"], rs["acc"])), len(seen))
+table.close()
+"""
+
+
+def test_a_full_disk_under_a_write_behind_eviction_is_raised_by_the_next_call_and_loses_no_row(tmp_path):
+  """The eviction after a lookup runs on another thread: its write failing (a full disk) is raised
+  by the table's next call, naming the table and the file, and every row keeps its values
+  (against a table holding all in RAM)."""
+  out = subprocess.run(
+    [sys.executable, "-c", _FULL_DISK_BEHIND, str(tmp_path / "tier")], capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.strip().splitlines()
+  assert lines[0].startswith("ERROR") and "table 't'" in lines[0] and "tier.rows" in lines[0], lines
+  assert int(lines[0].split()[1]) > 5, lines  # several evictions went through before
+  assert lines[1].startswith("SAME True"), lines
+
+
 def test_stats_and_index_size():
   tier = DiskTier({"driver": "memory"}, DIM, SLOTS, chunk_rows=8)
   empty = tier.stats()

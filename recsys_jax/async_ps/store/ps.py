@@ -419,7 +419,12 @@ class ParameterServer:
 
   def close(self) -> None:
     self._workers.close()
+    failed = None
     for shard in self.shards:
       for table in shard.values():
-        if table.tier is not None:
-          table.tier.close()
+        try:
+          table.close()
+        except OSError as e:  # every table is closed; the first failure is raised
+          failed = failed or e
+    if failed is not None:
+      raise failed

@@ -16,6 +16,8 @@ restored bounded table goes on exactly as the original would have.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -36,6 +38,22 @@ from recsys_jax.hashing import name_seed, splitmix64, uniform01
 _EVICT_FRACTION = 0.2  # evict down to 80% of capacity, so rebuilds are amortised
 
 _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
+
+EVICT_THREADS = 1
+"""Threads that run tiered tables' evictions after their lookups (write-behind), shared by every
+table of the process: one, so that on a small machine they leave the lookups a core."""
+
+_pool_lock = threading.Lock()
+_pool = None
+
+
+def _evictors() -> concurrent.futures.ThreadPoolExecutor:
+  global _pool
+  with _pool_lock:
+    if _pool is None:
+      _pool = concurrent.futures.ThreadPoolExecutor(EVICT_THREADS, thread_name_prefix="ps-evict")
+    return _pool
+
 
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
@@ -82,6 +100,12 @@ class Table:
     self._ahead: List[Tuple[int, Any]] = []  # (step, tier.PendingRead) staged by read_ahead, oldest first
     self._ahead_held = 0  # rows they hold
     self.lock = threading.Lock()
+    # A lookup that leaves a tiered table over its capacity hands the lock to an evictor thread
+    # (``_evict_then_release``), which releases it once the eviction is done: every later call
+    # waits for it, so the table goes on exactly as if the lookup had evicted before returning.
+    self._idle = threading.Event()  # cleared while an eviction is in flight
+    self._idle.set()
+    self._evict_error: Optional[BaseException] = None  # raised by the next call on the table
     self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
     self._init_bounds()
     self._clear(0)
@@ -95,7 +119,9 @@ class Table:
         "read_ahead_rows", "read_ahead_used", "read_ahead_skipped",
       )
     }  # fmt: skip
-    self.timers = {"lookup_s": 0.0, "lookup_calls": 0, "apply_s": 0.0, "apply_calls": 0, "tier_wait_s": 0.0}
+    self.timers = {
+      "lookup_s": 0.0, "lookup_calls": 0, "apply_s": 0.0, "apply_calls": 0, "tier_wait_s": 0.0, "evict_s": 0.0,
+    }  # fmt: skip
 
   # -- storage ------------------------------------------------------------------------
   def _clear(self, cap: int) -> None:
@@ -109,8 +135,14 @@ class Table:
 
   @property
   def num_rows(self) -> int:
-    """Rows in RAM (not counting rows spilled to the tier)."""
+    """Rows in RAM (not counting rows spilled to the tier), after any eviction in flight."""
+    self.wait_evicted()
     return self._ids.size
+
+  def wait_evicted(self) -> None:
+    """Returns once the eviction a lookup left running (write-behind) is done: what the table's
+    tier holds is then what it will hold until the next call (the table's calls wait by themselves)."""
+    self._idle.wait()
 
   def _reserve(self, n: int) -> None:
     cap = self._weights.shape[0]
@@ -120,7 +152,7 @@ class Table:
     if self.capacity:  # a bounded table never needs much more than its capacity
       grow_to = min(grow_to, self.capacity + self.capacity // 4)
     cap = max(n, grow_to, 1024)
-    used = self.num_rows
+    used = self._ids.size
 
     def grown(a: np.ndarray) -> np.ndarray:
       # Uninitialised on purpose: every row past ``used`` is written by _insert before it is read.
@@ -147,7 +179,7 @@ class Table:
 
     ``absent``: the caller has just found none of the ids in RAM (``IdMap.insert`` skips that check).
     """
-    self._reserve(self.num_rows + ids.shape[0])
+    self._reserve(self._ids.size + ids.shape[0])
     rows = self._ids.insert(ids, absent=absent)
     if weights is not None:
       self._weights[rows] = weights.astype(self._wdtype, copy=False)
@@ -176,7 +208,7 @@ class Table:
     eviction costs as many rows as it drops, not the whole cache, and needs no second copy of
     it. Row order changes; nothing depends on it (eviction breaks ties by id).
     """
-    holes, movers = self._ids.drop_rows(np.flatnonzero(~keep[: self.num_rows]))
+    holes, movers = self._ids.drop_rows(np.flatnonzero(~keep[: self._ids.size]))
     if holes.shape[0]:
       for arr in (self._weights, self._last_seen, self._freq, self._dirty, *self._slots.values()):
         kernels.move_rows(arr.reshape(arr.shape[0], -1).view(np.uint8), holes, movers)
@@ -203,7 +235,10 @@ class Table:
       raise ValueError(
         f"table {self.spec.name!r}: out is {out.dtype} {out.shape}, expected float32 ({ids.shape[0]}, {self.spec.dim})"
       )
-    with self.lock:
+    behind = False
+    self.lock.acquire()
+    try:
+      self._raise_evict_error()
       if step is not None and create:
         self.step = max(self.step, int(step))
       if create and self._unstamped:
@@ -256,14 +291,68 @@ class Table:
         have = rows >= 0
         out[have] = self._weights[rows[have]]
       if create:
-        self._evict()
+        # Over its capacity, a tiered table spills after returning (write-behind): the rows
+        # are the caller's already, and the eviction's gathers, writes and moves overlap the
+        # caller's next work. Evicting here, before any other call, keeps every result the same.
+        behind = self.tier is not None and bool(self.capacity) and self._ids.size > self.capacity
+        if not behind:
+          self._evict()
+    finally:
+      if not behind:
+        self.lock.release()
     self.timers["lookup_s"] += time.perf_counter() - t0
     self.timers["lookup_calls"] += 1
+    if behind:
+      self._evict_behind()
     return out
+
+  # -- write-behind -------------------------------------------------------------------
+  @contextlib.contextmanager
+  def _locked(self) -> Iterator[None]:
+    """The table's lock, taken once any eviction in flight is done; raises what it raised."""
+    with self.lock:
+      self._raise_evict_error()
+      yield
+
+  def _raise_evict_error(self) -> None:
+    """Raises (once) the error of the last eviction run after a lookup; its rows stayed in RAM."""
+    err, self._evict_error = self._evict_error, None
+    if err is not None:
+      raise OSError(
+        f"table {self.spec.name!r}: the eviction after a lookup failed; its rows stayed in RAM: {err}"
+      ) from err
+
+  def _evict_behind(self) -> None:
+    """Runs ``_evict`` on an evictor thread, which releases the lock the caller still holds."""
+    self._idle.clear()
+    try:
+      _evictors().submit(self._evict_then_release)
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+      self._evict_then_release()
+
+  def _evict_then_release(self) -> None:
+    t0 = time.perf_counter()
+    try:
+      self._evict()
+    except BaseException as e:  # raised by the table's next call, which the caller makes
+      self._evict_error = e
+    finally:
+      self.timers["evict_s"] += time.perf_counter() - t0
+      self._idle.set()
+      self.lock.release()
+
+  def close(self) -> None:
+    """Waits for an eviction in flight and closes the tier; raises the error of a failed eviction."""
+    with self.lock:
+      try:
+        self._raise_evict_error()
+      finally:
+        if self.tier is not None:
+          self.tier.close()
 
   def in_ram(self, ids: np.ndarray) -> np.ndarray:
     """Whether each id has a row in RAM now (a lookup would not go to the tier or create it)."""
-    with self.lock:
+    with self._locked():
       return self._ids.find(np.asarray(ids, np.uint64)) >= 0
 
   def read_ahead(self, ids: np.ndarray, step: int) -> int:
@@ -288,7 +377,7 @@ class Table:
     if self.tier is None:
       return 0
     ids = np.asarray(ids, np.uint64)
-    with self.lock:
+    with self._locked():
       self._drop_ahead()
       miss = ids[self._ids.find(ids) < 0]
       if miss.shape[0] == 0:
@@ -351,7 +440,7 @@ class Table:
     # keep only its last update (bfloat16), where its gradients were meant to be summed.
     if not distinct:
       check_distinct(ids, self.spec.name)
-    with self.lock:
+    with self._locked():
       rows = self._ids.find(ids)
       missing = rows < 0
       if missing.any():
@@ -380,7 +469,7 @@ class Table:
       return self._stats()
 
   def _stats(self) -> Dict[str, float]:
-    n = self.num_rows
+    n = self._ids.size
     slot_bytes = sum(v.dtype.itemsize * int(np.prod(v.shape[1:])) for v in self._slots.values())
     row_bytes = self._weights.dtype.itemsize * self.spec.dim + slot_bytes + 8 + 8 + 4 + 1
     tier_rows = len(self.tier) if self.tier is not None else 0
@@ -398,6 +487,7 @@ class Table:
       "lookup_ms": 1e3 * self.timers["lookup_s"] / max(1, self.timers["lookup_calls"]),
       "apply_ms": 1e3 * self.timers["apply_s"] / max(1, self.timers["apply_calls"]),
       "tier_wait_s": self.timers["tier_wait_s"],
+      "evict_s": self.timers["evict_s"],
       "reads_in_flight": len(self._ahead),
       "read_ahead_held": self._ahead_held,
       "write_behind_rows": self.tier.stats()["pending_rows"] if self.tier is not None else 0,
@@ -442,14 +532,14 @@ class Table:
   def _stamp(self) -> None:
     """Rows restored without a last-seen step (older snapshots; rows that were in the tier, now
     in RAM) count as seen at this, the first training lookup after the restore."""
-    n = self.num_rows
+    n = self._ids.size
     unknown = np.flatnonzero(self._last_seen[:n] < 0)
     self._last_seen[unknown] = self.step
     self._dirty[unknown] = True
     self._unstamped = False
 
   def _evict(self) -> None:
-    n = self.num_rows
+    n = self._ids.size
     s = self.spec
     if s.expire_after and self.step - self._last_expiry_check >= max(1, s.expire_after // 8):
       self._last_expiry_check = self.step
@@ -459,7 +549,7 @@ class Table:
         self._deleted.append(self._ids.keys()[old].copy())
         self.counters["expirations"] += int(old.sum())
         self._keep_only(~old)
-        n = self.num_rows
+        n = self._ids.size
     if not self.capacity or n <= self.capacity:
       return
     target = int(self.capacity * (1 - _EVICT_FRACTION))
@@ -487,7 +577,7 @@ class Table:
   # -- the table's state in snapshots ---------------------------------------------------
   def bounds_state(self) -> Dict[str, Any]:
     """The table's step, the step of its last expiry check and its admission sketch (or None)."""
-    with self.lock:
+    with self._locked():
       sketch = None if self._sketch is None else self._sketch.copy()
       return {"step": int(self.step), "last_expiry_check": int(self._last_expiry_check), "sketch": sketch}
 
@@ -508,7 +598,7 @@ class Table:
     """
     self.check_bounds_state(state)
     sketch = state.get("sketch")
-    with self.lock:
+    with self._locked():
       self.step = max(self.step, int(state.get("step", 0)))
       self._last_expiry_check = max(self._last_expiry_check, int(state.get("last_expiry_check", 0)))
       if sketch is not None and self._sketch is not None:
@@ -544,7 +634,7 @@ class Table:
     n = ids.shape[0]
     weights = np.empty((n, self.spec.dim), np.float32)
     slots = self.opt.init(n, self.spec.dim)  # what ids without a row start from; the rest overwritten
-    with self.lock:
+    with self._locked():
       rows = self._ids.find(ids)
       have = np.flatnonzero(rows >= 0)
       weights[have] = self._weights[rows[have]]  # float32 exactly, from any storage dtype
@@ -585,7 +675,7 @@ class Table:
     """
     if not checked:
       ids, weights, slots = self.check_rows(ids, weights, slots, "import")
-    with self.lock:
+    with self._locked():
       rows = self._ids.find(ids)
       have = np.flatnonzero(rows >= 0)
       if have.shape[0]:
@@ -621,8 +711,8 @@ class Table:
     ids dropped since then (evicted without a tier, or expired). The table is locked until the
     last part is taken; the change tracking is reset only when every part was taken.
     """
-    with self.lock:
-      n = self.num_rows
+    with self._locked():
+      n = self._ids.size
       sel = np.flatnonzero(self._dirty[:n]) if incremental else np.arange(n)
       extra = np.zeros(0, np.uint64)
       if self.tier is not None:
@@ -714,7 +804,7 @@ class Table:
         gone = np.concatenate([np.asarray(snap.get("deleted", np.zeros(0, np.uint64)), np.uint64), ids])
         present = self._ids.find(gone)
         if (present >= 0).any():
-          keep = np.ones(self.num_rows, bool)
+          keep = np.ones(self._ids.size, bool)
           keep[present[present >= 0]] = False
           self._keep_only(keep)
         if self.tier is not None:
@@ -726,7 +816,7 @@ class Table:
       elif "spilled" in snap:
         to_ram = ~np.asarray(snap["spilled"], bool)
       else:
-        to_ram = np.arange(n) < self.capacity - self.num_rows
+        to_ram = np.arange(n) < self.capacity - self._ids.size
       ram = slice(None) if to_ram.all() else np.flatnonzero(to_ram)
       if ids[ram].shape[0]:
         rows = self._insert(ids[ram], weights[ram], {k: v[ram] for k, v in slots.items()})
@@ -735,5 +825,5 @@ class Table:
       if not to_ram.all():
         disk = np.flatnonzero(~to_ram)
         self.tier.write(ids[disk], weights[disk].astype(self._wdtype), {k: v[disk] for k, v in slots.items()})
-      self._dirty[: self.num_rows] = False
+      self._dirty[: self._ids.size] = False
       self._deleted, self._spilled_ids = [], []
