@@ -410,7 +410,7 @@ class DiskTier:
       rows = self._rows_of(ids)
       found = rows >= 0
       ids, rows = ids[found], rows[found]
-      out = {f: np.zeros((ids.shape[0], w), np.float32) for f, (w, _) in self._fields.items()}
+      out = {f: np.empty((ids.shape[0], w), np.float32) for f, (w, _) in self._fields.items()}  # every row is read
       self._store.reap()
       finish = self._store.gather(rows, np.ones(ids.shape[0], bool), out, background=True)  # no-op if empty
       if ids.shape[0]:
