@@ -65,7 +65,9 @@ class Table:
   Thread-safe: one lock per table, so a prefetcher and a pusher can work on different
   tables (or shards) at once; numpy drops the GIL for large copies. Admission, eviction and
   expiry follow the ``bounds`` module's rules; snapshots, restores and ``export_rows`` /
-  ``import_rows`` carry rows with their optimizer slots (``rows``).
+  ``import_rows`` carry rows with their optimizer slots (``rows``). A tiered table's lookup
+  returns before its eviction: the eviction runs on an evictor thread holding the table's
+  lock (write-behind), and the table's next call waits for it and raises its error, if any.
 
   Args:
     spec: the table's spec.
