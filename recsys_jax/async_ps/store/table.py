@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -39,9 +40,10 @@ _EVICT_FRACTION = 0.2  # evict down to 80% of capacity, so rebuilds are amortise
 
 _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
 
-EVICT_THREADS = 1
+EVICT_THREADS = max(1, (os.cpu_count() or 1) // 4)
 """Threads that run tiered tables' evictions after their lookups (write-behind), shared by every
-table of the process: one, so that on a small machine they leave the lookups a core."""
+table of the process: a quarter of the cores (one on this 2-core machine), so that they leave
+the lookups most of them; an eviction costs about what its lookup's misses cost."""
 
 _pool_lock = threading.Lock()
 _pool = None
