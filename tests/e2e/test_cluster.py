@@ -88,10 +88,8 @@ def _stop(procs):
 
 
 @pytest.fixture(scope="module")
-def in_process(tmp_path_factory):
-  from configs import tiny
-
-  return train.train_and_evaluate(tiny.get_config(), str(tmp_path_factory.mktemp("in_process")))
+def in_process(tiny_run):
+  return tiny_run[0]  # the summary of tests/conftest.py's run of configs/tiny.py
 
 
 CHECKPOINT_EVERY = ("--config.checkpoint_every=20",)
