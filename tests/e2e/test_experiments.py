@@ -104,7 +104,7 @@ SMOKE = {
   ),
   "persia_convergence.py": (["--smoke", "--out={tmp}/persia_convergence"], []),
   "persia_throughput.py": (["--smoke", "--throughput_out={tmp}/persia_throughput"], []),
-  "ps_lockstep.py": (["--rounds=4", f"new={ROOT}"], []),
+  "ps_lockstep.py": (["--rounds=4", "--rows=5000", f"new={ROOT}"], []),
   "ps_memory.py": (["--sizes_mb=1", "--dim=8"], []),
   "zoo_movielens.py": (["--models=din", "--steps=3", "--out={tmp}/zoo.json"], ["count_baseline", "din"]),
 }
