@@ -49,7 +49,9 @@ def executed(request):
   kernel is a process of its own that keeps one core busy, and the suite's machine has two. Each
   notebook writes under runs/ in folders of its own (runs/quickstart, runs/notebooks)."""
   paths = [
-    i.callspec.params["path"] for i in request.session.items if i.originalname == "test_notebook_runs_end_to_end"
+    i.callspec.params["path"]
+    for i in request.session.items
+    if getattr(i, "originalname", None) == "test_notebook_runs_end_to_end" and i.module is request.module
   ]
   pool = ThreadPoolExecutor(max_workers=2)
   yield {p: pool.submit(_execute, p) for p in paths}
