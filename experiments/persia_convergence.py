@@ -32,7 +32,7 @@ import tempfile
 import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
 
-from configs import dlrm, movielens
+from configs import dlrm, movielens, tiny
 from recsys_jax import train
 
 _FULL = flags.DEFINE_bool("full", False, "Synthetic data at the main job's 2000 steps (about 10 minutes a run).")
@@ -45,7 +45,7 @@ _OUT = flags.DEFINE_string("out", outputs.default("persia_convergence"), "Output
 _SMOKE = flags.DEFINE_bool(
   "smoke",
   False,
-  "A tiny run that checks the script works (the test suite's): synthetic data, 8 steps of 256, k = 0 and 2.",
+  "A tiny run that checks the script works (the test suite's): synthetic data at configs/tiny.py's sizes, 8 steps of 256, k = 0 and 2.",
 )
 
 
@@ -59,6 +59,13 @@ def _datasets():
   ml.eval_every = 35
   if _SMOKE.value:  # every kind of run, on a few small steps (MovieLens runs in zoo_movielens.py's smoke)
     syn.num_steps, syn.eval_every, syn.batch_size = 8, 4, 256
+    # configs/tiny.py's 8 small tables and MLP, not dlrm.py's 26: compiling the steps is most of the run
+    small = tiny.get_config()
+    syn.data.vocab_sizes, syn.embeddings.dim, syn.model.kwargs = (
+      small.data.vocab_sizes,
+      small.embeddings.dim,
+      small.model.kwargs,
+    )
     syn.eval_samples = syn.eval_batch_size = 1024
     syn.hot_warmup_steps, syn.hot_every = 2, 4
     return {"synthetic": syn}

@@ -1,10 +1,10 @@
 """bench_ps's ram configuration for several checkouts at once, batch by batch in turn, on a shared machine.
 
-    python experiments/ps_lockstep.py --rounds=120 old=/tmp/psb_4ff02be new=.
+    python experiments/ps_lockstep.py --rounds=120 [--rows=100000] old=/tmp/psb_4ff02be new=.
 
 Each ``name=path`` starts one process with ``PYTHONPATH=path`` (a ``git worktree add`` of the
 commit to compare), which builds and prefills its own PS as ``bench_ps.py`` does (26 tables of
-100k ids, dim 64, Adagrad) and then times one ``lookup_many`` + ``apply_many`` per line it is
+``--rows`` ids, 100k by default, dim 64, Adagrad) and then times one ``lookup_many`` + ``apply_many`` per line it is
 sent. The processes take turns (the order reversed every round) and a 256 MiB memcpy is timed
 every 4 rounds, so the load of the machine, which moves whole-run figures by 20-40% and more
 here, falls on every checkout alike. Prints, per checkout, the median per-batch lookup and
@@ -24,7 +24,7 @@ import time
 _ROW_BYTES = 7 * 64 * 4  # lookup: 2 rows; apply: gradient + row and slot read and written (bench_ps)
 
 
-def child() -> None:
+def child(rows: int) -> None:
   """Serves 'go I' (time batch I) and 'memcpy' lines on stdin, one JSON answer each."""
   import bench_ps  # from this checkout of the experiments (the script's folder), the PS from PYTHONPATH
   import numpy as np
@@ -32,11 +32,11 @@ def child() -> None:
   from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec
 
-  batches = bench_ps.zipf_batches(20, 100_000, 1.1, 4096, 26)
+  batches = bench_ps.zipf_batches(20, rows, 1.1, 4096, 26)
   names = list(batches[0])
   kw = (("learning_rate", 0.05),)
   ps = ParameterServer([TableSpec(name=t, dim=64, optimizer="adagrad", optimizer_kwargs=kw) for t in names])
-  step = bench_ps.prefill(ps, names, 100_000)
+  step = bench_ps.prefill(ps, names, rows)
   rng = np.random.default_rng(1)
   grads = rng.standard_normal((max(len(v) for b in batches for v in b.values()), 64)).astype(np.float32) * 1e-3
   mem = bench_ps.Memcpy(1)
@@ -59,15 +59,17 @@ def child() -> None:
 
 
 def main(argv) -> None:
-  rounds = 120
+  rounds, rows = 120, 100_000
   trees = []
   for a in argv:
     if a.startswith("--rounds="):
       rounds = int(a.split("=", 1)[1])
+    elif a.startswith("--rows="):  # ids per table (the test suite's tiny run takes fewer)
+      rows = int(a.split("=", 1)[1])
     elif "=" in a:
       trees.append(a.split("=", 1))
     else:
-      raise SystemExit(f"expected name=path or --rounds=N, got {a!r}")
+      raise SystemExit(f"expected name=path, --rounds=N or --rows=N, got {a!r}")
   if not trees:
     raise SystemExit(__doc__)
   if rounds <= 3:
@@ -75,7 +77,7 @@ def main(argv) -> None:
   kids = {}
   for name, tree in trees:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rows)]
     kids[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd="/")
   for name, k in kids.items():
     if k.stdout.readline().strip() != "ready":
@@ -122,7 +124,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  if sys.argv[1:] == ["--child"]:
-    child()
+  if sys.argv[1:2] == ["--child"]:
+    child(int(sys.argv[2]))
   else:
     main(sys.argv[1:])

@@ -49,6 +49,25 @@ def tiny_config():
   return tiny.get_config()
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+  """One uninterrupted run of configs/tiny.py as it is (k = 0, one device): (its summary, with the
+  ``on_metrics`` calls it made under ``_on_metrics``, and its workdir). Shared by every test that
+  compares against that run (tests/test_train.py, tests/parallel/test_mesh.py,
+  tests/e2e/test_cluster.py), which each trained it themselves before; none may change it."""
+  import jax
+
+  from configs import tiny
+  from recsys_jax import train
+
+  workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  seen = []
+  with jax.transfer_guard("disallow"):  # every host<->device copy must be explicit
+    summary = train.train_and_evaluate(tiny.get_config(), workdir, on_metrics=lambda *a: seen.append(a))
+  summary["_on_metrics"] = seen
+  return summary, workdir
+
+
 @pytest.fixture
 def servers(tmp_path):
   s = ServerProcesses(tmp_path)

@@ -34,16 +34,10 @@ def _tree_digest(path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """One full tiny run at k = 0, shared by the tests that compare against it."""
-  from configs import tiny
-
-  workdir = str(tmp_path_factory.mktemp("full"))
-  seen = []
-  with jax.transfer_guard("disallow"):  # every host<->device copy must be explicit
-    summary = train.train_and_evaluate(tiny.get_config(), workdir, on_metrics=lambda *a: seen.append(a))
-  summary["_on_metrics"] = seen
-  return summary, workdir
+def uninterrupted(tiny_run):
+  """One full tiny run at k = 0 (tests/conftest.py's, trained with every host<->device copy
+  explicit), shared by the tests that compare against it."""
+  return tiny_run
 
 
 def test_on_metrics_sees_every_record_of_metrics_jsonl(uninterrupted):

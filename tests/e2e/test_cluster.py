@@ -88,10 +88,8 @@ def _stop(procs):
 
 
 @pytest.fixture(scope="module")
-def in_process(tmp_path_factory):
-  from configs import tiny
-
-  return train.train_and_evaluate(tiny.get_config(), str(tmp_path_factory.mktemp("in_process")))
+def in_process(tiny_run):
+  return tiny_run[0]  # the summary of tests/conftest.py's run of configs/tiny.py
 
 
 CHECKPOINT_EVERY = ("--config.checkpoint_every=20",)
@@ -295,6 +293,12 @@ def test_a_killed_server_stops_the_trainers_and_a_restart_finishes_like_no_failu
 # -- the launcher in the background (tests/helpers/launcher_job.py) -------------------------------
 
 
+# -m slow (5 s): its parts are each checked in the default run: the token file's mode and the
+# servers' and trainers' --token_file (tests/launch/test_launch.py: test_job_token_file, test_ps_argv,
+# test_trainer_argv), a server with a token refusing a client without (tests/async_ps/test_remote.py,
+# UNAUTHENTICATED), the children of a SIGKILLed launcher ending (test_launch.py:
+# test_children_die_with_a_sigkilled_launcher), and the launched job above trains through it all.
+@pytest.mark.slow
 def test_the_launchers_token_and_a_sigkilled_launcher(tmp_path):
   """The job's servers demand a token only the user can read; SIGKILL of the launcher ends every child."""
   from recsys_jax.async_ps.client.transport import RemotePSError, Transport

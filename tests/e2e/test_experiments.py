@@ -5,7 +5,8 @@ its flags are parsed by absl or argparse as on the command line, its ``__main__`
 one that runs, and a failure is an exit code, as for a user; a shared process (importing every
 script's ``main``) would save the jax import (about a second here) per script, but absl's flags
 are global, several scripts define the same names (``--json_out``, ``--batch_size``), and a
-script's own exit code and sys.exit paths would not be run. The sizes are the smallest that
+script's own exit code and sys.exit paths would not be run. The processes run two at a time
+(``runs``: the suite's machine has two cores, and a tiny run keeps one busy). The sizes are the smallest that
 still run every part of the script; what is checked is what a run promises (exit 0, its last
 JSON line parses, with its keys and finite figures, and a ``wrote <absolute path>`` line for each
 file it writes, naming that file, non-empty), never a speed: a tiny run measures nothing.
@@ -21,9 +22,11 @@ import ast
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -80,8 +83,11 @@ SMOKE = {
     + ["--config.eval_batch_size=4096", "--compilation_cache", "--json_out={tmp}/btt.json", "--png_out={tmp}/btt.png"],
     ["ratio_4x", "auc_identical", "rss_within_bound", "rss_baseline_1step", "variants"],
   ),
+  # --ram_budget_gib: step 2's measured table at its floor of 500k rows (the 4 GiB default makes
+  # 14.5M rows at dim 8, 10 of the run's 15 s).
   "capacity.py": (
     ["--rows_bpp=20000", "--ram_rows=20000", "--cache_rows=4096", "--tier_k=2", "--batches=1", "--warmup=1"]
+    + ["--ram_budget_gib=0.01"]
     + ["--batch_size=256", "--features=4", "--dim=8", "--json_out={tmp}/capacity.json", "--png_out={tmp}/capacity.png"],
     [],
   ),
@@ -98,7 +104,7 @@ SMOKE = {
   ),
   "persia_convergence.py": (["--smoke", "--out={tmp}/persia_convergence"], []),
   "persia_throughput.py": (["--smoke", "--throughput_out={tmp}/persia_throughput"], []),
-  "ps_lockstep.py": (["--rounds=4", f"new={ROOT}"], []),
+  "ps_lockstep.py": (["--rounds=4", "--rows=5000", f"new={ROOT}"], []),
   "ps_memory.py": (["--sizes_mb=1", "--dim=8"], []),
   "zoo_movielens.py": (["--models=din", "--steps=3", "--out={tmp}/zoo.json"], ["count_baseline", "din"]),
 }
@@ -310,12 +316,60 @@ def last_json(out: str) -> dict:
   return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE))
-def test_script_runs_small(script, tmp_path):
-  args, keys = SMOKE[script]
+def _scorer_and_server(tmp_path):
+  """bench_scorer.py trains a run; bench_serve.py serves it (if the first exited 0): both processes."""
+  work = tmp_path / "run"
+  scorer = run_script("bench_scorer.py", [f"--workdir={work}", "--num_steps=4", "--repeats=1"], tmp_path)
+  if scorer.returncode != 0:
+    return scorer, None
+  args = [f"--workdir={work}", "--protocols=http", "--batches=4", "--clients=1", "--seconds=0.5"]
+  return scorer, run_script("bench_serve.py", args + [f"--json_out={tmp_path / 'serve.jsonl'}"], tmp_path)
+
+
+def _timed_run(script, args, tmp_path):
   t = time.perf_counter()
   p = run_script(script, args, tmp_path)
-  took = time.perf_counter() - t
+  return p, time.perf_counter() - t
+
+
+BENCH_FEED_ARGS = ["--smoke", "--data_dir={tmp}/data", "--workers=1,-5"]
+
+
+def _job(item):
+  """What a test of this module runs in the background (a function of its temp folder), or None."""
+  if item.originalname == "test_script_runs_small":
+    script = item.callspec.params["script"]
+    return lambda tmp: _timed_run(script, SMOKE[script][0], tmp)
+  if item.originalname == "test_scorer_and_server_small":
+    return _scorer_and_server
+  if item.originalname == "test_bench_feed_names_a_failed_setting_and_exits_1":
+    return lambda tmp: run_script("bench_feed.py", BENCH_FEED_ARGS, tmp)
+  return None
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+  """The scripts' runs of this module's selected tests, two at a time, in the tests' order, from the
+  first test that asks: nodeid -> (its temp folder, the future of its run). Each run is a process of
+  its own that keeps one core busy (a tiny run is mostly JAX compiling, which is single-threaded),
+  so on two cores two at once take about half the time of one after the other; a test waits for its
+  own run and checks it as before. A run's files and TMPDIR are in its own folder."""
+  pool = ThreadPoolExecutor(max_workers=2)
+  out = {}
+  for item in request.session.items:
+    job = _job(item) if getattr(item, "module", None) is request.module else None  # a test of this module
+    if job is not None:
+      tmp = tmp_path_factory.mktemp(re.sub(r"\W+", "_", item.name)[:40])
+      out[item.nodeid] = (tmp, pool.submit(job, tmp))
+  yield out
+  pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_script_runs_small(script, runs, request):
+  keys = SMOKE[script][1]
+  tmp_path, run = runs[request.node.nodeid]
+  p, took = run.result()
   assert p.returncode == 0, f"{script} exited {p.returncode} in {took:.1f} s:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
   line = last_json(p.stdout)
   assert not [k for k in keys if k not in line], (sorted(line), keys)
@@ -324,17 +378,16 @@ def test_script_runs_small(script, tmp_path):
   assert announced(p.stdout) == want, f"{script}: 'wrote' lines {sorted(announced(p.stdout))}, want {sorted(want)}"
 
 
-def test_scorer_and_server_small(tmp_path):
+def test_scorer_and_server_small(runs, request):
   """bench_scorer.py trains configs/tiny.py for a few steps and times the scorer; bench_serve.py
   serves that run over HTTP to one client for half a second."""
-  work = tmp_path / "run"
-  p = run_script("bench_scorer.py", [f"--workdir={work}", "--num_steps=4", "--repeats=1"], tmp_path)
+  tmp_path, run = runs[request.node.nodeid]
+  p, serve = run.result()
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   line = last_json(p.stdout)
   assert "load_scorer batch 512" in line and not _finite(line), line
   out = tmp_path / "serve.jsonl"
-  args = [f"--workdir={work}", "--protocols=http", "--batches=4", "--clients=1", "--seconds=0.5", f"--json_out={out}"]
-  p = run_script("bench_serve.py", args, tmp_path)
+  p = serve
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   rec = last_json(p.stdout)
   assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
@@ -361,11 +414,12 @@ def test_bench_freshness_stream_small(tmp_path):
   assert announced(p.stdout) == {str(out)}, p.stdout
 
 
-def test_bench_feed_names_a_failed_setting_and_exits_1(tmp_path):
+def test_bench_feed_names_a_failed_setting_and_exits_1(runs, request):
   """bench_feed's smoke sweep with a second worker count its child refuses: the good setting's
   figures still print, the bad one is one line naming it, the exit code is 1, and no workdir is
   left behind (only the failed setting's log, named in its line)."""
-  p = run_script("bench_feed.py", ["--smoke", "--data_dir={tmp}/data", "--workers=1,-5"], tmp_path)
+  tmp_path, run = runs[request.node.nodeid]
+  p = run.result()
   assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
   failed = [ln for ln in p.stdout.splitlines() if " failed: " in ln]
   assert len(failed) == 1 and failed[0].startswith("setting new cache batch 1024 workers -5 step noop"), p.stdout

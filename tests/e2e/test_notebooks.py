@@ -9,6 +9,7 @@ the test suite is what shows the notebooks still run, and Colab shows the output
 from __future__ import annotations
 
 import pathlib
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -31,13 +32,36 @@ def test_committed_notebook_has_no_outputs(path):
   assert not with_outputs, f"{path.name}: cells {with_outputs} hold outputs; clear them before committing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_end_to_end(path):
+def _execute(path):
+  """The notebook run top to bottom in a fresh kernel: (its cells with their outputs, the failure or None)."""
   nb = nbformat.read(path, as_version=4)
   client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
   try:
     client.execute()
   except CellExecutionError as e:
-    pytest.fail(f"{path.name}: a cell failed:\n{e}")
+    return nb, e
+  return nb, None
+
+
+@pytest.fixture(scope="module")
+def executed(request):
+  """The selected notebooks' runs, both at once from the first test that asks (path -> future): each
+  kernel is a process of its own that keeps one core busy, and the suite's machine has two. Each
+  notebook writes under runs/ in folders of its own (runs/quickstart, runs/notebooks)."""
+  paths = [
+    i.callspec.params["path"]
+    for i in request.session.items
+    if getattr(i, "originalname", None) == "test_notebook_runs_end_to_end" and i.module is request.module
+  ]
+  pool = ThreadPoolExecutor(max_workers=2)
+  yield {p: pool.submit(_execute, p) for p in paths}
+  pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_end_to_end(path, executed):
+  nb, failed = executed[path].result()
+  if failed is not None:
+    pytest.fail(f"{path.name}: a cell failed:\n{failed}")
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
   assert not errors, f"{path.name}: {errors}"

@@ -189,10 +189,8 @@ def test_logical_shardings_fall_back_to_replication(tiny_config, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_tiny(tmp_path_factory):
-  from configs import tiny
-
-  return train.train_and_evaluate(tiny.get_config(), str(tmp_path_factory.mktemp("tiny")))
+def uninterrupted_tiny(tiny_run):
+  return tiny_run[0]  # the summary of tests/conftest.py's run of configs/tiny.py
 
 
 def test_optimizer_state_in_host_memory_trains_identically(uninterrupted_tiny, tiny_config, tmp_path):
