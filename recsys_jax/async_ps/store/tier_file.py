@@ -27,7 +27,7 @@ Reads copy the rows out of a read-only mapping of the file in a compiled loop wi
 reader thread (``READ_THREADS`` shared by every tier of the process), ``MAP_BLOCK`` rows at a
 time, each block's pages unmapped again (``madvise(MADV_DONTNEED)``) once copied: they stay in
 the kernel's page cache, and the process's RSS holds at most one block's pages per read in
-flight (the kernel maps up to 64 KiB around each faulting row: 16 MiB for 256 rows). On
+flight (the kernel maps up to 64 KiB around each faulting row: 32 MiB for 512 rows). On
 bench_ps's workload (cProfile, 23 batches of 26 tables each 8x its cache) the reads took 0.16 s
 of the lookup thread this way, the copies and the unmapping together, against 0.27 s with one
 ``pread`` per row. ``RECSYS_JAX_TIER_READ=pread`` reads with ``pread`` instead: a disk's read
@@ -51,7 +51,7 @@ from recsys_jax.async_ps.kernels.fileio import copy_rows, pread_rows
 
 READ_METHODS = ("map", "pread")
 
-MAP_BLOCK = 256
+MAP_BLOCK = 512
 """Rows a mapped read copies before it unmaps their pages (bounds what reads add to RSS)."""
 
 READ_THREADS = 2
