@@ -9,7 +9,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.store import tier_file
 from recsys_jax.async_ps.store.tier import DiskTier
 
 U64_MAX = np.iinfo(np.uint64).max
@@ -421,63 +420,6 @@ def test_a_full_disk_under_a_write_behind_eviction_is_raised_by_the_next_call_an
   assert lines[0].startswith("ERROR") and "table 't'" in lines[0] and "tier.rows" in lines[0], lines
   assert int(lines[0].split()[1]) > 5, lines  # several evictions went through before
   assert lines[1].startswith("SAME True"), lines
-
-
-@pytest.mark.parametrize("method", ["map", "pread"])
-def test_file_reads_mapped_or_by_pread_match_the_reference_through_growth_and_compaction(method, tmp_path, monkeypatch):
-  """The plain-file tier reads through a mapping (default) or with pread: the same rows either way,
-  in blocks past ``MAP_BLOCK``, after appends grew the file past its mapping, and after a
-  compaction shrank it (mapped again, never past the file's end), with read-ahead on a reader thread."""
-  monkeypatch.setenv("RECSYS_JAX_TIER_READ", method)
-  monkeypatch.setattr(tier_file, "MAP_BLOCK", 64)
-  rng = np.random.default_rng(21)
-  pool = _pool(rng, 3000)
-  tier = _tier("file", tmp_path, min_compact_rows=10**9)
-  ref = _Reference()
-  for lo in range(0, 2000, 400):  # five appends: the file grows past each earlier mapping
-    w, s = _rows(rng, 400)
-    tier.write(pool[lo : lo + 400], w, s)
-    ref.write(pool[lo : lo + 400], w, s)
-    ref.check(tier, rng.permutation(pool[: lo + 400])[:300])
-  w, s = _rows(rng, 1000)
-  tier.write(pool[:1000], w, s)  # rewrites: the first 1000 rows are garbage
-  ref.write(pool[:1000], w, s)
-  ref.check(tier, pool[:2500])
-  ahead = tier.read_ahead(pool[500:1500])
-  aw, _ = ahead.result()
-  np.testing.assert_array_equal(aw, np.stack([ref.rows[k][0] for k in pool[500:1500].tolist()]))
-  tier.compact()  # the file shrinks to the 2000 live rows
-  assert tier.stats()["disk_rows"] == 2000
-  ref.check(tier, rng.permutation(pool)[:2500])
-  tier.close()
-
-
-def test_mapped_reads_leave_the_files_pages_out_of_rss(tmp_path):
-  """Reading every row of a 32 MiB tier file through the mapping adds (far) less than the file to RssFile."""
-
-  def rss_file_kib():
-    with open("/proc/self/status") as f:
-      return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
-
-  rng = np.random.default_rng(22)
-  n = 32 * 1024 * 1024 // ((DIM + sum(SLOTS.values())) * 4)  # rows of a 32 MiB file
-  ids = np.arange(n, dtype=np.uint64)
-  tier = _tier("file", tmp_path)
-  for lo in range(0, n, 1 << 14):
-    tier.write(ids[lo : lo + (1 << 14)], *_rows(rng, ids[lo : lo + (1 << 14)].shape[0]))
-  before = rss_file_kib()
-  for _ in range(3):
-    found, _, _ = tier.read(rng.permutation(ids))
-    assert found.all()
-  grown_mib = (rss_file_kib() - before) / 1024
-  tier.close()
-  assert grown_mib < 8, f"RssFile grew {grown_mib:.1f} MiB reading a 32 MiB file"
-
-
-def test_a_read_method_not_known_is_refused_naming_the_variable(tmp_path, monkeypatch):
-  monkeypatch.setenv("RECSYS_JAX_TIER_READ", "mmap")
-  with pytest.raises(ValueError, match="RECSYS_JAX_TIER_READ.*'mmap'"):
-    _tier("file", tmp_path)
 
 
 def test_stats_and_index_size():

@@ -1,13 +1,13 @@
-"""Compiled (numba) reads of scattered rows from a file: copied out of a mapping, or one ``pread`` each.
+"""Compiled (numba) reads of scattered rows from a file: one ``pread`` per row, without the GIL.
 
-A step's misses are a few hundred rows scattered over a table's spill file. ``copy_rows`` copies
-them out of a read-only mapping of the file (``tier_file.FileRowStore`` unmaps the pages again
-after each block, so they stay out of the process's RSS); ``pread_rows`` reads each with a
-``pread`` into the caller's buffer. Both run without the GIL, so the disk tier's reader threads
-read while the trainer's threads work. On this machine (26 files of 120k rows of 512 bytes in
-the page cache, 600 random rows of each a step): 0.49-0.64 us a row with ``pread``, 0.10 from a
-resident mapping, 0.16-0.19 when every file's pages are unmapped again each step; ``pread``
-costs a system call a row, the mapping a page fault per 64 KiB of the file a step touches.
+A step's misses are a few hundred rows scattered over a table's spill file. Reading them with
+``pread`` copies each row from the page cache (or the disk) into the caller's buffer and maps
+nothing into the process: its RSS does not grow with the file's pages. A memory-mapped file had
+to be unmapped again (``madvise``) to keep RSS bounded, after which every row read cost a page
+fault: on a bench_ps workload (23 batches, each table 8x its cache, cProfile) its gathers and
+``madvise`` took 0.65 s of the lookup thread against 0.47 s for these reads (one per field
+then). The loop runs in compiled code without the GIL, so the disk tier's reader threads read
+while the trainer's threads work.
 
 ``pread`` is declared to LLVM by name and resolved from the C library the process has loaded,
 so the kernel is cached like the others (a ctypes function pointer would not be).
@@ -64,24 +64,4 @@ def pread_rows(fd, rows, row_bytes, out):
       if got <= 0:
         return i
       done += got
-  return -1
-
-
-@jit
-def copy_rows(src, rows, out):
-  """out[i] = src[rows[i]] for every i: rows of bytes, from a mapped file (``src`` uint8 [R, row bytes]).
-
-  Returns -1, or the index of the first row >= R (then nothing was copied).
-  """
-  if out.shape[0] != rows.shape[0] or out.shape[1] != src.shape[1]:
-    raise ValueError("copy_rows: out must be [len(rows), row bytes]")
-  n = src.shape[0]
-  for i in range(rows.shape[0]):
-    if rows[i] < 0 or rows[i] >= n:
-      return i
-  width = src.shape[1]
-  for i in range(rows.shape[0]):
-    r = rows[i]
-    for j in range(width):
-      out[i, j] = src[r, j]
   return -1

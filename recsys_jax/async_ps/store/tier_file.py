@@ -1,4 +1,4 @@
-"""The disk tier's rows in plain files on a local file system, written with pwrite, read mapped.
+"""The disk tier's rows in plain files on a local file system, read and written with pread / pwrite.
 
 ``FileRowStore`` is the disk tier's storage when its kvstore is a local directory (a
 ``file`` kvstore, the default); ``tier_store.TierStore`` (zarr3 arrays through tensorstore)
@@ -22,17 +22,12 @@ sees them at once, and the operating system writes them to the disk in its own t
 (write-behind), so there is nothing to flush and no write in flight to wait for. A full disk
 fails the ``pwrite`` with an ``OSError`` naming the file.
 
-Reads copy the rows out of a read-only mapping of the file in a compiled loop without the GIL
-(``kernels.fileio.copy_rows``), on the caller's thread or, for ``DiskTier.read_ahead``, on a
-reader thread (``READ_THREADS`` shared by every tier of the process), ``MAP_BLOCK`` rows at a
-time, each block's pages unmapped again (``madvise(MADV_DONTNEED)``) once copied: they stay in
-the kernel's page cache, and the process's RSS holds at most one block's pages per read in
-flight (the kernel maps up to 64 KiB around each faulting row: 32 MiB for 512 rows). On
-bench_ps's workload (cProfile, 23 batches of 26 tables each 8x its cache) the reads took 0.16 s
-of the lookup thread this way, the copies and the unmapping together, against 0.27 s with one
-``pread`` per row. ``RECSYS_JAX_TIER_READ=pread`` reads with ``pread`` instead: a disk's read
-error is then an ``OSError`` naming the file and the row, where under a mapping the kernel
-ends the process with SIGBUS.
+Reads are one ``pread`` per row, in a compiled loop without the GIL
+(``kernels.fileio``), on the caller's thread or, for ``DiskTier.read_ahead``, on a reader
+thread (``READ_THREADS`` shared by every tier of the process). Nothing is memory-mapped, so
+the file's pages are the kernel's page cache and never count in the process's RSS (an earlier
+memory-mapped version unmapped them to keep RSS bounded, and then paid a page fault per row
+read: ``kernels.fileio`` gives the measurement).
 
 The file is always created fresh (a previous one is deleted).
 """
@@ -40,19 +35,13 @@ The file is always created fresh (a previous one is deleted).
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
 import os
 import threading
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from recsys_jax.async_ps.kernels.fileio import copy_rows, pread_rows
-
-READ_METHODS = ("map", "pread")
-
-MAP_BLOCK = 512
-"""Rows a mapped read copies before it unmaps their pages (bounds what reads add to RSS)."""
+from recsys_jax.async_ps.kernels.fileio import pread_rows
 
 READ_THREADS = 2
 """Threads that read ahead from the files, shared by every ``FileRowStore`` of the process."""
@@ -104,16 +93,10 @@ class FileRowStore:
       at += w * dt.itemsize
     self.row_bytes = at
     self._counters = counters
-    self.read_method = "index"  # accepted for TierStore's sake; reads here copy whole rows
+    self.read_method = "index"  # accepted for TierStore's sake; reads here are one pread a row
     self.max_pending_bytes = 0  # nothing is ever pending
     self.end = 0
     self._fd = -1
-    method = os.environ.get("RECSYS_JAX_TIER_READ", "map")
-    if method not in READ_METHODS:
-      raise ValueError(f"DiskTier: RECSYS_JAX_TIER_READ must be one of {READ_METHODS}, got {method!r}")
-    self._mapped_reads = method == "map"
-    self._map_lock = threading.Lock()
-    self._mapped: Tuple[int, object, np.ndarray] = (0, None, np.zeros((0, self.row_bytes), np.uint8))
     self._in_flight: List[concurrent.futures.Future] = []
     try:
       os.makedirs(path, exist_ok=True)
@@ -198,8 +181,6 @@ class FileRowStore:
       OSError: naming the file and the row, if a read fails or comes back short.
     """
     records = np.empty((rows.shape[0], self.row_bytes), np.uint8)
-    if self._mapped_reads and rows.shape[0] and self._copy_mapped(rows, records):
-      return records
     bad = pread_rows(self._fd, rows, self.row_bytes, records)
     if bad >= 0:
       path, off = self.file(), int(rows[bad]) * self.row_bytes
@@ -209,28 +190,6 @@ class FileRowStore:
         raise OSError(e.errno, f"disk tier: cannot read row {rows[bad]} of {path}: {e.strerror}") from e
       raise OSError(f"disk tier: {path} ends inside row {rows[bad]} (read {got} of {self.row_bytes} bytes at {off})")
     return records
-
-  def _copy_mapped(self, rows: np.ndarray, records: np.ndarray) -> bool:
-    """Copies the rows from the mapping, ``MAP_BLOCK`` at a time, unmapping each block's pages
-    after it; False (nothing is left mapped) if a row is past the mapped end."""
-    m, view = self._mapping()
-    for a in range(0, rows.shape[0], MAP_BLOCK):
-      block = rows[a : a + MAP_BLOCK]
-      if copy_rows(view, block, records[a : a + MAP_BLOCK]) >= 0:
-        return False  # it copied nothing (and the blocks before were unmapped)
-      lo, hi = int(block.min()) * self.row_bytes, (int(block.max()) + 1) * self.row_bytes
-      lo -= lo % mmap.PAGESIZE  # whole pages, spanning the block's rows
-      m.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(m)) - lo)
-    return True
-
-  def _mapping(self):
-    """The file mapped read-only up to ``end`` (mapped again once appends passed it)."""
-    with self._map_lock:
-      end = self.end  # read once: an append on another thread may move it on
-      if self._mapped[0] < end:
-        m = mmap.mmap(self._fd, end * self.row_bytes, prot=mmap.PROT_READ)
-        self._mapped = (end, m, np.frombuffer(m, np.uint8).reshape(end, self.row_bytes))
-      return self._mapped[1], self._mapped[2]
 
   def _gather(self, rows: np.ndarray, sel: np.ndarray, out: Dict[str, np.ndarray]) -> None:
     records = self._read(np.ascontiguousarray(rows[sel], np.int64))
@@ -279,8 +238,6 @@ class FileRowStore:
   def truncate(self) -> None:
     """Shrinks the file to the rows [0, end)."""
     self._wait_reads()  # a read of a row past the new end would come back short
-    with self._map_lock:  # a mapping past the file's end would fault (SIGBUS) there: mapped again
-      self._mapped = (0, None, self._mapped[2][:0])
     os.ftruncate(self._fd, self.end * self.row_bytes)
 
 
