@@ -104,9 +104,8 @@ def test_peak_rss_stays_under_cache_plus_stated_overhead(tmp_path):
   """docs/parameter-server.md (Memory bound): peak RSS <= process baseline + RAM cache bytes + 128 MiB.
 
   The baseline is the same job run for one step (Python, JAX, XLA, the data reader); the
-  128 MiB covers the tier's mapped file pages (at most 16 MiB per read in flight: the lookup's
-  and two read-ahead threads'), one snapshot part (16k rows), eviction copies, id maps and
-  allocator slack. The rows read-ahead
+  128 MiB covers the tier's index, one snapshot part (16k rows), eviction copies, id maps and
+  allocator slack (the plain-file tier maps nothing: its file's pages are the page cache). The rows read-ahead
   stages are not allowed for (the documented bound does), so this is stricter than the docs.
   The RAM-only run of the same table must exceed it.
   """
