@@ -16,7 +16,6 @@ restored bounded table goes on exactly as the original would have.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import threading
@@ -33,6 +32,7 @@ from recsys_jax.async_ps.store.bounds import SKETCH_DEPTH, lowest
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.ids import check_distinct, distinct_ids
 from recsys_jax.async_ps.store.rows import Slots, check_rows
+from recsys_jax.async_ps.store.workers import shared_pool
 from recsys_jax.embeddings.specs import TableSpec
 from recsys_jax.hashing import name_seed, splitmix64, uniform01
 
@@ -44,17 +44,6 @@ EVICT_THREADS = max(1, (os.cpu_count() or 1) // 4)
 """Threads that run tiered tables' evictions after their lookups (write-behind), shared by every
 table of the process: a quarter of the cores (one on this 2-core machine), so that they leave
 the lookups most of them; an eviction costs about what its lookup's misses cost."""
-
-_pool_lock = threading.Lock()
-_pool = None
-
-
-def _evictors() -> concurrent.futures.ThreadPoolExecutor:
-  global _pool
-  with _pool_lock:
-    if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(EVICT_THREADS, thread_name_prefix="ps-evict")
-    return _pool
 
 
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -330,7 +319,7 @@ class Table:
     """Runs ``_evict`` on an evictor thread, which releases the lock the caller still holds."""
     self._idle.clear()
     try:
-      _evictors().submit(self._evict_then_release)
+      shared_pool("ps-evict", EVICT_THREADS).submit(self._evict_then_release)
     except RuntimeError:  # the interpreter is shutting down: no new threads
       self._evict_then_release()
 

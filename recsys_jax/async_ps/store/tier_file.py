@@ -36,28 +36,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
 from recsys_jax.async_ps.kernels.fileio import pread_rows
+from recsys_jax.async_ps.store.workers import shared_pool
 
 READ_THREADS = 2
 """Threads that read ahead from the files, shared by every ``FileRowStore`` of the process."""
 
-_pool_lock = threading.Lock()
-_pool = None
-
 _COMPACT_BLOCK = 1 << 14  # rows a compaction moves per read / write
-
-
-def _readers() -> concurrent.futures.ThreadPoolExecutor:
-  global _pool
-  with _pool_lock:
-    if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tier-read")
-    return _pool
 
 
 class FileRowStore:
@@ -213,7 +202,7 @@ class FileRowStore:
       if n:
         self._gather(rows, found, out)
       return _nothing
-    fut = _readers().submit(self._gather, rows, found, out)
+    fut = shared_pool("tier-read", READ_THREADS).submit(self._gather, rows, found, out)
     self._in_flight.append(fut)
     return fut.result
 

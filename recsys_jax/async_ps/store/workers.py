@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MIN_ROWS = 4096
 """Rows below which a call stays on the caller's thread. experiments/bench_ps_threads.py measured
@@ -26,6 +26,20 @@ the hand-over at 5-33 us and a row (lookup + push, dim 16) at 165 ns, about half
 GIL-free kernels, so a second thread breaks even near 800 rows at best; its sweep, on a
 machine with no core free, lost 59% at 220 rows, 22% at 676 and 3-10% from 2k to 10k: 4096
 keeps small calls (eval probes, tests, a remote shard's share) off the pool with a margin."""
+
+
+_shared: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+  """The process's one pool named ``name`` (its threads' name prefix), made with ``threads``
+  threads on first use: the disk tier's readers, the tiered tables' evictors."""
+  with _shared_lock:
+    pool = _shared.get(name)
+    if pool is None:
+      pool = _shared[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+    return pool
 
 
 def default_threads() -> int:
