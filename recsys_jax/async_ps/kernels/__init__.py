@@ -5,10 +5,11 @@ scatter through the pure ``RowOptimizer.update``) make many full passes over the
 and allocate a temporary per operation. Here each id is hashed and probed once, and each
 touched row is read and written once, in place.
 
-The kernels live by path: ``lookup`` (the id map's hashing and probing, the row
-gather and moves), ``update`` (the fused row-optimizer updates), ``fileio`` (reads of rows
-from files); ``jit`` holds the numba options and the prefetching they share. This module gathers their public names, and
-``read_only``, which callers pass arrays through so that each kernel has one signature.
+The kernels live by path: ``lookup`` (the id map's hashing and probing, the row gather and
+moves), ``update`` (the fused row-optimizer updates), ``fileio`` (reads of rows from files);
+``jit`` holds the numba options and the prefetching they share. This module gathers the public
+names of the first two, and ``read_only``, which callers pass arrays through so that each
+kernel has one signature.
 """
 
 from __future__ import annotations
