@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from tests.helpers.launcher_job import RESTART, STARTED, LauncherJob, running
+from tests.helpers.launcher_job import RESTART, STARTED, LauncherJob, reference_run, running
 
 SEED = 13
 CHILDREN = ("ps-0", "ps-1", "worker-0", "worker-1")
@@ -76,14 +76,7 @@ def _started_in(job, name, attempt):
 
 @pytest.mark.slow
 def test_random_sigkills_end_like_an_uninterrupted_run(tmp_path):
-  t0 = time.monotonic()
-  reference = LauncherJob(str(tmp_path / "reference"), *ARGS, "--max_restarts=0", num_steps=None)
-  try:
-    assert reference.proc.wait(300) == 0, reference.tail()
-  finally:
-    reference.end()
-  t_reference = time.monotonic() - t0
-  ref = json.load(open(tmp_path / "reference" / "summary.json"))
+  ref, t_reference = reference_run(str(tmp_path / "reference"), *ARGS, "--max_restarts=0")
   assert ref["staleness"] == 0 and ref["steps"] == 120 and ref["resumed_from"] is None
 
   rng = random.Random(SEED)

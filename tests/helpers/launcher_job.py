@@ -3,6 +3,7 @@
 Used by tests/e2e/test_cluster.py, tests/e2e/test_chaos.py and tests/launch/test_launch.py (not a test module itself).
 """
 
+import json
 import os
 import re
 import signal
@@ -100,3 +101,17 @@ class LauncherJob:
         except ProcessLookupError:
           pass
     self._reader.join(10)
+
+
+def reference_run(workdir, *args):
+  """An uninterrupted job to compare against: ``LauncherJob(workdir, *args)`` with the config's own
+  ``num_steps``, waited for (it must exit 0). Returns (its summary.json, the seconds it took)."""
+  t0 = time.monotonic()
+  job = LauncherJob(workdir, *args, num_steps=None)
+  try:
+    assert job.proc.wait(300) == 0, job.tail()
+  finally:
+    job.end()
+  took = time.monotonic() - t0
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f), took

@@ -28,7 +28,7 @@ import pytest
 
 from recsys_jax import launch
 from recsys_jax.launch import slurm
-from tests.helpers.launcher_job import LauncherJob, running
+from tests.helpers.launcher_job import reference_run, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "deploy", "slurm", "local_cluster.sh")
@@ -332,15 +332,8 @@ def cluster(tmp_path):
 @pytest.mark.slow
 def test_slurm_job_matches_the_launcher_and_resumes_when_requeued(tmp_path, cluster):
   env = cluster
-  t0 = time.monotonic()
-  reference = LauncherJob(str(tmp_path / "reference"), *ARGS, "--max_restarts=0", num_steps=None)
-  try:
-    assert reference.proc.wait(300) == 0, reference.tail()
-  finally:
-    reference.end()
-  ref = json.load(open(tmp_path / "reference" / "summary.json"))
+  ref, t_reference = reference_run(str(tmp_path / "reference"), *ARGS, "--max_restarts=0")
   assert ref["staleness"] == 0 and ref["steps"] == 120 and ref["resumed_from"] is None
-  t_reference = time.monotonic() - t0
 
   # 1. The job, uninterrupted.
   workdir = str(tmp_path / "slurm-run")
