@@ -386,7 +386,9 @@ def setting_name(s: Dict[str, Any]) -> str:
 def child(setting: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
   """Runs one setting in a fresh process (the code of ``setting['code_root']``), in its own
   workdir, removed after; -> (its figures, '') or (None, why it failed, in one line)."""
-  env = dict(os.environ, PYTHONPATH=setting["code_root"], MALLOC_ARENA_MAX="2")
+  # The setting's checkout first; what the environment adds (packages installed with --target) after it.
+  path = os.pathsep.join(p for p in (setting["code_root"], os.environ.get("PYTHONPATH", "")) if p)
+  env = dict(os.environ, PYTHONPATH=path, MALLOC_ARENA_MAX="2")
   cmd = [sys.executable, os.path.abspath(__file__), f"--setting={json.dumps(setting)}"]
   try:
     p = subprocess.run(cmd, env=env, cwd=setting["code_root"], capture_output=True, text=True)
@@ -464,6 +466,7 @@ def main(argv):
   print(f"{cores()} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}", file=sys.stderr)
   runs: Dict[tuple, List[Dict[str, Any]]] = {}
   failed: List[str] = []
+  os.makedirs(data_dir, exist_ok=True)  # synthetic alone writes no files there, so nothing else made it
   work = tempfile.mkdtemp(prefix="work_", dir=data_dir)  # each setting's workdir, removed after it
   try:
     for source in _SOURCES.value:
