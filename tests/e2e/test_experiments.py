@@ -432,3 +432,26 @@ def test_bench_feed_names_a_failed_setting_and_exits_1(runs, request):
   assert len(left) == 2 and left[1].endswith(".log") and left[1] in failed[0], left
   data = sorted(str(q) for q in (tmp_path / "data").glob("criteo_*/*"))  # generated once, kept for the next run
   assert data and announced(p.stdout) == {str(tmp_path / left[1]), *data}, p.stdout
+
+
+def test_gpu_figures_runs_only_the_steps_named(tmp_path):
+  """experiments/gpu_figures.sh with one step named runs that step alone, under its time limit,
+  and logs its command and exit status (here the ``env`` step: the versions it reports are this
+  environment's). A misspelt step name, or a filter that ran every step, fails it."""
+  env = dict(os.environ, PYTHON=sys.executable)
+  out = tmp_path / "gpu"
+  p = subprocess.run(
+    ["bash", "experiments/gpu_figures.sh", str(out), "", "env"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert p.returncode == 0, p.stdout + p.stderr
+  log = (out / "log.txt").read_text()
+  assert re.search(r"^### env: exit 0 after \d+ s$", log, re.M), log
+  from importlib.metadata import version
+
+  assert f"jax {version('jax')} " in log and f"numba {version('numba')}" in log, log
+  assert "### bench_" not in log and "### done" in log, log
