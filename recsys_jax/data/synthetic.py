@@ -30,7 +30,7 @@ training records; its records are independent of theirs, drawn from the same tea
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,6 +91,23 @@ class SyntheticConfig:
   """The training record whose teacher draws the eval split's first record (with drift)."""
 
 
+TABLE_MAX_RANKS = 1 << 20
+"""Fields with at most this many ranks get per-rank tables (see ``SyntheticData._tabulate``)."""
+TABLE_MAX_BYTES = 512 << 20
+"""The most memory one generator's per-rank tables take together; fields past it are hashed per draw."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FieldTables:
+  """One field's per-rank values, indexed by rank (the ``_b`` ones only with drift)."""
+
+  ids: np.ndarray
+  effect_a: np.ndarray
+  effect_b: Optional[np.ndarray]
+  vector_a: Optional[np.ndarray]
+  vector_b: Optional[np.ndarray]
+
+
 def _normal(h: np.ndarray) -> np.ndarray:
   """Standard normals from uint64 hashes (Box-Muller on two derived uniforms)."""
   u1 = uniform01(h)
@@ -140,31 +157,73 @@ class SyntheticData:
       a, b = sorted(rng.choice(self.num_fields, 2, replace=False).tolist())
       pairs.add((a, b))
     self.pairs = sorted(pairs)
+    d = cfg.teacher_dim
+    self._cols = splitmix64(np.arange(1, d + 1, dtype=np.uint64) * np.uint64(0x632BE59BD9B4E019))
+    self._tables: Dict[int, _FieldTables] = {}  # filled by _tabulate as batches are drawn
+    self._drawn = [0] * self.num_fields
+    self._table_bytes = 0
 
   # ids and teacher terms -----------------------------------------------------------
   def ids_of(self, field: int, ranks: np.ndarray) -> np.ndarray:
     """The uint64 id of a (0-based) rank in a field."""
     return splitmix64(ranks.astype(np.uint64) ^ self._field_seed[field])
 
+  def _effect_draw(self, ranks: np.ndarray, seed) -> np.ndarray:
+    return _normal(splitmix64(ranks.astype(np.uint64) ^ seed))
+
+  def _vector_draw(self, ranks: np.ndarray, seed) -> np.ndarray:
+    return _normal(splitmix64(splitmix64(ranks.astype(np.uint64) ^ seed)[..., None] ^ self._cols))
+
   def _effect(self, field: int, ranks: np.ndarray, turn=None) -> np.ndarray:
     """Each rank's effect; ``turn``: (cos, sin) of the drift angle per record (None: no drift)."""
-    a = _normal(splitmix64(ranks.astype(np.uint64) ^ self._effect_seed[field]))
+    t = self._tables.get(field)
+    a = t.effect_a[ranks] if t else self._effect_draw(ranks, self._effect_seed[field])
     if turn is None:
       return a
-    b = _normal(splitmix64(ranks.astype(np.uint64) ^ self._effect_seed_b[field]))
+    b = t.effect_b[ranks] if t else self._effect_draw(ranks, self._effect_seed_b[field])
     return turn[0][:, None] * a + turn[1][:, None] * b
 
   def _vector(self, field: int, ranks: np.ndarray, turn=None) -> np.ndarray:
-    d = self.cfg.teacher_dim
-    cols = splitmix64(np.arange(1, d + 1, dtype=np.uint64) * np.uint64(0x632BE59BD9B4E019))
-
-    def draw(seed):
-      return _normal(splitmix64(splitmix64(ranks.astype(np.uint64) ^ seed)[..., None] ^ cols))
-
+    t = self._tables.get(field)
+    a = t.vector_a[ranks] if t else self._vector_draw(ranks, self._vector_seed[field])
     if turn is None:
-      return draw(self._vector_seed[field])
-    a, b = draw(self._vector_seed[field]), draw(self._vector_seed_b[field])
+      return a
+    b = t.vector_b[ranks] if t else self._vector_draw(ranks, self._vector_seed_b[field])
     return turn[0][:, None, None] * a + turn[1][:, None, None] * b
+
+  def _tabulate(self, field: int, draws: int) -> None:
+    """Counts ``draws`` more ranks drawn in ``field`` and, once as many were drawn as the field has ranks
+    (so the table costs no more than what it saves), tabulates the field's per-rank ids, effects and
+    vectors: batches then gather them by rank instead of hashing them again (bit for bit the same values,
+    as each is an element-wise function of (field, rank)). A field's tables take 8 + 8 k (1 + d) bytes
+    per rank (k = 2 with drift, 1 without; d = teacher_dim for a field in a pair, 0 otherwise): 88 bytes
+    with the default teacher_dim 4 and drift, 48 without, so 88 MiB for a field at ``TABLE_MAX_RANKS``;
+    fields over it, or past ``TABLE_MAX_BYTES`` in all, are hashed per draw as before."""
+    v = self.cfg.vocab_sizes[field]
+    if field in self._tables or v > TABLE_MAX_RANKS:
+      return
+    self._drawn[field] += draws
+    if self._drawn[field] < v:
+      return
+    drift = bool(self.cfg.drift_records)
+    paired = any(field in p for p in self.pairs)
+    k = 2 if drift else 1
+    size = v * (8 + 8 * k * (1 + (self.cfg.teacher_dim if paired else 0)))
+    if self._table_bytes + size > TABLE_MAX_BYTES:
+      return
+    ranks = np.arange(v)
+    self._tables[field] = _FieldTables(
+      ids=self.ids_of(field, ranks),
+      effect_a=self._effect_draw(ranks, self._effect_seed[field]),
+      effect_b=self._effect_draw(ranks, self._effect_seed_b[field]) if drift else None,
+      vector_a=self._vector_draw(ranks, self._vector_seed[field]) if paired else None,
+      vector_b=self._vector_draw(ranks, self._vector_seed_b[field]) if paired and drift else None,
+    )
+    self._table_bytes += size
+
+  def tabulated_fields(self) -> Tuple[int, ...]:
+    """The fields whose ids, effects and vectors batches now gather from per-rank tables."""
+    return tuple(sorted(self._tables))
 
   def drift_angle(self, records: np.ndarray) -> np.ndarray:
     """The teacher's drift angle (radians) at training record indices ``records`` (0 without drift)."""
@@ -193,21 +252,29 @@ class SyntheticData:
       L = self.max_len[f]
       ranks = np.searchsorted(self._cdf[f], rng.random((batch_size, L)), side="right")
       ranks = np.minimum(ranks, cfg.vocab_sizes[f] - 1)
-      if L > 1:
-        n = rng.integers(1, L + 1, batch_size)
-        mask = np.arange(L)[None, :] < n[:, None]
-      else:
-        mask = np.ones((batch_size, 1), bool)
-      ids = np.where(mask, self.ids_of(f, ranks), np.uint64(0))
+      self._tabulate(f, ranks.size)
+      t = self._tables.get(f)
+      paired = any(f in p for p in self.pairs)
+      if L == 1:
+        # A one-id bag's mean (the sums below, over weight 1) is that id's value, + 0.0 as numpy's sum
+        # starts from +0.0 (which turns a -0.0 into +0.0).
+        sparse[self.feature_names[f]] = t.ids[ranks] if t else self.ids_of(f, ranks)
+        eff = self._effect(f, ranks, turn)[:, 0] + 0.0
+        z += cfg.id_scale * self._field_w[f] * eff
+        if paired:
+          vecs[f] = self._vector(f, ranks, turn)[:, 0] + 0.0
+        continue
+      n = rng.integers(1, L + 1, batch_size)
+      mask = np.arange(L)[None, :] < n[:, None]
+      ids = np.where(mask, t.ids[ranks] if t else self.ids_of(f, ranks), np.uint64(0))
       sparse[self.feature_names[f]] = ids
       m = mask.astype(np.float64)
       denom = m.sum(1)
       eff = (self._effect(f, ranks, turn) * m).sum(1) / denom
       z += cfg.id_scale * self._field_w[f] * eff
-      if any(f in p for p in self.pairs):
+      if paired:
         vecs[f] = (self._vector(f, ranks, turn) * m[..., None]).sum(1) / denom[:, None]
-      if L > 1:
-        weights[self.feature_names[f]] = mask.astype(np.float32)
+      weights[self.feature_names[f]] = mask.astype(np.float32)
     if self.pairs:
       inter = sum((vecs[a] * vecs[b]).sum(-1) for a, b in self.pairs)
       z += cfg.pair_scale * inter / np.sqrt(cfg.teacher_dim)

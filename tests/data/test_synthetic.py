@@ -5,6 +5,7 @@ import pytest
 
 from recsys_jax import metrics
 from recsys_jax.data import synthetic as syn
+from tests.helpers.synthetic_reference import ReferenceSyntheticData
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,40 @@ def test_drift_moves_which_ids_click_not_the_click_rate():
   np.testing.assert_array_equal(d.drift_angle([0, 20 * 4096]), [0.0, np.pi / 2])
   with pytest.raises(ValueError, match="drift_records"):
     syn.SyntheticData(syn.SyntheticConfig(drift_records=-1))
+
+
+def _assert_bits_equal(a, b, where):
+  """Every array of batch ``a`` has the dtype, shape and bytes of ``b``'s (floats compared bit for bit)."""
+  assert set(a) == set(b), where
+  for k in a:
+    if isinstance(a[k], dict):
+      _assert_bits_equal(a[k], b[k], f"{where} {k}")
+      continue
+    assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), f"{where} {k}"
+    assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), f"{where} {k} differs"
+
+
+def test_batches_are_bit_identical_to_the_reference_generator(monkeypatch):
+  """The per-rank tables change no value: every array of every batch (train and eval, one-hot and
+  multi-hot bags, with and without drift, several seeds, vocabularies and batch sizes) is bit for bit
+  what the generator returned before them (``tests/helpers/synthetic_reference.py``), both while a field
+  is still hashed per draw, after it is tabulated, and for a field too large to tabulate."""
+  monkeypatch.setattr(syn, "TABLE_MAX_RANKS", 6000)  # so that the 8000- and 10000-rank fields stay untabulated
+  seeds = np.random.default_rng(2026).integers(0, 2**31, 4).tolist()
+  mixed = dict(vocab_sizes=(50, 1000, 20, 7, 8000, 3), num_pairs=6)
+  cfgs = [
+    syn.SyntheticConfig(seed=seeds[0]),
+    syn.SyntheticConfig(seed=seeds[1], drift_records=50_000, eval_at_record=123_457),
+    syn.SyntheticConfig(**mixed, seed=seeds[2], multi_hot=(1, 3, 5, 2, 4, 1)),
+    syn.SyntheticConfig(
+      **mixed, seed=seeds[3], multi_hot=(2, 1, 5, 1, 3, 1), drift_records=777, eval_at_record=10**6, teacher_dim=3
+    ),
+  ]
+  sizes = (1, 7, 300, 64, 1500, 5, 2000)
+  for cfg in cfgs:
+    new, ref = syn.SyntheticData(cfg), ReferenceSyntheticData(cfg)
+    for split in (syn.TRAIN, syn.EVAL):
+      for i, size in enumerate(sizes):
+        _assert_bits_equal(new.batch(split, 3 * i + split, size), ref.batch(split, 3 * i + split, size), cfg)
+    small = [f for f, v in enumerate(cfg.vocab_sizes) if v <= syn.TABLE_MAX_RANKS]
+    assert new.tabulated_fields() == tuple(small)  # both paths were compared
