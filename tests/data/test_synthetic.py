@@ -218,3 +218,22 @@ def test_batches_are_bit_identical_to_the_reference_generator(monkeypatch):
         _assert_bits_equal(new.batch(split, 3 * i + split, size), ref.batch(split, 3 * i + split, size), cfg)
     small = [f for f, v in enumerate(cfg.vocab_sizes) if v <= syn.TABLE_MAX_RANKS]
     assert new.tabulated_fields() == tuple(small)  # both paths were compared
+
+
+def test_guided_search_is_searchsorted():
+  """GuidedSearch returns np.searchsorted(cdf, u, side="right") for every u in [0, 1), checked on the
+  values where an off-by-one would show: each cdf value, its neighbours, each bucket's edges."""
+  rng = np.random.default_rng(7)
+  cdfs = [np.array([1.0]), np.array([0.25, 0.25, 0.5, 1.0, 1.0])]  # repeated values, flat steps
+  for v, alpha in ((3, 1.2), (1000, 0.5), (10_000, 1.2), (300, 2.0), (5000, 2.0)):
+    c = np.cumsum(np.arange(1, v + 1, dtype=np.float64) ** -alpha)
+    cdfs.append(c / c[-1])
+  for cdf in cdfs[:-1]:
+    search = syn.GuidedSearch(cdf)
+    assert search.ok
+    edges = np.arange(search.buckets + 1) / search.buckets
+    u = np.concatenate([cdf, edges, rng.random(100_000), [0.0]])
+    u = np.concatenate([u, np.nextafter(u, 0.0), np.nextafter(u, 1.0)])
+    u = u[(u >= 0.0) & (u < 1.0)].reshape(-1, 1)
+    np.testing.assert_array_equal(search(u), np.searchsorted(cdf, u, side="right"))
+  assert not syn.GuidedSearch(cdfs[-1]).ok  # a tail too dense for 1 << 18 buckets: searched as before
