@@ -141,6 +141,17 @@ class GuidedSearch:
     return r
 
 
+def _sum_axis1(x: np.ndarray) -> np.ndarray:
+  """``x.sum(1)`` bit for bit, several times faster for a short axis 1: numpy adds fewer than 8 terms
+  (over the last axis; any number over an inner one) one by one in order, starting from +0.0."""
+  if x.shape[1] >= 8:
+    return x.sum(1)
+  s = x[:, 0] + 0.0
+  for i in range(1, x.shape[1]):
+    s += x[:, i]
+  return s
+
+
 def _normal(h: np.ndarray) -> np.ndarray:
   """Standard normals from uint64 hashes (Box-Muller on two derived uniforms)."""
   u1 = uniform01(h)
@@ -274,6 +285,11 @@ class SyntheticData:
   # batches --------------------------------------------------------------------------
   def batch(self, split: int, index: int, batch_size: int) -> Dict[str, object]:
     """Returns batch ``index`` of ``split`` (TRAIN or EVAL) with ``batch_size`` examples."""
+    return self.batch_and_logits(split, index, batch_size)[0]
+
+  def batch_and_logits(self, split: int, index: int, batch_size: int) -> Tuple[Dict[str, object], np.ndarray]:
+    """``batch(split, index, batch_size)`` and its records' float64 teacher logits, whose every bit
+    shows the teacher's arithmetic (the batch's float32 probabilities round most of it away)."""
     cfg = self.cfg
     rng = np.random.default_rng([cfg.seed, split, index])
     counts = np.floor(np.exp(rng.normal(self._dense_mu, self._dense_sigma, (batch_size, cfg.num_dense))))
@@ -308,21 +324,21 @@ class SyntheticData:
       ids = np.where(mask, t.ids[ranks] if t else self.ids_of(f, ranks), np.uint64(0))
       sparse[self.feature_names[f]] = ids
       m = mask.astype(np.float64)
-      denom = m.sum(1)
-      eff = (self._effect(f, ranks, turn) * m).sum(1) / denom
+      denom = n.astype(np.float64)  # the sum of the mask's n ones
+      eff = _sum_axis1(self._effect(f, ranks, turn) * m) / denom
       z += cfg.id_scale * self._field_w[f] * eff
       if paired:
-        vecs[f] = (self._vector(f, ranks, turn) * m[..., None]).sum(1) / denom[:, None]
+        vecs[f] = _sum_axis1(self._vector(f, ranks, turn) * m[..., None]) / denom[:, None]
       weights[self.feature_names[f]] = mask.astype(np.float32)
     if self.pairs:
-      inter = sum((vecs[a] * vecs[b]).sum(-1) for a, b in self.pairs)
+      inter = sum(_sum_axis1(vecs[a] * vecs[b]) for a, b in self.pairs)
       z += cfg.pair_scale * inter / np.sqrt(cfg.teacher_dim)
     prob = 1.0 / (1.0 + np.exp(-z))
     label = (rng.random(batch_size) < prob).astype(np.float32)
     out = {"dense": dense, "sparse": sparse, "label": label, "prob": prob.astype(np.float32)}
     if weights:
       out["sparse_weights"] = weights
-    return out
+    return out, z
 
   def feature_max_len(self) -> Dict[str, int]:
     return dict(zip(self.feature_names, self.max_len))

@@ -195,17 +195,19 @@ def _assert_bits_equal(a, b, where):
 
 
 def test_batches_are_bit_identical_to_the_reference_generator(monkeypatch):
-  """The per-rank tables change no value: every array of every batch (train and eval, one-hot and
-  multi-hot bags, with and without drift, several seeds, vocabularies and batch sizes) is bit for bit
-  what the generator returned before them (``tests/helpers/synthetic_reference.py``), both while a field
-  is still hashed per draw, after it is tabulated, and for a field too large to tabulate."""
+  """The speed-ups change no value: every array of every batch, and the float64 teacher logits behind
+  it (the float32 probabilities would hide a last-bit change), is bit for bit what the generator returned
+  before them (``tests/helpers/synthetic_reference.py``): train and eval, one-hot and multi-hot bags,
+  with and without drift, several seeds, vocabularies, bag lengths, teacher_dims (sums of under and over
+  8 terms) and batch sizes; while a field is still hashed per draw, after it is tabulated, and for a
+  field too large to tabulate."""
   monkeypatch.setattr(syn, "TABLE_MAX_RANKS", 6000)  # so that the 8000- and 10000-rank fields stay untabulated
   seeds = np.random.default_rng(2026).integers(0, 2**31, 4).tolist()
   mixed = dict(vocab_sizes=(50, 1000, 20, 7, 8000, 3), num_pairs=6)
   cfgs = [
     syn.SyntheticConfig(seed=seeds[0]),
-    syn.SyntheticConfig(seed=seeds[1], drift_records=50_000, eval_at_record=123_457),
-    syn.SyntheticConfig(**mixed, seed=seeds[2], multi_hot=(1, 3, 5, 2, 4, 1)),
+    syn.SyntheticConfig(seed=seeds[1], drift_records=50_000, eval_at_record=123_457, teacher_dim=7),
+    syn.SyntheticConfig(**mixed, seed=seeds[2], multi_hot=(1, 3, 9, 2, 4, 1), teacher_dim=9),
     syn.SyntheticConfig(
       **mixed, seed=seeds[3], multi_hot=(2, 1, 5, 1, 3, 1), drift_records=777, eval_at_record=10**6, teacher_dim=3
     ),
@@ -215,7 +217,8 @@ def test_batches_are_bit_identical_to_the_reference_generator(monkeypatch):
     new, ref = syn.SyntheticData(cfg), ReferenceSyntheticData(cfg)
     for split in (syn.TRAIN, syn.EVAL):
       for i, size in enumerate(sizes):
-        _assert_bits_equal(new.batch(split, 3 * i + split, size), ref.batch(split, 3 * i + split, size), cfg)
+        (a, za), (b, zb) = (g.batch_and_logits(split, 3 * i + split, size) for g in (new, ref))
+        _assert_bits_equal(dict(a, logits=za), dict(b, logits=zb), cfg)
     small = [f for f, v in enumerate(cfg.vocab_sizes) if v <= syn.TABLE_MAX_RANKS]
     assert new.tabulated_fields() == tuple(small)  # both paths were compared
 

@@ -6,7 +6,7 @@ bit for bit what this returns (the committed figures depend on the exact values)
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -22,7 +22,8 @@ def _normal(h: np.ndarray) -> np.ndarray:
 
 
 class ReferenceSyntheticData:
-  """The generator as it was before its per-rank tables (commit 4983112), verbatim."""
+  """The generator as it was before its speed-ups (commit 4983112), verbatim but for ``batch_and_logits``
+  (the old ``batch`` returning its logits too)."""
 
   def __init__(self, cfg: SyntheticConfig):
     if len(cfg.multi_hot) not in (0, len(cfg.vocab_sizes)):
@@ -101,6 +102,11 @@ class ReferenceSyntheticData:
   # batches --------------------------------------------------------------------------
   def batch(self, split: int, index: int, batch_size: int) -> Dict[str, object]:
     """Returns batch ``index`` of ``split`` (TRAIN or EVAL) with ``batch_size`` examples."""
+    return self.batch_and_logits(split, index, batch_size)[0]
+
+  def batch_and_logits(self, split: int, index: int, batch_size: int) -> Tuple[Dict[str, object], np.ndarray]:
+    """``batch(split, index, batch_size)`` and its records' float64 teacher logits, whose every bit
+    shows the teacher's arithmetic (the batch's float32 probabilities round most of it away)."""
     cfg = self.cfg
     rng = np.random.default_rng([cfg.seed, split, index])
     counts = np.floor(np.exp(rng.normal(self._dense_mu, self._dense_sigma, (batch_size, cfg.num_dense))))
@@ -139,7 +145,7 @@ class ReferenceSyntheticData:
     out = {"dense": dense, "sparse": sparse, "label": label, "prob": prob.astype(np.float32)}
     if weights:
       out["sparse_weights"] = weights
-    return out
+    return out, z
 
   def feature_max_len(self) -> Dict[str, int]:
     return dict(zip(self.feature_names, self.max_len))
