@@ -30,6 +30,7 @@ training records; its records are independent of theirs, drawn from the same tea
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -201,11 +202,13 @@ class SyntheticData:
       a, b = sorted(rng.choice(self.num_fields, 2, replace=False).tolist())
       pairs.add((a, b))
     self.pairs = sorted(pairs)
+    self._paired = {f for p in self.pairs for f in p}
     d = cfg.teacher_dim
     self._cols = splitmix64(np.arange(1, d + 1, dtype=np.uint64) * np.uint64(0x632BE59BD9B4E019))
     self._tables: Dict[int, _FieldTables] = {}  # filled by _tabulate as batches are drawn
     self._drawn = [0] * self.num_fields
     self._table_bytes = 0
+    self._tabulating = threading.Lock()
 
   # ids and teacher terms -----------------------------------------------------------
   def ids_of(self, field: int, ranks: np.ndarray) -> np.ndarray:
@@ -242,32 +245,38 @@ class SyntheticData:
     vectors: batches then gather them by rank instead of hashing them again (bit for bit the same values,
     as each is an element-wise function of (field, rank)). A field's tables take 8 + 8 k (1 + d) bytes
     per rank (k = 2 with drift, 1 without; d = teacher_dim for a field in a pair, 0 otherwise): 88 bytes
-    with the default teacher_dim 4 and drift, 48 without, so 88 MiB for a field at ``TABLE_MAX_RANKS``;
-    fields over it, or past ``TABLE_MAX_BYTES`` in all, are hashed per draw as before."""
+    with the default teacher_dim 4 and drift, 48 without, so 88 MiB for a field at ``TABLE_MAX_RANKS``,
+    plus its ``GuidedSearch`` table (2 MiB at most); fields over it, or past ``TABLE_MAX_BYTES`` in all,
+    are hashed per draw as before."""
     v = self.cfg.vocab_sizes[field]
-    if field in self._tables or v > TABLE_MAX_RANKS:
+    if field in self._tables or self._drawn[field] is None:
       return
     self._drawn[field] += draws
     if self._drawn[field] < v:
       return
-    drift = bool(self.cfg.drift_records)
-    paired = any(field in p for p in self.pairs)
-    k = 2 if drift else 1
-    search = GuidedSearch(self._cdf[field])
-    search = search if search.ok else None
-    size = v * (8 + 8 * k * (1 + (self.cfg.teacher_dim if paired else 0))) + (search.start.nbytes if search else 0)
-    if self._table_bytes + size > TABLE_MAX_BYTES:
-      return
-    ranks = np.arange(v)
-    self._tables[field] = _FieldTables(
-      ids=self.ids_of(field, ranks),
-      effect_a=self._effect_draw(ranks, self._effect_seed[field]),
-      effect_b=self._effect_draw(ranks, self._effect_seed_b[field]) if drift else None,
-      vector_a=self._vector_draw(ranks, self._vector_seed[field]) if paired else None,
-      vector_b=self._vector_draw(ranks, self._vector_seed_b[field]) if paired and drift else None,
-      search=search,
-    )
-    self._table_bytes += size
+    with self._tabulating:  # batches may be drawn on several threads at once
+      if field in self._tables:
+        return
+      drift = bool(self.cfg.drift_records)
+      paired = field in self._paired
+      k = 2 if drift else 1
+      size = v * (8 + 8 * k * (1 + (self.cfg.teacher_dim if paired else 0)))
+      search = GuidedSearch(self._cdf[field]) if v <= TABLE_MAX_RANKS else None
+      search = search if search is not None and search.ok else None
+      size += search.start.nbytes if search else 0
+      if v > TABLE_MAX_RANKS or self._table_bytes + size > TABLE_MAX_BYTES:
+        self._drawn[field] = None  # hashed per draw for good
+        return
+      ranks = np.arange(v)
+      self._tables[field] = _FieldTables(
+        ids=self.ids_of(field, ranks),
+        effect_a=self._effect_draw(ranks, self._effect_seed[field]),
+        effect_b=self._effect_draw(ranks, self._effect_seed_b[field]) if drift else None,
+        vector_a=self._vector_draw(ranks, self._vector_seed[field]) if paired else None,
+        vector_b=self._vector_draw(ranks, self._vector_seed_b[field]) if paired and drift else None,
+        search=search,
+      )
+      self._table_bytes += size
 
   def tabulated_fields(self) -> Tuple[int, ...]:
     """The fields whose ids, effects and vectors batches now gather from per-rank tables."""
@@ -309,7 +318,7 @@ class SyntheticData:
       ranks = np.minimum(ranks, cfg.vocab_sizes[f] - 1)
       self._tabulate(f, ranks.size)
       t = self._tables.get(f)
-      paired = any(f in p for p in self.pairs)
+      paired = f in self._paired
       if L == 1:
         # A one-id bag's mean (the sums below, over weight 1) is that id's value, + 0.0 as numpy's sum
         # starts from +0.0 (which turns a -0.0 into +0.0).
