@@ -1,5 +1,7 @@
 """Synthetic click logs: determinism, id layout, Zipf frequencies, label model, multi-hot bags."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -240,3 +242,16 @@ def test_guided_search_is_searchsorted():
     u = u[(u >= 0.0) & (u < 1.0)].reshape(-1, 1)
     np.testing.assert_array_equal(search(u), np.searchsorted(cdf, u, side="right"))
   assert not syn.GuidedSearch(cdfs[-1]).ok  # a tail too dense for 1 << 18 buckets: searched as before
+
+
+def test_batches_drawn_on_threads_match_the_reference():
+  """The trainer draws batches on worker threads: several at once, while fields get tabulated, still give
+  the reference's batches bit for bit."""
+  cfg = syn.SyntheticConfig(vocab_sizes=(3000, 40, 700, 9), multi_hot=(1, 2, 1, 3), num_pairs=4, drift_records=999)
+  new, ref = syn.SyntheticData(cfg), ReferenceSyntheticData(cfg)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    got = list(pool.map(lambda i: new.batch_and_logits(syn.TRAIN, i, 200), range(24)))
+  for i, (b, z) in enumerate(got):
+    want, want_z = ref.batch_and_logits(syn.TRAIN, i, 200)
+    _assert_bits_equal(dict(b, logits=z), dict(want, logits=want_z), i)
+  assert new.tabulated_fields() == (0, 1, 2, 3)
