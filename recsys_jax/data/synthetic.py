@@ -331,7 +331,9 @@ class SyntheticData:
           vecs[f] = self._vector(f, ranks, turn)[:, 0] + 0.0
         continue
       n = rng.integers(1, L + 1, batch_size)
-      mask = np.arange(L)[None, :] < n[:, None]
+      mask = np.empty((batch_size, L), bool)  # arange(L) < n, by column: a broadcast over L is slower
+      for i in range(L):
+        np.greater(n, i, out=mask[:, i])
       ids = np.where(mask, t.ids[ranks] if t else self.ids_of(f, ranks), np.uint64(0))
       sparse[self.feature_names[f]] = ids
       m = mask.astype(np.float64)
@@ -339,7 +341,9 @@ class SyntheticData:
       eff = _sum_axis1(self._effect(f, ranks, turn) * m) / denom
       z += cfg.id_scale * self._field_w[f] * eff
       if paired:
-        vecs[f] = _sum_axis1(self._vector(f, ranks, turn) * m[..., None]) / denom[:, None]
+        # The same products as with m[..., None], without a broadcast over the short last axis (slow).
+        m_d = np.repeat(m, cfg.teacher_dim).reshape(m.shape + (cfg.teacher_dim,))
+        vecs[f] = _sum_axis1(self._vector(f, ranks, turn) * m_d) / denom[:, None]
       weights[self.feature_names[f]] = mask.astype(np.float32)
     if self.pairs:
       inter = sum(_sum_axis1(vecs[a] * vecs[b]) for a, b in self.pairs)
