@@ -230,7 +230,10 @@ class SyntheticData:
     if turn is None:
       return a
     b = t.effect_b[ranks] if t else self._effect_draw(ranks, self._effect_seed_b[field])
-    return turn[0][:, None] * a + turn[1][:, None] * b
+    a *= turn[0][:, None]  # in place, as in _vector
+    b *= turn[1][:, None]
+    a += b
+    return a
 
   def _vector(self, field: int, ranks: np.ndarray, turn=None) -> np.ndarray:
     t = self._tables.get(field)
@@ -239,7 +242,10 @@ class SyntheticData:
     if turn is None:
       return a
     b = np.take(t.vector_b, ranks, axis=0) if t else self._vector_draw(ranks, self._vector_seed_b[field])
-    return turn[0][:, None, None] * a + turn[1][:, None, None] * b
+    a *= turn[0][:, None, None]  # in place (a and b are new arrays): the same products, fewer page faults
+    b *= turn[1][:, None, None]
+    a += b
+    return a
 
   def _tabulate(self, field: int, draws: int) -> None:
     """Counts ``draws`` more ranks drawn in ``field`` and, once as many were drawn as the field has ranks
