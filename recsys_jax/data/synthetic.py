@@ -100,18 +100,6 @@ TABLE_MAX_BYTES = 512 << 20
 """The most memory one generator's per-rank tables take together; fields past it are hashed per draw."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _FieldTables:
-  """One field's per-rank values, indexed by rank (the ``_b`` ones only with drift)."""
-
-  ids: np.ndarray
-  effect_a: np.ndarray
-  effect_b: Optional[np.ndarray]
-  vector_a: Optional[np.ndarray]
-  vector_b: Optional[np.ndarray]
-  search: Optional[GuidedSearch]
-
-
 class GuidedSearch:
   """``np.searchsorted(cdf, u, side="right")`` for uniforms ``u`` in [0, 1), exactly, by a guide table.
 
@@ -144,9 +132,21 @@ class GuidedSearch:
     return r
 
 
+@dataclasses.dataclass(frozen=True)
+class _FieldTables:
+  """One field's per-rank values, indexed by rank (the ``_b`` ones only with drift)."""
+
+  ids: np.ndarray
+  effect_a: np.ndarray
+  effect_b: Optional[np.ndarray]
+  vector_a: Optional[np.ndarray]
+  vector_b: Optional[np.ndarray]
+  search: Optional[GuidedSearch]
+
+
 def _sum_axis1(x: np.ndarray) -> np.ndarray:
   """``x.sum(1)`` bit for bit, several times faster for a short axis 1: numpy adds fewer than 8 terms
-  (over the last axis; any number over an inner one) one by one in order, starting from +0.0."""
+  one by one in order, starting from +0.0 (more, over the last axis, pairwise: left to x.sum)."""
   if x.shape[1] >= 8:
     return x.sum(1)
   s = x[:, 0] + 0.0
@@ -242,7 +242,7 @@ class SyntheticData:
     if turn is None:
       return a
     b = np.take(t.vector_b, ranks, axis=0) if t else self._vector_draw(ranks, self._vector_seed_b[field])
-    a *= turn[0][:, None, None]  # in place (a and b are new arrays): the same products, fewer page faults
+    a *= turn[0][:, None, None]  # in place (a and b are new arrays): the same products, fewer temporaries
     b *= turn[1][:, None, None]
     a += b
     return a
