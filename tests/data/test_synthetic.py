@@ -1,10 +1,13 @@
 """Synthetic click logs: determinism, id layout, Zipf frequencies, label model, multi-hot bags."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
 from recsys_jax import metrics
 from recsys_jax.data import synthetic as syn
+from tests.helpers.synthetic_reference import ReferenceSyntheticData
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +183,75 @@ def test_drift_moves_which_ids_click_not_the_click_rate():
   np.testing.assert_array_equal(d.drift_angle([0, 20 * 4096]), [0.0, np.pi / 2])
   with pytest.raises(ValueError, match="drift_records"):
     syn.SyntheticData(syn.SyntheticConfig(drift_records=-1))
+
+
+def _assert_bits_equal(a, b, where):
+  """Every array of batch ``a`` has the dtype, shape and bytes of ``b``'s (floats compared bit for bit)."""
+  assert set(a) == set(b), where
+  for k in a:
+    if isinstance(a[k], dict):
+      _assert_bits_equal(a[k], b[k], f"{where} {k}")
+      continue
+    assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), f"{where} {k}"
+    assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), f"{where} {k} differs"
+
+
+def test_batches_are_bit_identical_to_the_reference_generator(monkeypatch):
+  """The speed-ups change no value: every array of every batch, and the float64 teacher logits behind
+  it (the float32 probabilities would hide a last-bit change), is bit for bit what the generator returned
+  before them (``tests/helpers/synthetic_reference.py``): train and eval, one-hot and multi-hot bags,
+  with and without drift, several seeds, vocabularies, bag lengths, teacher_dims (sums of under and over
+  8 terms) and batch sizes; while a field is still hashed per draw, after it is tabulated, and for a
+  field too large to tabulate."""
+  monkeypatch.setattr(syn, "TABLE_MAX_RANKS", 6000)  # so that the 8000- and 10000-rank fields stay untabulated
+  seeds = np.random.default_rng(2026).integers(0, 2**31, 4).tolist()
+  mixed = dict(vocab_sizes=(50, 1000, 20, 7, 8000, 3), num_pairs=6)
+  cfgs = [
+    syn.SyntheticConfig(seed=seeds[0]),
+    syn.SyntheticConfig(seed=seeds[1], drift_records=50_000, eval_at_record=123_457, teacher_dim=7),
+    syn.SyntheticConfig(**mixed, seed=seeds[2], multi_hot=(1, 3, 9, 2, 4, 1), teacher_dim=9),
+    syn.SyntheticConfig(
+      **mixed, seed=seeds[3], multi_hot=(2, 1, 5, 1, 3, 1), drift_records=777, eval_at_record=10**6, teacher_dim=3
+    ),
+  ]
+  sizes = (1, 7, 300, 64, 1500, 5, 2000)
+  for cfg in cfgs:
+    new, ref = syn.SyntheticData(cfg), ReferenceSyntheticData(cfg)
+    for split in (syn.TRAIN, syn.EVAL):
+      for i, size in enumerate(sizes):
+        (a, za), (b, zb) = (g.batch_and_logits(split, 3 * i + split, size) for g in (new, ref))
+        _assert_bits_equal(dict(a, logits=za), dict(b, logits=zb), cfg)
+    small = [f for f, v in enumerate(cfg.vocab_sizes) if v <= syn.TABLE_MAX_RANKS]
+    assert new.tabulated_fields() == tuple(small)  # both paths were compared
+
+
+def test_guided_search_is_searchsorted():
+  """GuidedSearch returns np.searchsorted(cdf, u, side="right") for every u in [0, 1), checked on the
+  values where an off-by-one would show: each cdf value, its neighbours, each bucket's edges."""
+  rng = np.random.default_rng(7)
+  cdfs = [np.array([1.0]), np.array([0.25, 0.25, 0.5, 1.0, 1.0])]  # repeated values, flat steps
+  for v, alpha in ((3, 1.2), (1000, 0.5), (10_000, 1.2), (300, 2.0), (5000, 2.0)):
+    c = np.cumsum(np.arange(1, v + 1, dtype=np.float64) ** -alpha)
+    cdfs.append(c / c[-1])
+  for cdf in cdfs[:-1]:
+    search = syn.GuidedSearch(cdf)
+    assert search.ok
+    edges = np.arange(search.buckets + 1) / search.buckets
+    u = np.concatenate([cdf, edges, rng.random(100_000), [0.0]])
+    u = np.concatenate([u, np.nextafter(u, 0.0), np.nextafter(u, 1.0)])
+    u = u[(u >= 0.0) & (u < 1.0)].reshape(-1, 1)
+    np.testing.assert_array_equal(search(u), np.searchsorted(cdf, u, side="right"))
+  assert not syn.GuidedSearch(cdfs[-1]).ok  # a tail too dense for 1 << 18 buckets: searched as before
+
+
+def test_batches_drawn_on_threads_match_the_reference():
+  """The trainer draws batches on worker threads: several at once, while fields get tabulated, still give
+  the reference's batches bit for bit."""
+  cfg = syn.SyntheticConfig(vocab_sizes=(3000, 40, 700, 9), multi_hot=(1, 2, 1, 3), num_pairs=4, drift_records=999)
+  new, ref = syn.SyntheticData(cfg), ReferenceSyntheticData(cfg)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    got = list(pool.map(lambda i: new.batch_and_logits(syn.TRAIN, i, 200), range(24)))
+  for i, (b, z) in enumerate(got):
+    want, want_z = ref.batch_and_logits(syn.TRAIN, i, 200)
+    _assert_bits_equal(dict(b, logits=z), dict(want, logits=want_z), i)
+  assert new.tabulated_fields() == (0, 1, 2, 3)
