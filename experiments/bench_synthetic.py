@@ -23,6 +23,7 @@ import tempfile
 import time
 
 import numpy as np
+import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 
 from recsys_jax.data import synthetic
@@ -43,9 +44,10 @@ _CONFIGS = {
 
 def _load_old(rev: str):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  src = subprocess.run(
-    ["git", "show", f"{rev}:recsys_jax/data/synthetic.py"], cwd=root, capture_output=True, text=True, check=True
-  ).stdout
+  p = subprocess.run(["git", "show", f"{rev}:recsys_jax/data/synthetic.py"], cwd=root, capture_output=True, text=True)
+  if p.returncode != 0:
+    sys.exit(f"bench_synthetic: cannot read recsys_jax/data/synthetic.py at --baseline_rev={rev}: {p.stderr.strip()}")
+  src = p.stdout
   with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
     f.write(src)
   spec = importlib.util.spec_from_file_location("synthetic_baseline", f.name)
@@ -95,8 +97,7 @@ def main(argv):
   )
   print(json.dumps(out))
   if _JSON_OUT.value:
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump(out, f, indent=1)
+    outputs.write_json(_JSON_OUT.value, out)
 
 
 if __name__ == "__main__":

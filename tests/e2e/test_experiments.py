@@ -97,6 +97,11 @@ SMOKE = {
   ),
   "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes", "--json_out={tmp}/fuzz.json"], []),
   # Online to step 8 of 256 records, frozen from step 4, drifting data only (3 jobs of 4 steps).
+  # HEAD's synthetic.py against the working tree's: a smoke run (the same code, unless edited).
+  "bench_synthetic.py": (
+    ["--baseline_rev=HEAD", "--rounds=1", "--batches=1", "--batch_size=64", "--json_out={tmp}/bs.json"],
+    ["old_ms_per_batch", "new_ms_per_batch", "speedup"],
+  ),
   "online_drift.py": (
     ["--config=configs/tiny.py", "--steps=8", "--freeze_at=4", "--batch_size=256", "--log_every=2"]
     + ["--eval_samples=1024", "--nocontrol", "--out={tmp}/online_drift"],
@@ -120,6 +125,7 @@ WRITES = {
   "bench_tier_layout.py": ["{tmp}/bench_tier_layout.json"],
   "bench_train.py": ["{tmp}/bench_train.json"],
   "bench_tier_train.py": ["{tmp}/btt.json", "{tmp}/btt.png"],
+  "bench_synthetic.py": ["{tmp}/bs.json"],
   "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
   "comm_volume.py": ["{tmp}/c.json", "{tmp}/c.png"],
   "fuzz.py": ["{tmp}/fuzz.json"],
