@@ -37,6 +37,13 @@ from recsys_jax.embeddings.specs import TableSpec
 from recsys_jax.hashing import name_seed, splitmix64, uniform01
 
 _EVICT_FRACTION = 0.2  # evict down to 80% of capacity, so rebuilds are amortised
+_EVICT_INSERTS = 4
+"""A tiered table's eviction also makes room for this many times the rows the call that caused it
+brought into RAM, so that a table whose misses a step come near its capacity evicts every few
+steps, not after every lookup: an eviction's fixed cost (choosing, copying out, appending,
+closing holes) is hundreds of microseconds a table, more than its rows' at the main job's shape
+(docs/performance.md, "Tables larger than RAM"). A table without a tier loses what it evicts, so
+it evicts only down to ``1 - _EVICT_FRACTION`` of its capacity."""
 
 _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
 
@@ -97,6 +104,7 @@ class Table:
     # (``_evict_then_release``), which releases it once the eviction is done: every later call
     # waits for it, so the table goes on exactly as if the lookup had evicted before returning.
     self._idle = threading.Event()  # cleared while an eviction is in flight
+    self._inserted = 0  # rows the latest training lookup (or import) brought into RAM: see _EVICT_INSERTS
     self._idle.set()
     self._evict_error: Optional[BaseException] = None  # raised by the next call on the table
     self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
@@ -237,6 +245,7 @@ class Table:
       if create and self._unstamped:
         self._stamp()
       rows = self._ids.find(ids)
+      size0 = self._ids.size
       hit = rows >= 0
       n_miss = int((~hit).sum())
       if out is None:
@@ -284,6 +293,7 @@ class Table:
         have = rows >= 0
         out[have] = self._weights[rows[have]]
       if create:
+        self._inserted = self._ids.size - size0
         # Over its capacity, a tiered table spills after returning (write-behind): the rows
         # are the caller's already, and the eviction's gathers, writes and moves overlap the
         # caller's next work. Evicting here, before any other call, keeps every result the same.
@@ -546,6 +556,8 @@ class Table:
     if not self.capacity or n <= self.capacity:
       return
     target = int(self.capacity * (1 - _EVICT_FRACTION))
+    if self.tier is not None:  # without a tier an evicted row is lost: evict no more than the bound needs
+      target = max(0, min(target, self.capacity - _EVICT_INSERTS * self._inserted))
     candidates = np.flatnonzero(self._last_seen[:n] < self.step - self.protect_steps + 1)
     k = min(n - target, candidates.shape[0])
     if k <= 0:
@@ -682,6 +694,7 @@ class Table:
         if self.tier is not None:  # its copy there is stale now (and a snapshot would carry both)
           self.tier.remove(ids[new])
         self._insert(ids[new], weights[new], {k: v[new] for k, v in slots.items()})
+        self._inserted = int(new.shape[0])
         if self.tier is not None and self.capacity:
           # Rows trained elsewhere (hot rows written back from the device) are a copy here: they may
           # go to the tier first, so RAM keeps its bound (without a tier they wait for the next lookup).
