@@ -487,3 +487,33 @@ def test_take_reads_then_removes_and_uses_only_the_latest_reads_ahead(driver, tm
       tier.compact()  # moves every row: the read ahead is from another epoch now
       ref.garbage = 0
   tier.close()
+
+
+@pytest.mark.parametrize("new_rows", [3, 10, 30])
+def test_a_tiered_eviction_makes_room_for_four_lookups_and_an_untiered_one_keeps_four_fifths(new_rows, tmp_path):
+  """Capacity 100, full of rows last seen at step 1; a lookup at step 5 brings ``new_rows`` new
+  ones in. A tiered table evicts down to min(80, 100 - 4 * new_rows) rows (never the ones just
+  looked up); a table without a tier, which loses what it evicts, down to 80. The evicted rows
+  come back from the tier bit for bit; a 5x rule or a 3x one fails the counts."""
+  from recsys_jax.async_ps.store.table import Table
+  from recsys_jax.embeddings.specs import TableSpec
+
+  spec = TableSpec(name="t", dim=8, optimizer="adagrad", capacity=100)
+  tiered = Table(spec, tier=DiskTier({"driver": "file", "path": str(tmp_path / "t")}, 8, {"acc": 8}), capacity=100)
+  plain = Table(spec, capacity=100)
+  rng = np.random.default_rng(new_rows)
+  old = rng.choice(1 << 40, 100, replace=False).astype(np.uint64)
+  new = np.arange(new_rows, dtype=np.uint64) + np.uint64(1 << 41)
+  for t in (tiered, plain):
+    t.lookup(old, step=1)
+    t.apply(old, rng.standard_normal((100, 8)).astype(np.float32))
+  before = tiered.export_rows(old)
+  for t in (tiered, plain):
+    t.lookup(new, step=5)
+    t.wait_evicted()
+  assert tiered.num_rows == max(new_rows, min(80, 100 - 4 * new_rows)), tiered.num_rows
+  assert plain.num_rows == 80
+  assert tiered.in_ram(new).all() and len(tiered.tier) == 100 + new_rows - tiered.num_rows
+  w, s = tiered.export_rows(old)  # read back from the tier where evicted
+  assert np.array_equal(w, before[0]) and np.array_equal(s["acc"], before[1]["acc"])
+  tiered.close()
