@@ -5,8 +5,8 @@
 #
 #     bash experiments/gpu_figures.sh OUT_DIR [WHEEL_DIR] [STEP ...]
 #
-# STEPs (default: all, about 9 minutes on an H200 with 16 cores): env bench_step bench_train
-# bench_tier_train bench_feed bench_ps bench_scorer.
+# STEPs (default: all, about 10 minutes on an H200 with 16 cores; name some to split the run):
+# env bench_step bench_train bench_train_w4 bench_tier_train bench_feed bench_ps bench_scorer.
 # WHEEL_DIR holds wheels of the pure-Python packages the machine lacks (ml-collections,
 # tensorboardX), installed into /tmp/site. Writes OUT_DIR/log.txt (everything printed, each
 # command with its exit status) and the benchmarks' JSON and PNG files. Uses whatever JAX the
@@ -46,6 +46,10 @@ step bench_step 60 $py experiments/bench_step.py --bottom=0 --top=0 --repeats=10
 # The PS path against all embeddings on the device; hot rows against none.
 step bench_train 120 $py experiments/bench_train.py --config=configs/dlrm.py --steps=200 --repeats=1 \
   --json_out="$out/bench_train.json"
+# The same with 4 host workers instead of one per core: do 16 worker threads under one interpreter
+# lock slow the PS lookups (42 ms a step summed over tables on the H200 against 5 ms on 2 cores)?
+step bench_train_w4 120 $py experiments/bench_train.py --config=configs/dlrm.py --steps=200 --repeats=1 \
+  --config.host_workers=4 --json_out="$out/bench_train_w4.json"
 # Tables 4x and 16x their RAM cache against all in RAM, with the step on the GPU.
 step bench_tier_train 240 $py experiments/bench_tier_train.py --fractions=4,16 --rounds=1 --read_ahead=4 \
   --without_read_ahead=4,16 --json_out="$out/bench_tier_train.json" --png_out="$out/bench_tier_train.png"
