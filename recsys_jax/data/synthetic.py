@@ -257,10 +257,12 @@ class SyntheticData:
     plus its ``GuidedSearch`` table (2 MiB at most); fields over it, or past ``TABLE_MAX_BYTES`` in all,
     are hashed per draw as before."""
     v = self.cfg.vocab_sizes[field]
-    if field in self._tables or self._drawn[field] is None:
+    drawn = self._drawn[field]  # read once: another thread may set it to None (refused) meanwhile
+    if field in self._tables or drawn is None:
       return
-    self._drawn[field] += draws
-    if self._drawn[field] < v:
+    drawn += draws
+    self._drawn[field] = drawn  # (a race may undo a refusal: the next call decides it again)
+    if drawn < v:
       return
     with self._tabulating:  # batches may be drawn on several threads at once
       if field in self._tables:
