@@ -44,11 +44,19 @@ def as_ids(ids: Any, table: str) -> np.ndarray:
   return a.astype(np.uint64)
 
 
+def first_repeat_at(ids: np.ndarray) -> int:
+  """The position of the first id that repeats an earlier one, or -1: one pass (``kernels.first_repeat``),
+  not a sort."""
+  if ids.shape[0] < 2:
+    return -1
+  return int(first_repeat(read_only(np.ascontiguousarray(ids, np.uint64)), _REPEAT_SALT))  # one kernel signature
+
+
 def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueError, what: str = "ids") -> None:
   """Refuses ids that repeat: an update would apply a repeated id's gradients one after the other
   (twice in float32 storage; the last write wins in bfloat16), where the sum was meant.
 
-  One pass over the ids (``kernels.first_repeat``), not a sort: ``Table.apply`` runs it on every push.
+  One pass over the ids (``first_repeat_at``), not a sort: ``Table.apply`` runs it on every push.
 
   Args:
     ids: 1-D uint64 ids.
@@ -59,10 +67,9 @@ def check_distinct(ids: np.ndarray, table: str, error: Type[ValueError] = ValueE
   Raises:
     ``error``: naming the table and one repeated id.
   """
-  if ids.shape[0] > 1:
-    i = first_repeat(read_only(np.ascontiguousarray(ids, np.uint64)), _REPEAT_SALT)  # one kernel signature
-    if i >= 0:
-      raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
+  i = first_repeat_at(ids)
+  if i >= 0:
+    raise error(f"table {table!r}: {what} are not distinct (e.g. {int(ids[i])})")
 
 
 def distinct_ids(ids: Any, table: str, what: str = "ids") -> np.ndarray:

@@ -17,7 +17,6 @@ restored bounded table goes on exactly as the original would have.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -32,7 +31,7 @@ from recsys_jax.async_ps.store.bounds import SKETCH_DEPTH, lowest
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.ids import check_distinct, distinct_ids
 from recsys_jax.async_ps.store.rows import Slots, check_rows
-from recsys_jax.async_ps.store.workers import shared_pool
+from recsys_jax.async_ps.store.workers import default_threads, shared_pool
 from recsys_jax.embeddings.specs import TableSpec
 from recsys_jax.hashing import name_seed, splitmix64, uniform01
 
@@ -47,7 +46,7 @@ it evicts only down to ``1 - _EVICT_FRACTION`` of its capacity."""
 
 _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and slots)
 
-EVICT_THREADS = max(1, (os.cpu_count() or 1) // 4)
+EVICT_THREADS = max(1, default_threads() // 4)
 """Threads that run tiered tables' evictions after their lookups (write-behind), shared by every
 table of the process: a quarter of the cores (one on this 2-core machine), so that they leave
 the lookups most of them; an eviction costs about what its lookup's misses cost."""
@@ -104,7 +103,6 @@ class Table:
     # (``_evict_then_release``), which releases it once the eviction is done: every later call
     # waits for it, so the table goes on exactly as if the lookup had evicted before returning.
     self._idle = threading.Event()  # cleared while an eviction is in flight
-    self._inserted = 0  # rows the latest training lookup (or import) brought into RAM: see _EVICT_INSERTS
     self._idle.set()
     self._evict_error: Optional[BaseException] = None  # raised by the next call on the table
     self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
@@ -293,20 +291,20 @@ class Table:
         have = rows >= 0
         out[have] = self._weights[rows[have]]
       if create:
-        self._inserted = self._ids.size - size0
+        inserted = self._ids.size - size0
         # Over its capacity, a tiered table spills after returning (write-behind): the rows
         # are the caller's already, and the eviction's gathers, writes and moves overlap the
         # caller's next work. Evicting here, before any other call, keeps every result the same.
         behind = self.tier is not None and bool(self.capacity) and self._ids.size > self.capacity
         if not behind:
-          self._evict()
+          self._evict(inserted)
     finally:
       if not behind:
         self.lock.release()
     self.timers["lookup_s"] += time.perf_counter() - t0
     self.timers["lookup_calls"] += 1
     if behind:
-      self._evict_behind()
+      self._evict_behind(inserted)
     return out
 
   # -- write-behind -------------------------------------------------------------------
@@ -325,18 +323,18 @@ class Table:
         f"table {self.spec.name!r}: the eviction after a lookup failed; its rows stayed in RAM: {err}"
       ) from err
 
-  def _evict_behind(self) -> None:
+  def _evict_behind(self, inserted: int) -> None:
     """Runs ``_evict`` on an evictor thread, which releases the lock the caller still holds."""
     self._idle.clear()
     try:
-      shared_pool("ps-evict", EVICT_THREADS).submit(self._evict_then_release)
+      shared_pool("ps-evict", EVICT_THREADS).submit(self._evict_then_release, inserted)
     except RuntimeError:  # the interpreter is shutting down: no new threads
-      self._evict_then_release()
+      self._evict_then_release(inserted)
 
-  def _evict_then_release(self) -> None:
+  def _evict_then_release(self, inserted: int) -> None:
     t0 = time.perf_counter()
     try:
-      self._evict()
+      self._evict(inserted)
     except BaseException as e:  # raised by the table's next call, which the caller makes
       self._evict_error = e
     finally:
@@ -541,7 +539,9 @@ class Table:
     self._dirty[unknown] = True
     self._unstamped = False
 
-  def _evict(self) -> None:
+  def _evict(self, inserted: int = 0) -> None:
+    """Expires, then evicts down to the bound; ``inserted``: the rows the call that caused it
+    brought into RAM (a tiered table makes room for ``_EVICT_INSERTS`` times as many)."""
     n = self._ids.size
     s = self.spec
     if s.expire_after and self.step - self._last_expiry_check >= max(1, s.expire_after // 8):
@@ -557,7 +557,7 @@ class Table:
       return
     target = int(self.capacity * (1 - _EVICT_FRACTION))
     if self.tier is not None:  # without a tier an evicted row is lost: evict no more than the bound needs
-      target = max(0, min(target, self.capacity - _EVICT_INSERTS * self._inserted))
+      target = max(0, min(target, self.capacity - _EVICT_INSERTS * inserted))
     candidates = np.flatnonzero(self._last_seen[:n] < self.step - self.protect_steps + 1)
     k = min(n - target, candidates.shape[0])
     if k <= 0:
@@ -694,12 +694,11 @@ class Table:
         if self.tier is not None:  # its copy there is stale now (and a snapshot would carry both)
           self.tier.remove(ids[new])
         self._insert(ids[new], weights[new], {k: v[new] for k, v in slots.items()})
-        self._inserted = int(new.shape[0])
         if self.tier is not None and self.capacity:
           # Rows trained elsewhere (hot rows written back from the device) are a copy here: they may
           # go to the tier first, so RAM keeps its bound (without a tier they wait for the next lookup).
           self._last_seen[self._ids.find(ids[new])] = self.step - self.protect_steps
-          self._evict()
+          self._evict(int(new.shape[0]))
 
   # -- snapshots ----------------------------------------------------------------------
   def snapshot_parts(self, incremental: bool = False, max_rows: int = 1 << 14) -> Iterator[Dict[str, np.ndarray]]:

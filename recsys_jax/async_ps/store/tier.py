@@ -32,14 +32,12 @@ import numpy as np
 import tensorstore as ts
 from absl import logging
 
-from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.store.idmap import IdMap
+from recsys_jax.async_ps.store.ids import first_repeat_at
 from recsys_jax.async_ps.store.tier_file import FileRowStore
 from recsys_jax.async_ps.store.tier_store import READ_METHODS, TierStore, storage_dtype
 
 BACKENDS = ("auto", "file", "tensorstore")
-
-_REPEAT_SALT = np.uint64(0x632BE59BD9B4E019)  # the hash salt of the repeated-id check in ``write``
 
 
 def _backend(spec: Any, backend: str) -> Tuple[str, Dict[str, Any]]:
@@ -275,8 +273,7 @@ class DiskTier:
         return
       # Keep the last occurrence of a repeated id, in batch order (an O(n) check first: an
       # eviction's ids are distinct, and sorting them cost more than writing them).
-      ids = np.ascontiguousarray(ids)
-      if kernels.first_repeat(kernels.read_only(ids), _REPEAT_SALT) >= 0:
+      if first_repeat_at(ids) >= 0:
         _, first_rev = np.unique(ids[::-1], return_index=True)
         keep = np.sort(n - 1 - first_rev)
         ids = ids[keep]
