@@ -435,7 +435,7 @@ class Table:
       if miss.shape[0] == 0:
         return
       try:
-        found, w, slots, _ = self.tier.take(miss)
+        found, w, slots = self.tier.take(miss)
       except OSError as e:
         logging.warning("table %r: a read-ahead of %d rows failed; the lookup reads them: %s", self.spec.name, miss.shape[0], e)
         return
@@ -464,8 +464,7 @@ class Table:
     """``tier.take(ids)``, timed in ``tier_wait_s`` (the time lookups waited on the tier)."""
     t0 = time.perf_counter()
     try:
-      found, w, slots, _ = self.tier.take(ids)
-      return found, w, slots
+      return self.tier.take(ids)
     finally:
       self.timers["tier_wait_s"] += time.perf_counter() - t0
 
