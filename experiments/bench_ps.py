@@ -323,7 +323,10 @@ def tier_rounds(specs, names, batches, vocab, shards, threads, dim, nbytes, mem,
       tier_vs_ram_rounds=rows_ratio,
       ram_rows=int(sum(s["rows"] for s in st.values())),
       tier_rows=int(sum(s["tier_rows"] for s in st.values())),
-      **{k: int(sum(s[k] for s in st.values())) for k in ("read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")},
+      **{
+        k: int(sum(s[k] for s in st.values()))
+        for k in ("read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")
+      },
       tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),
     )
     if "bytes_per_s" in best and "fraction_of_memcpy" in best:

@@ -437,7 +437,9 @@ class Table:
       try:
         found, w, slots = self.tier.take(miss)
       except OSError as e:
-        logging.warning("table %r: a read-ahead of %d rows failed; the lookup reads them: %s", self.spec.name, miss.shape[0], e)
+        logging.warning(
+          "table %r: a read-ahead of %d rows failed; the lookup reads them: %s", self.spec.name, miss.shape[0], e
+        )
         return
       if w.shape[0] == 0:
         return
@@ -532,9 +534,7 @@ class Table:
     return {
       "rows": n,
       "tier_rows": tier_rows,
-      "bytes": n * row_bytes
-      + index_bytes
-      + (self._sketch.nbytes if self._sketch is not None else 0),
+      "bytes": n * row_bytes + index_bytes + (self._sketch.nbytes if self._sketch is not None else 0),
       **c,
       "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
       # What the cache held by itself: hits less the rows a read-ahead brought from the tier
