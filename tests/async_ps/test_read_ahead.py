@@ -22,6 +22,15 @@ def _ps(tmp_path, name, kvstore="file", capacity=80, shards=2, optimizer="adam",
   return ParameterServer(specs, num_shards=shards, seed=4, tier=tier, read_ahead_rows=read_ahead_rows)
 
 
+def _filled(tmp_path, name, steps, **kw):
+  """A one-shard PS whose table "a" looked up ids 10t .. 10t + 9 at each step t < ``steps``."""
+  ps = _ps(tmp_path, name, shards=1, **kw)
+  for t in range(steps):
+    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps.shards[0]["a"].wait_evicted()
+  return ps
+
+
 def _steps(n, vocab=300, per_step=30, seed=0):
   """Per step, per table: distinct ids of a skewed draw (a few hot ids, a long tail)."""
   rng = np.random.default_rng(seed)
@@ -117,11 +126,8 @@ def test_pinned_rows_are_not_evicted_before_their_step(tmp_path):
   """Rows read ahead for step 5, and a row already in RAM that step 5 asks for, stay in RAM
   through lookups that would otherwise evict them (LRU), so step 5 reads nothing from the tier;
   a lookup of a pinned row before its step keeps the pin."""
-  ps = _ps(tmp_path, "pin", capacity=20, shards=1, read_ahead_rows=20)
+  ps = _filled(tmp_path, "pin", 3, capacity=20, read_ahead_rows=20)  # ids 0..29 passed; 0..9 spilled
   table = ps.shards[0]["a"]
-  for t in range(3):  # ids 0..29 pass through the cache; 0..9 spill
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
-  table.wait_evicted()
   want = np.array([0, 1, 2, 3, 4, 25], np.uint64)  # five in the tier, one in RAM
   assert (table.tier.locate(want[:5])[0] >= 0).all() and table.in_ram(want[5:]).all()
   assert ps.read_ahead_many({"a": want}, step=5) == 6
@@ -139,18 +145,14 @@ def test_pinned_rows_are_not_evicted_before_their_step(tmp_path):
   assert after["tier_reads"] == before["tier_reads"] and after["hits"] - before["hits"] == 6
   assert after["read_ahead_hits"] - before["read_ahead_hits"] == 6
   assert before["read_ahead_rows"] == 5
-  plain = _ps(tmp_path, "pin_plain", capacity=20, shards=1)
-  for t in range(3):
-    plain.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  plain = _filled(tmp_path, "pin_plain", 3, capacity=20)
   np.testing.assert_array_equal(rows, plain.lookup_many({"a": want}, step=3)["a"])
   ps.close()
   plain.close()
 
 
 def test_read_ahead_pins_at_most_its_budget(tmp_path):
-  ps = _ps(tmp_path, "budget", capacity=10, shards=1, read_ahead_rows=15)
-  for t in range(5):
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps = _filled(tmp_path, "budget", 5, capacity=10, read_ahead_rows=15)
   assert ps.read_ahead_many({"a": np.arange(0, 10, dtype=np.uint64)}, step=6) == 10
   ps.wait_read_ahead()
   assert ps.read_ahead_many({"a": np.arange(10, 20, dtype=np.uint64)}, step=7) == 10  # 5 fit
@@ -166,11 +168,8 @@ def test_read_ahead_pins_at_most_its_budget(tmp_path):
 
 
 def test_rows_already_in_ram_are_pinned_after_the_tiers_within_the_budget(tmp_path):
-  ps = _ps(tmp_path, "order", capacity=10, shards=1, read_ahead_rows=6)
-  for t in range(3):
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps = _filled(tmp_path, "order", 3, capacity=10, read_ahead_rows=6)
   table = ps.shards[0]["a"]
-  table.wait_evicted()
   ids = np.array([20, 21, 22, 23, 0, 1, 2, 3], np.uint64)  # four in RAM, four in the tier
   ps.read_ahead_many({"a": ids}, step=5)
   ps.wait_read_ahead()
@@ -189,9 +188,7 @@ def test_the_default_budget_is_half_the_capacity(tmp_path):
 
 
 def test_a_read_ahead_after_its_lookup_does_nothing(tmp_path):
-  ps = _ps(tmp_path, "late", capacity=10, shards=1)
-  for t in range(4):
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps = _filled(tmp_path, "late", 4, capacity=10)
   ps.read_ahead_many({"a": np.arange(0, 5, dtype=np.uint64)}, step=2)
   ps.wait_read_ahead()
   st = ps.stats()["a"]
@@ -201,9 +198,7 @@ def test_a_read_ahead_after_its_lookup_does_nothing(tmp_path):
 
 def test_tables_that_expire_rows_do_not_read_ahead(tmp_path):
   """Expiry forgets rows in RAM, never those in the tier: moving rows would change which expire."""
-  ps = _ps(tmp_path, "expire", capacity=10, shards=1, expire_after=5)
-  for t in range(3):
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps = _filled(tmp_path, "expire", 3, capacity=10, expire_after=5)
   assert ps.read_ahead_many({"a": np.arange(0, 10, dtype=np.uint64)}, step=4) == 0
   ps.wait_read_ahead()
   assert ps.stats()["a"]["read_ahead_rows"] == 0
@@ -245,9 +240,7 @@ def test_a_failed_eviction_on_the_reader_thread_is_raised_by_the_next_call(tmp_p
   the table's next call raises the error, as after a lookup's eviction."""
   from recsys_jax.async_ps.store import tier as tier_lib
 
-  ps = _ps(tmp_path, "evict", capacity=10, shards=1, read_ahead_rows=10)
-  for t in range(3):
-    ps.lookup_many({"a": np.arange(10 * t, 10 * t + 10, dtype=np.uint64)}, step=t)
+  ps = _filled(tmp_path, "evict", 3, capacity=10, read_ahead_rows=10)
   ps.lookup_many({"a": np.arange(20, 21, dtype=np.uint64)}, step=3)  # 21..29 no longer protected
   ps.shards[0]["a"].wait_evicted()
   write = tier_lib.DiskTier.write
