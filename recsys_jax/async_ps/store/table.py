@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import logging
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
+from absl import logging
 
 from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.optim import optimizers
@@ -264,6 +264,7 @@ class Table:
             self._last_seen[hr] = self.step
           else:  # rows a read-ahead pinned for this step or a later one keep their pin
             seen = self._last_seen[hr]
+            # (A row another lookup of this step found first counts too: several workers' lookups of a step.)
             self.counters["read_ahead_hits"] += int(np.count_nonzero(seen >= self.step))
             self._last_seen[hr] = np.maximum(seen, self.step)
           self._freq[hr] += 1
@@ -432,6 +433,7 @@ class Table:
         miss = miss[:room]
         hr = hr[: room - miss.shape[0]]
       self._last_seen[hr] = step
+      self._dirty[hr] = True  # an incremental snapshot carries the new last-seen step
       if miss.shape[0] == 0:
         return
       try:
