@@ -459,8 +459,7 @@ def main(argv):
     flat["tier_vs_ram"] = results["tier"]["tier_vs_ram"]
     for k in ("tier_floor_ratio", "tier_no_read_ahead_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s"):
       flat[k] = results[k]
-    for k in ("tier_cache_fraction",):
-      flat[k] = results[k]
+    flat["tier_cache_fraction"] = results["tier_cache_fraction"]
     flat["read_ahead"] = _AHEAD.value
   flat.update(distinct_rows_per_batch=uniq, num_shards=shards, ps_threads=counts, dim=dim, vocab=vocab)
   if _JSON_OUT.value:
