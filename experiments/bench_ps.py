@@ -50,7 +50,8 @@ ram configuration with the last thread count (``ram_by_threads``: per count, and
 ``ram_speedup_vs_first``: its rows per second over the first count's), the load average at the
 start and end, then the same rates and fraction with ``cold_``, ``tier_``, ``tier_no_read_ahead_``,
 ``tier_tensorstore_`` and ``tier_back_to_back_`` prefixes (``hit_rate``: the RAM cache's own, rows a
-read-ahead brought not counted), and ``tier_vs_ram`` (the ``tier`` configuration's, with read-ahead),
+read-ahead brought not counted; ``lookup_tier_wait_s``: the seconds the timed lookups read from the
+tier themselves, of the median round), and ``tier_vs_ram`` (the ``tier`` configuration's, with read-ahead),
 ``tier_floor_ratio``, ``tier_no_read_ahead_floor_ratio``, ``tier_floor_rows_per_s``,
 ``tier_read_rows_per_s``, ``tier_cache_fraction``, ``read_ahead``.
 """
@@ -174,13 +175,14 @@ def run(
   grads = rng.standard_normal((biggest, dim)).astype(np.float32) * 1e-3
   t_lookup = t_apply = t_copy = t_copy1 = 0.0
   rows = created = copied = copied1 = 0
-  hits0 = lookups0 = ahead0 = None
+  hits0 = lookups0 = ahead0 = wait0 = None
   for i, b in enumerate(batches):
     st = ps.stats() if i >= warmup else {}
     before = sum(s["created"] + s["tier_reads"] for s in st.values())
     if i == warmup:
       hits0, lookups0 = sum(s["hits"] for s in st.values()), sum(s["lookups"] for s in st.values())
       ahead0 = sum(s.get("read_ahead_rows", 0) for s in st.values())
+      wait0 = sum(s.get("tier_wait_s", 0.0) for s in st.values())
     if trace is not None and i >= warmup:
       trace.append(tier_reads(ps, b))
     t0 = time.perf_counter()
@@ -211,6 +213,8 @@ def run(
   hits -= sum(s.get("read_ahead_rows", 0) for s in st.values()) - ahead0
   out = {
     "hit_rate": hits / (sum(s["lookups"] for s in st.values()) - lookups0),
+    # The seconds the timed lookups spent reading from the tier themselves (read-ahead's reads not counted).
+    "lookup_tier_wait_s": sum(s.get("tier_wait_s", 0.0) for s in st.values()) - wait0,
     "rows": rows,
     "created_or_read_back": created,
     "lookup_rows_per_s": rows / t_lookup,
@@ -327,7 +331,7 @@ def tier_rounds(specs, names, batches, vocab, shards, threads, dim, nbytes, mem,
         k: int(sum(s[k] for s in st.values()))
         for k in ("read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")
       },
-      tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),
+      tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),  # since the PS was made, prefill included
     )
     if "bytes_per_s" in best and "fraction_of_memcpy" in best:
       out[name]["bytes_ratio_rounds"] = sorted(x["bytes_per_s"] / y["bytes_per_s"] for x, y in zip(runs[name], ram))
@@ -429,7 +433,12 @@ def main(argv):
     )
     for name in ("tier", "tier_no_read_ahead", "tier_tensorstore"):
       r = results[name]
-      report(name, r, f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds)")
+      report(
+        name,
+        r,
+        f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds; "
+        f"lookups waited {r['lookup_tier_wait_s']:.3f} s on the tier)",
+      )
     r = results["tier_back_to_back"]
     print(
       f"tier_back_to_back (no memcpy between batches): lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply "
@@ -452,7 +461,14 @@ def main(argv):
   flat["load_average_start"] = results["load_average_start"]
   flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
   for name in ("cold", "tier", "tier_no_read_ahead", "tier_tensorstore", "tier_back_to_back"):
-    for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate", "tier_vs_ram"):
+    for k in (
+      "lookup_rows_per_s",
+      "apply_rows_per_s",
+      "fraction_of_memcpy",
+      "hit_rate",
+      "tier_vs_ram",
+      "lookup_tier_wait_s",
+    ):
       if name in results and k in results[name]:
         flat[f"{name}_{k}"] = results[name][k]
   if "tier" in results:
