@@ -106,8 +106,8 @@ def test_peak_rss_stays_under_cache_plus_stated_overhead(tmp_path):
 
   The baseline is the same job run for one step (Python, JAX, XLA, the data reader); the
   128 MiB covers the tier's index, one snapshot part (16k rows), eviction copies, id maps and
-  allocator slack (the plain-file tier maps nothing: its file's pages are the page cache). The rows read-ahead
-  stages are not allowed for (the documented bound does), so this is stricter than the docs.
+  allocator slack (the plain-file tier maps nothing: its file's pages are the page cache). Read-ahead is off
+  (the default), as its allowance is (the documented bound adds the rows it may pin).
   The RAM-only run of the same table must exceed it.
   """
   baseline = _rss_run(tmp_path / "base", 1, 0)["maxrss"]  # process, model, XLA, one step
