@@ -148,14 +148,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Disk tier for bounded tables: '' (none; evicted rows are dropped), 'memory', a directory
   # (relative to the workdir), or a JSON tensorstore kvstore spec (file, gcs, s3, ...).
   c.ps.tier = ""
-  # With a tier: the trainer reads a step's tier misses this many steps before its lookup, on
-  # the tier's reader threads, so the lookup finds them read (0: off). It changes timing only:
-  # a run is the same bit for bit. Off by default: with the tier in the page cache there is no
-  # wait to hide, and on 2 busy cores the reads ahead cost the step CPU (docs/parameter-server.md);
-  # turn it on for a tier whose reads wait (a cold or network disk). Staged rows are held beside
-  # the RAM cache, at most ps.read_ahead_rows per table shard (0: as many as its capacity).
+  # With a tier: the trainer hands a step's ids to the PS this many steps before its lookup, and
+  # a reader thread brings the step's tier rows into the RAM cache and pins them (and the step's
+  # rows already there) until that step, so the lookup finds them all in RAM (0: off). Every row
+  # read is the same bit for bit; only where rows lie changes. Off by default, by measurement: on
+  # 2 cores the main job's host work keeps both busy, so the reads cost the same CPU on another
+  # thread (docs/parameter-server.md); turn it on where the host has cores to spare or the tier's
+  # reads wait (a cold or network disk). Pinned rows count in the RAM cache, at most
+  # ps.read_ahead_rows per table shard (0: half its capacity).
   c.ps.read_ahead = 0
-  c.ps.read_ahead_rows = 0  # Per table shard, the most rows read-ahead may stage (0: its capacity).
+  c.ps.read_ahead_rows = 0  # Per table shard, the most rows read-ahead may pin (0: half its capacity).
   # 'local': the PS lives in this process. 'remote': PS shard servers
   # (python -m recsys_jax.async_ps.server), reached over gRPC; required with several trainers.
   c.ps.kind = "local"

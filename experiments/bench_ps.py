@@ -19,9 +19,12 @@ Three configurations, in one run:
          run in ``--tier_rounds`` rounds alternating with a RAM-only PS, each round on fresh
          batches; ``tier_vs_ram`` is the median over rounds of tier rows/s (lookup + apply, the
          read-ahead calls timed with the lookups) over the same round's RAM-only rows/s. The
-         floor: the bytes the ``tier`` lookups read from the tier's files (round 1), read again
-         in the same order with ``os.preadv``; ``tier_floor_ratio`` = those seconds over the
-         seconds the tier added to the RAM-only run.
+         read-ahead works on a reader thread, also while the timed thread copies the memcpy
+         reference after a batch (as a trainer's device step would leave it time):
+         ``tier_back_to_back`` is ``tier`` against ``ram`` on other batches with no copies between
+         them. The floor: the bytes ``tier_no_read_ahead``'s lookups read from the tier's files
+         (round 1), read again in the same order with ``os.preadv``; ``tier_floor_ratio`` =
+         those seconds over the seconds ``tier`` added to the RAM-only run.
 
 Bytes counted (rows and state read and written, the traffic the work cannot avoid):
   lookup: read the row (dim x 4), write it to the output (dim x 4);
@@ -45,9 +48,12 @@ The last stdout line is one JSON object: ``lookup_rows_per_s``, ``apply_rows_per
 ``fraction_of_memcpy_1thread``, ``memcpy_best_gb_per_s`` and ``fraction_of_best_memcpy`` of the
 ram configuration with the last thread count (``ram_by_threads``: per count, and
 ``ram_speedup_vs_first``: its rows per second over the first count's), the load average at the
-start and end, then the same rates and fraction with ``cold_``, ``tier_``, ``tier_no_read_ahead_``
-and ``tier_tensorstore_`` prefixes, and ``tier_vs_ram``, ``tier_floor_ratio``,
-``tier_floor_rows_per_s``, ``tier_read_rows_per_s``, ``tier_cache_fraction``, ``read_ahead``.
+start and end, then the same rates and fraction with ``cold_``, ``tier_``, ``tier_no_read_ahead_``,
+``tier_tensorstore_`` and ``tier_back_to_back_`` prefixes (``hit_rate``: the RAM cache's own, rows a
+read-ahead brought not counted; ``lookup_tier_wait_s``: the seconds the timed lookups read from the
+tier themselves, of the median round), and ``tier_vs_ram`` (the ``tier`` configuration's, with read-ahead),
+``tier_floor_ratio``, ``tier_no_read_ahead_floor_ratio``, ``tier_floor_rows_per_s``,
+``tier_read_rows_per_s``, ``tier_cache_fraction``, ``read_ahead``.
 """
 
 from __future__ import annotations
@@ -169,12 +175,14 @@ def run(
   grads = rng.standard_normal((biggest, dim)).astype(np.float32) * 1e-3
   t_lookup = t_apply = t_copy = t_copy1 = 0.0
   rows = created = copied = copied1 = 0
-  hits0 = lookups0 = None
+  hits0 = lookups0 = ahead0 = wait0 = None
   for i, b in enumerate(batches):
     st = ps.stats() if i >= warmup else {}
     before = sum(s["created"] + s["tier_reads"] for s in st.values())
     if i == warmup:
       hits0, lookups0 = sum(s["hits"] for s in st.values()), sum(s["lookups"] for s in st.values())
+      ahead0 = sum(s.get("read_ahead_rows", 0) for s in st.values())
+      wait0 = sum(s.get("tier_wait_s", 0.0) for s in st.values())
     if trace is not None and i >= warmup:
       trace.append(tier_reads(ps, b))
     t0 = time.perf_counter()
@@ -197,10 +205,16 @@ def run(
         nbytes, secs = mem1.copy()
         copied1, t_copy1 = copied1 + nbytes, t_copy1 + secs
   total = rows * (bytes_lookup + bytes_apply) + created * bytes_create
+  if ahead:
+    ps.wait_read_ahead()  # untimed: none runs into the next configuration's time
   st = ps.stats()
   hits = sum(s["hits"] for s in st.values()) - hits0
+  # The cache's own: rows a read-ahead brought from the tier are hits of their lookup, not of the cache.
+  hits -= sum(s.get("read_ahead_rows", 0) for s in st.values()) - ahead0
   out = {
     "hit_rate": hits / (sum(s["lookups"] for s in st.values()) - lookups0),
+    # The seconds the timed lookups spent reading from the tier themselves (read-ahead's reads not counted).
+    "lookup_tier_wait_s": sum(s.get("tier_wait_s", 0.0) for s in st.values()) - wait0,
     "rows": rows,
     "created_or_read_back": created,
     "lookup_rows_per_s": rows / t_lookup,
@@ -256,10 +270,19 @@ def tier_rounds(specs, names, batches, vocab, shards, threads, dim, nbytes, mem,
   ``tier_no_read_ahead`` (file backend) and ``tier_tensorstore`` (zarr3 arrays through
   tensorstore, no read-ahead: the tier as it was before issue 28), with ``ram`` before them
   in every round; each tiered figure is reported as the median over
-  rounds of its rows/s (lookup + apply) over the same round's ram rows/s. The floor: the bytes
-  the ``tier`` lookups read from the tier's files, read again in the same order with
-  ``os.preadv`` (``floor_read``); ``tier_floor_ratio`` = those seconds / the seconds the tier
-  added to the ram run's (1.0: the tier costs what reading its bytes costs, no more).
+  rounds of its rows/s (lookup + apply) over the same round's ram rows/s.
+
+  The read-ahead runs on a reader thread, which works while the timed thread copies the
+  memcpy reference after every batch, as it would while a trainer's device step runs. So
+  each round also runs ``ram`` and ``tier`` on other fresh batches with no copies between them
+  (``tier_back_to_back``: batches back to back, no time but the PS's own for the reader thread).
+
+  The floor: the bytes the ``tier_no_read_ahead`` lookups read from the tier's files (round 1;
+  the read-ahead reads as many, on its thread), read again in the same order with ``os.preadv``
+  (``floor_read``); ``tier_floor_ratio`` = those seconds / the seconds ``tier`` added to the
+  ram run's (above 1: the timed thread spends less than reading the bytes would take), and
+  ``tier_no_read_ahead_floor_ratio`` the same for the tier without read-ahead (1.0: it costs what
+  reading its bytes costs, no more).
   """
   kw = (("learning_rate", 0.05),)
   cap = max(1, int(vocab * _TIER_FRACTION.value))
@@ -271,55 +294,61 @@ def tier_rounds(specs, names, batches, vocab, shards, threads, dim, nbytes, mem,
       spec = {"driver": "file", "path": os.path.join(d, name)}
       pss[name] = ParameterServer(tiered, num_shards=shards, tier=spec, threads=threads, tier_backend=backend)
     step = {name: prefill(ps, names, vocab) for name, ps in pss.items()}
-    runs: Dict[str, list] = {name: [] for name in pss}
+    runs: Dict[str, list] = {name: [] for name in list(pss) + ["ram_back_to_back", "tier_back_to_back"]}
     trace: list = []
     for r in range(_TIER_ROUNDS.value):
       # Fresh batches every round (the same for every configuration of the round): batches seen
       # before would find their rows in every cache.
       batches = zipf_batches(len(batches), vocab, _ALPHA.value, _BATCH.value, _FEATURES.value, seed=r + 1)
-      for name, ps in pss.items():
-        ahead = _AHEAD.value if name == "tier" else 0
+      more = zipf_batches(len(batches), vocab, _ALPHA.value, _BATCH.value, _FEATURES.value, seed=r + 1001)
+      order = [(name, name, batches, mem, mem1) for name in pss]
+      order += [("ram_back_to_back", "ram", more, None, None), ("tier_back_to_back", "tier", more, None, None)]
+      for name, ps_name, bs, m, m1 in order:
+        ahead = _AHEAD.value if ps_name == "tier" else 0
         res = run(
-          ps, batches, _WARMUP.value, dim, *nbytes, step[name], mem, mem1, ahead=ahead,
-          trace=trace if (name == "tier" and r == 0) else None,
+          pss[ps_name], bs, _WARMUP.value, dim, *nbytes, step[ps_name], m, m1, ahead=ahead,
+          trace=trace if (name == "tier_no_read_ahead" and r == 0) else None,
         )  # fmt: skip
-        step[name] += len(batches)
+        step[ps_name] += len(bs)
         res["seconds"] = res["rows"] / res["lookup_rows_per_s"] + res["rows"] / res["apply_rows_per_s"]
         runs[name].append(res)
     stats = {name: ps.stats() for name, ps in pss.items()}
     floor_s = floor_read([x for batch in trace for x in batch])
     for ps in pss.values():
       ps.close()
-  ram = runs["ram"]
-  for name in ("tier", "tier_no_read_ahead", "tier_tensorstore"):
-    ratios = sorted(x["bytes_per_s"] / y["bytes_per_s"] for x, y in zip(runs[name], ram))
+  for name in ("tier", "tier_no_read_ahead", "tier_tensorstore", "tier_back_to_back"):
+    ram = runs["ram_back_to_back" if name == "tier_back_to_back" else "ram"]
     rows_ratio = sorted(y["seconds"] / x["seconds"] for x, y in zip(runs[name], ram))
     best = sorted(runs[name], key=lambda x: x["seconds"])[len(runs[name]) // 2]
-    st = stats[name]
+    st = stats["tier" if name == "tier_back_to_back" else name]
     out[name] = dict(
       best,
       tier_vs_ram=rows_ratio[len(rows_ratio) // 2],
       tier_vs_ram_rounds=rows_ratio,
-      bytes_ratio_rounds=ratios,
       ram_rows=int(sum(s["rows"] for s in st.values())),
       tier_rows=int(sum(s["tier_rows"] for s in st.values())),
-      read_ahead_used=int(sum(s["read_ahead_used"] for s in st.values())),
-      read_ahead_skipped=int(sum(s["read_ahead_skipped"] for s in st.values())),
-      tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),
+      **{
+        k: int(sum(s[k] for s in st.values()))
+        for k in ("read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")
+      },
+      tier_wait_s=float(sum(s["tier_wait_s"] for s in st.values())),  # since the PS was made, prefill included
     )
+    if "bytes_per_s" in best and "fraction_of_memcpy" in best:
+      out[name]["bytes_ratio_rounds"] = sorted(x["bytes_per_s"] / y["bytes_per_s"] for x, y in zip(runs[name], ram))
   read_bytes = sum(n for batch in trace for _, _, n in batch)
   read_rows = read_bytes / (dim * 4 + dim * 4)
-  first = runs["tier"][0]
-  added = max(first["seconds"] - ram[0]["seconds"], 1e-9)
   out["tier_floor_rows_per_s"] = read_rows / max(floor_s, 1e-9)
-  out["tier_read_rows_per_s"] = read_rows / added
-  out["tier_floor_ratio"] = floor_s / added
-  print(
-    f"tier floor: the {read_rows:,.0f} rows the tier read (round 1), read again with os.preadv: {floor_s:.3f} s "
-    f"({out['tier_floor_rows_per_s'] / 1e6:.2f}M rows/s); the tier added {added:.3f} s to ram's time "
-    f"({out['tier_read_rows_per_s'] / 1e6:.2f}M rows/s): floor ratio {out['tier_floor_ratio']:.3f}",
-    file=sys.stderr,
-  )
+  for name, key in (("tier", "tier_floor_ratio"), ("tier_no_read_ahead", "tier_no_read_ahead_floor_ratio")):
+    added = max(runs[name][0]["seconds"] - runs["ram"][0]["seconds"], 1e-9)
+    out[key] = floor_s / added
+    if name == "tier":
+      out["tier_read_rows_per_s"] = read_rows / added
+    print(
+      f"tier floor: the {read_rows:,.0f} rows tier_no_read_ahead's lookups read (round 1), read again with "
+      f"os.preadv: {floor_s:.3f} s ({out['tier_floor_rows_per_s'] / 1e6:.2f}M rows/s); {name} added {added:.3f} s "
+      f"to ram's time: floor ratio {out[key]:.3f}",
+      file=sys.stderr,
+    )
   return out
 
 
@@ -404,7 +433,19 @@ def main(argv):
     )
     for name in ("tier", "tier_no_read_ahead", "tier_tensorstore"):
       r = results[name]
-      report(name, r, f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds)")
+      report(
+        name,
+        r,
+        f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds; "
+        f"lookups waited {r['lookup_tier_wait_s']:.3f} s on the tier)",
+      )
+    r = results["tier_back_to_back"]
+    print(
+      f"tier_back_to_back (no memcpy between batches): lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply "
+      f"{r['apply_rows_per_s'] / 1e6:6.2f}M rows/s (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's "
+      "rows/s back to back, paired rounds)",
+      file=sys.stderr,
+    )
 
   flat = {k: results["ram"][k] for k in ("lookup_rows_per_s", "apply_rows_per_s")}
   flat["memcpy_gb_per_s"] = results["ram"]["memcpy_bytes_per_s"] / 1e9
@@ -419,14 +460,22 @@ def main(argv):
   flat["fraction_of_best_memcpy"] = results["ram"]["fraction_of_best_memcpy"]
   flat["load_average_start"] = results["load_average_start"]
   flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
-  for name in ("cold", "tier", "tier_no_read_ahead", "tier_tensorstore"):
-    for k in ("lookup_rows_per_s", "apply_rows_per_s", "fraction_of_memcpy", "hit_rate", "tier_vs_ram"):
+  for name in ("cold", "tier", "tier_no_read_ahead", "tier_tensorstore", "tier_back_to_back"):
+    for k in (
+      "lookup_rows_per_s",
+      "apply_rows_per_s",
+      "fraction_of_memcpy",
+      "hit_rate",
+      "tier_vs_ram",
+      "lookup_tier_wait_s",
+    ):
       if name in results and k in results[name]:
         flat[f"{name}_{k}"] = results[name][k]
   if "tier" in results:
     flat["tier_vs_ram"] = results["tier"]["tier_vs_ram"]
-    for k in ("tier_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s", "tier_cache_fraction"):
+    for k in ("tier_floor_ratio", "tier_no_read_ahead_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s"):
       flat[k] = results[k]
+    flat["tier_cache_fraction"] = results["tier_cache_fraction"]
     flat["read_ahead"] = _AHEAD.value
   flat.update(distinct_rows_per_batch=uniq, num_shards=shards, ps_threads=counts, dim=dim, vocab=vocab)
   if _JSON_OUT.value:

@@ -101,19 +101,19 @@ class RowStore(RowReader, Protocol):
     ...
 
   def read_ahead_many(self, ids: Ids, step: int) -> int:
-    """Starts reading the disk-tier rows that ``lookup_many(ids, create=True, step=step)`` will
-    miss; returns at once, without waiting for the reads.
+    """Starts bringing into RAM the disk-tier rows that ``lookup_many(ids, create=True, step=step)``
+    would read, pinned until that step; returns at once, without waiting for the reads.
 
-    Changes nothing a lookup, an eviction or a snapshot sees: a run that calls it (any number of
-    steps ahead, or never) gives the same rows and slots, bit for bit, only its lookups find the
-    tier's rows already read. Tables without a tier ignore it; so does a store without one. With
+    Changes no row's values: a run that calls it (any number of steps ahead, or never) gives the
+    same rows and slots, bit for bit, only its lookups find the tier's rows already in RAM (where
+    rows lie, and so hit counts, may differ). Tables without a tier ignore it; so does a store without one. With
     several workers each may read ahead its own ids of a step. Raises ``KeyError`` (an unknown
     table) and ``ValueError`` (ids that are not 1-D non-negative integers, a negative step), as a
     lookup does.
 
     Returns:
-      The rows staged, summed over tables and shards: the in-process store counts them; a remote
-      one returns the sum its servers report (each server issues the reads and answers at once).
+      The ids handed to the tables' reader threads, summed over tables and shards (a remote
+      store: the sum its servers report; each answers at once).
     """
     ...
 

@@ -229,9 +229,10 @@ class HostPipeline:
     feed.start(zip(range(start, stop), batches), prepare_one)
 
     # With a disk tier, the batches of the next ``read_ahead`` steps are drawn from the feed
-    # early and their tier misses read ahead (``read_ahead_many``), so step t's lookup finds
-    # them read. A window, not the feed's own queue: it is filled in step order on this thread,
-    # whatever the worker count, and the staged rows it causes are bounded by its length.
+    # early and their ids handed to the PS's read-ahead (``read_ahead_many``), which brings their
+    # tier rows into RAM, so step t's lookup finds them there. A window, not the feed's own
+    # queue: it is filled in step order on this thread, whatever the worker count, and the steps
+    # whose rows are pinned at once are bounded by its length.
     ahead = int(config.ps.get("read_ahead", 0)) if config.ps.get("tier", "") else 0
     window: collections.deque = collections.deque()
     drawn = [start]  # the next step to draw from the feed

@@ -14,8 +14,8 @@ the loop), divided by the steps trained in that interval. CPU is ``time.thread_t
   data: generating a batch), wherever it runs;
 - ``prepare`` (dedup), ``lookup`` (the PS read of the cold rows), ``place`` (the copy to the
   devices): the host workers' and the prefetcher's work on a training batch;
-- ``read_ahead``: issuing the disk tier's reads of a later step's misses (``config.ps.read_ahead``;
-  the reads themselves run on the tier's reader threads; 0 without a tier);
+- ``read_ahead``: handing a later step's ids to the PS's read-ahead (``config.ps.read_ahead``; the
+  reads themselves run on the PS's reader thread; 0 without a tier);
 - ``wait``: the training loop waiting for its next placed batch (the time a device sits idle);
 - ``get``: the pusher waiting for the step's row gradients and copying them to the host;
 - ``push``: the PS update with them.

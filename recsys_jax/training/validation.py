@@ -190,7 +190,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     need(config.embeddings.capacity > 0, "ps.tier", "a disk tier needs a bounded table: set config.embeddings.capacity")
   if "read_ahead" in config.ps:
     need(config.ps.read_ahead >= 0, "ps.read_ahead", "must be >= 0 (steps; 0 = off)")
-    need(config.ps.read_ahead_rows >= 0, "ps.read_ahead_rows", "must be >= 0 (0: as many as the capacity)")
+    need(config.ps.read_ahead_rows >= 0, "ps.read_ahead_rows", "must be >= 0 (0: half the capacity)")
 
 
 def _accepts(annotation) -> Tuple[Callable[[Any], bool], str]:

@@ -138,20 +138,24 @@ class Writers:
     if not self.enabled:
       return
     keys = ("rows", "tier_rows", "bytes", "evictions", "expirations", "admitted", "rejected", "dropped_grads")
-    # The disk tier's: rows read back, read ahead and taken from the read-ahead, the seconds
-    # lookups spent on tier reads and evictions spent after lookups (write-behind; all since the
-    # start), reads staged now, rows not yet written.
-    tier_keys = ("tier_reads", "read_ahead_rows", "read_ahead_used", "read_ahead_skipped", "tier_wait_s", "evict_s")
-    tier_keys += ("reads_in_flight", "write_behind_rows")
+    # The disk tier's: rows read back (by lookups and read-aheads), rows read ahead, lookups
+    # that found rows a read-ahead pinned, ids not read ahead (over the budget, or too late), the
+    # seconds lookups spent on tier reads and evictions spent (all since the start), read-aheads
+    # queued now, rows pinned for later steps now, rows not yet written.
+    tier_keys = ("tier_reads", "read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")
+    tier_keys += ("tier_wait_s", "evict_s", "reads_in_flight", "read_ahead_pinned", "write_behind_rows")
     keys += tier_keys if any(t.get("tier_rows", 0) or t.get("tier_reads", 0) for t in stats.values()) else ()
     total = {k: sum(t.get(k, 0) for t in stats.values()) for k in keys}
     lookups = sum(t["lookups"] for t in stats.values())
     total["hit_rate"] = sum(t["hits"] for t in stats.values()) / lookups if lookups else float("nan")
+    if "read_ahead_rows" in keys:  # what the RAM cache held without the read-ahead's help
+      ahead = sum(t.get("read_ahead_rows", 0) for t in stats.values())
+      total["cache_hit_rate"] = (sum(t["hits"] for t in stats.values()) - ahead) / lookups if lookups else float("nan")
     total["lookup_ms"] = sum(t["lookup_ms"] for t in stats.values())
     total["apply_ms"] = sum(t["apply_ms"] for t in stats.values())
     self.write(step, "ps", total)
     for name, t in stats.items():
-      for k in keys + ("hit_rate", "lookup_ms", "apply_ms"):
+      for k in keys + ("hit_rate", "cache_hit_rate", "lookup_ms", "apply_ms"):
         if k in t and math.isfinite(t[k]):
           self.tb.add_scalar(f"ps/{name}/{k}", t[k], step)
 
@@ -290,7 +294,8 @@ class Progress:
       "ps_bytes": int(sum(s["bytes"] for s in ps_stats.values())),
       "ps_tier_rows": int(sum(s["tier_rows"] for s in ps_stats.values())),
       "ps_tier_wait_s": float(sum(s.get("tier_wait_s", 0.0) for s in ps_stats.values())),
-      "ps_read_ahead_used": int(sum(s.get("read_ahead_used", 0) for s in ps_stats.values())),
+      "ps_read_ahead_rows": int(sum(s.get("read_ahead_rows", 0) for s in ps_stats.values())),
+      "ps_read_ahead_hits": int(sum(s.get("read_ahead_hits", 0) for s in ps_stats.values())),
       "ps_tier_reads": int(sum(s.get("tier_reads", 0) for s in ps_stats.values())),
       "train_step_traces": job.traces.get("train", 0),
       "eval_step_traces": job.traces.get("eval", 0),

@@ -1,6 +1,6 @@
 """Features that compose: a run stopped at N and resumed to 2N ends where the run that never
 stopped ends, bit for bit, whatever the combination of hot rows, bounds, disk tier (tensorstore
-in memory or plain files, both with read-ahead), remote PS, data source (synthetic, csv files in
+in memory, or plain files with read-ahead), remote PS, data source (synthetic, csv files in
 epochs, or a stream of them) and staleness (issue 24), with rows published for serving every
 0.05 s in every case (issue 29: a publish holds the lookups for its cut, as a checkpoint does).
 
@@ -17,6 +17,11 @@ steps in order, and each table's rows, their last-seen steps and counts, evictio
 admissions and the hot choices follow from the ids alone. So at k = 4 two runs resumed from the
 same checkpoint must agree on those (every row's id, place, last-seen step and count, the bounds
 state, the hot ids; not the values), and the weights are left out.
+
+Read-ahead (the plain-file tier's cases) brings rows into RAM on a reader thread whenever it gets
+to them, so where a row lies, its last-seen step and its count follow from timing too: there the
+rows' values are compared (at k = 0) and their ids, not their place, last-seen step or count. The
+memory tier's cases, without read-ahead, keep those.
 
 The default suite runs a pairwise covering set of the options (``pairwise``, checked by
 ``test_the_cases_cover_every_valid_pair``); ``-m slow`` runs the whole product.
@@ -140,7 +145,7 @@ def _config(tiny_config, case, tmp_path, addresses):
     # Files at one absolute path: the runs a case makes on the same PS servers (resumed in another
     # workdir) must send the servers the tier they were configured with.
     c.ps.tier = "memory" if case["tier"] == "memory" else str(tmp_path / "tier")
-    c.ps.read_ahead = 4
+    c.ps.read_ahead = 4 if case["tier"] == "file" else 0
   if case["ps"] == "remote":
     c.ps.kind = "remote"
     c.ps.addresses = ",".join(addresses)
@@ -241,12 +246,15 @@ def _assert_equal(a, b, what, values=True):
 
 
 _ID_KEYS = ("ids", "last_seen", "freq", "spilled")
+_PLACE_KEYS = ("last_seen", "freq", "spilled")  # with read-ahead, these follow from timing too
 
 
 def _what_is_compared(c, workdirs, step, k):
   out = []
   for workdir, (params, rows, bounds) in zip(workdirs, _checkpoints(c, workdirs, step)):
     hot = _hot_set(workdir, step)
+    if c.ps.read_ahead:
+      rows = {t: {key: v for key, v in r.items() if key not in _PLACE_KEYS} for t, r in rows.items()}
     got = {"rows": rows, "bounds": bounds, "hot": hot}
     if k == 0:
       got["params"] = params

@@ -54,7 +54,7 @@ SMOKE = {
     ["--batches=2", "--warmup=1", "--vocab=2000", "--batch_size=256", "--features=4", "--ram_repeats=1", "--dim=8"]
     + ["--tier_rounds=2"]
     + ["--json_out={tmp}/bench_ps.json"],
-    [],
+    ["tier_vs_ram", "tier_back_to_back_tier_vs_ram", "tier_floor_ratio", "tier_no_read_ahead_floor_ratio"],
   ),
   "bench_ps_threads.py": (["--threads=1,2", "--batches=2", "--warmup=1", "--batch_size=256", "--nosweep"], []),
   "bench_progressive.py": (

@@ -320,20 +320,20 @@ class RemotePS:
     return ids
 
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
-    """Has each server start reading the tier rows that the lookup of ``ids`` at ``step`` will miss.
+    """Has each server start bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read.
 
-    Ids are routed and chunked as a lookup's; each server issues the reads
-    (``ParameterServer.read_ahead_many``, which does not wait for them) and answers at once, so
-    this waits for a round trip, never for a disk. It changes nothing a lookup, an eviction or
-    a snapshot sees, and touches no server's step bookkeeping (a read-ahead of step t + k is
-    not step t + k's lookup). Retried as a lookup is: doing it twice stages nothing twice.
+    Ids are routed and chunked as a lookup's; each server hands them to its tables' reader
+    threads (``ParameterServer.read_ahead_many``, which does not wait for them) and answers at
+    once, so this waits for a round trip, never for a disk. It changes no row's values, and
+    touches no server's step bookkeeping (a read-ahead of step t + k is not step t + k's lookup).
+    Retried as a lookup is: doing it twice brings no row twice.
 
     Args:
       ids: {table: distinct ids} of a later ``lookup_many(ids, create=True, step=step)``.
       step: that lookup's step.
 
     Returns:
-      The rows staged, summed over the servers (0 where the servers have no tier).
+      The ids the servers handed to their reader threads, summed (0 where they have no tier).
 
     Raises:
       KeyError: an unknown table.

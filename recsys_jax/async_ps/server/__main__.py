@@ -63,7 +63,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer(
     "read_ahead_rows",
     0,
-    "Per table shard, the most rows a ReadAhead may hold staged beside the RAM cache (0: as many as its capacity).",
+    "Per table shard, the most rows ReadAheads may hold pinned in the RAM cache for later steps (0: half its capacity).",
   )
   flags.mark_flag_as_required("port")
 

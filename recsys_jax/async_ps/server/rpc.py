@@ -8,9 +8,9 @@ call ``service.ShardService``, which holds the tables and the steps in flight:
   Every other RPC but ``Health`` is refused (FAILED_PRECONDITION) until then.
 - ``Lookup``, ``Push``, ``Snapshot``, ``Restore``: see ``service``.
 - ``ExportRows``, ``ImportRows``: rows with their optimizer slots, out and back (below).
-- ``ReadAhead``: ``ids/<table>`` (distinct uint64) and a ``step`` in; the server starts reading
-  the tier rows that step's lookup will miss (``service``) and answers at once with
-  ``{'staged': rows}``, without waiting for the reads.
+- ``ReadAhead``: ``ids/<table>`` (distinct uint64) and a ``step`` in; the server hands them to
+  its tables' reader threads, which bring that step's tier rows into RAM (``service``), and
+  answers at once with ``{'staged': the ids handed over}``, without waiting for the reads.
 - ``Stats``, ``Health``.
 
 Bad requests are answered with INVALID_ARGUMENT (malformed, unknown table, ids that are not

@@ -6,8 +6,8 @@ the steps in flight (``rpc`` decodes and checks the requests and calls it):
 - ``configure``: creates the tables on the first call; later calls must agree with the first.
 - ``lookup``: rows of distinct ids. With a step t, first waits until the pushes of every
   step <= t - staleness - 1 are applied.
-- ``read_ahead``: starts reading the tier rows a later step's lookup will miss
-  (``ParameterServer.read_ahead_many``); never waits, and moves no step.
+- ``read_ahead``: hands a later step's ids to the tables' reader threads, which bring that
+  step's tier rows into RAM (``ParameterServer.read_ahead_many``); never waits, and moves no step.
 - ``push``: a worker's row gradients of a step. A step is applied once every worker has
   pushed it (or moved past it): the gradients summed in worker order (``pushes.sum_pushes``),
   one ``apply_many``. A repeated (worker, request_id) is acknowledged, not applied again; a push
@@ -98,8 +98,8 @@ class ShardService:
     step_window: a step more than staleness + this ahead of the applied step is refused.
     max_waiters: calls that may wait for pushes at once (None: any number); more are refused.
     slots: instead of ``max_waiters``, the ``WaitSlots`` counting waits (shared with ``rpc``).
-    read_ahead_rows: per table shard, the most rows a read-ahead may hold staged (0: as many as its
-      capacity; ``ParameterServer``'s argument).
+    read_ahead_rows: per table shard, the most rows read-aheads may hold pinned in RAM for later
+      steps (0: half its capacity; ``ParameterServer``'s argument).
   """
 
   def __init__(
@@ -294,15 +294,15 @@ class ShardService:
     return self.ps.lookup_many(ids, create, step)
 
   def read_ahead(self, ids: Mapping[str, np.ndarray], step: int) -> int:
-    """Starts reading the tier rows that the lookup of ``ids`` at ``step`` will miss; returns at
-    once (``ParameterServer.read_ahead_many`` only issues the reads).
+    """Starts bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read;
+    returns at once (``ParameterServer.read_ahead_many`` hands the ids to reader threads).
 
     Neither waits for pushes nor moves the applied step (a read-ahead of step t + k says nothing
-    of step t); a step too far ahead is refused as a lookup's is, since its rows would stay staged
+    of step t); a step too far ahead is refused as a lookup's is, since its rows would stay pinned
     until then. Like a lookup it runs beside applies, under the tables' own locks.
 
     Returns:
-      The rows staged.
+      The ids handed to the reader threads.
     """
     with self._cond:
       if self._broken is not None:

@@ -62,8 +62,8 @@ class ParameterServer:
       the cores this process may run on). Results are bit-identical for every count.
     min_rows: calls of fewer rows than this run on the caller's thread alone (handing work to
       a pool thread costs more than a small call saves).
-    read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold staged (0: as many
-      as the shard's capacity); see ``Table.read_ahead``.
+    read_ahead_rows: per table shard, the most rows ``read_ahead_many`` may hold pinned in RAM for
+      later steps (0: half the shard's capacity); see ``Table.read_ahead``.
     tier_backend: the tier's storage (``DiskTier``'s ``backend``): ``'auto'`` (plain files for a
       local directory, tensorstore for any other kvstore), ``'file'`` or ``'tensorstore'``.
   """
@@ -175,29 +175,39 @@ class ParameterServer:
     return dict(out)
 
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
-    """Starts reading the tier rows that the lookup of ``ids`` at ``step`` will miss; returns at once.
+    """Starts bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read,
+    pinned until that step (``Table.read_ahead``); returns at once.
 
-    Changes nothing a lookup, an eviction or a snapshot sees (``Table.read_ahead``): a run
-    with read-ahead is the run without it, bit for bit, with the tier's reads done earlier.
-    Tables without a tier ignore it.
+    Every row has the values it would have without it, bit for bit: only where rows lie
+    (RAM or tier), and so the counts of hits and tier reads, change. Tables without a tier,
+    and tables that expire rows, ignore it.
 
     Args:
       ids: {table: distinct ids} of a later ``lookup_many(ids, create=True, step=step)``.
       step: that lookup's step.
 
     Returns:
-      The rows staged, summed over tables and shards.
+      The ids handed to the tables' reader threads, summed over tables and shards.
     """
     _check_step(step)
     for t in ids:
       self._check(t)
     ids = {t: as_ids(v, t) for t, v in ids.items()}  # every table's: bad ids are refused as a lookup refuses them
-    tiered = {t: v for t, v in ids.items() if self.shards[0][t].tier is not None}
+    # Handed over in the reverse of the lookups' table order: the reader thread then works
+    # on the last tables while the next lookup, a step earlier, works on the first ones, and
+    # the two seldom wait for the same table's lock.
+    tiered = {t: ids[t] for t in reversed(list(ids)) if self.shards[0][t].tier is not None}
 
     def ahead(table, t, sel):
       return table.read_ahead(tiered[t] if sel is None else tiered[t][sel], step)
 
     return int(sum(self._fan_out(tiered, ahead)))
+
+  def wait_read_ahead(self) -> None:
+    """Returns once every read-ahead handed to the tables so far has run (tests, benchmarks)."""
+    for shard in self.shards:
+      for table in shard.values():
+        table.wait_read_ahead()
 
   def apply_many(self, grads: Mapping[str, Tuple[np.ndarray, np.ndarray]], step: Optional[int] = None) -> None:
     """Applies summed row gradients: {table: (distinct ids, float32 [n, dim])}."""

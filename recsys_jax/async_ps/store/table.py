@@ -16,6 +16,7 @@ restored bounded table goes on exactly as the original would have.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
+from absl import logging
 
 from recsys_jax.async_ps import kernels
 from recsys_jax.async_ps.optim import optimizers
@@ -51,6 +53,10 @@ EVICT_THREADS = max(1, default_threads() // 4)
 table of the process: a quarter of the cores (one on this 2-core machine), so that they leave
 the lookups most of them; an eviction costs about what its lookup's misses cost."""
 
+AHEAD_THREADS = max(1, default_threads() // 4)
+"""Threads that run tiered tables' read-aheads (``Table.read_ahead``), shared by every table of
+the process: a quarter of the cores (one on this 2-core machine), as for the evictions."""
+
 
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
@@ -73,9 +79,9 @@ class Table:
     tier: a ``DiskTier`` that evicted rows spill to, or None (evicted rows are dropped).
     protect_steps: rows looked up within this many steps are never evicted (rows whose
       gradients are still in flight at staleness k need k + 1).
-    read_ahead_rows: the most rows ``read_ahead`` may hold staged (0: as many as the
-      capacity: a step's misses can be a large part of a small cache); a step whose misses
-      would pass it is not read ahead.
+    read_ahead_rows: the most rows ``read_ahead`` may hold pinned in RAM for later steps (0:
+      half the capacity, so that evictions always find rows to take); a read-ahead that would
+      pass it is not made.
   """
 
   def __init__(
@@ -95,9 +101,9 @@ class Table:
     self.protect_steps = int(protect_steps)
     if read_ahead_rows < 0:
       raise ValueError(f"table {spec.name!r}: read_ahead_rows must be >= 0, got {read_ahead_rows}")
-    self.read_ahead_rows = int(read_ahead_rows) or max(1, self.capacity)
-    self._ahead: List[Tuple[int, Any]] = []  # (step, tier.PendingRead) staged by read_ahead, oldest first
-    self._ahead_held = 0  # rows they hold
+    self.read_ahead_rows = int(read_ahead_rows) or max(1, self.capacity // 2)
+    self._ahead_jobs: List[concurrent.futures.Future] = []  # read-aheads submitted, not known done
+    self._ahead_jobs_lock = threading.Lock()
     self.lock = threading.Lock()
     # A lookup that leaves a tiered table over its capacity hands the lock to an evictor thread
     # (``_evict_then_release``), which releases it once the eviction is done: every later call
@@ -115,7 +121,7 @@ class Table:
       for k in (
         "lookups", "hits", "misses", "created", "tier_reads", "rejected", "admitted", "evictions",
         "expirations", "spilled", "dropped_grads", "applied_rows",
-        "read_ahead_rows", "read_ahead_used", "read_ahead_skipped",
+        "read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late",
       )
     }  # fmt: skip
     self.timers = {
@@ -254,7 +260,13 @@ class Table:
         self.counters["misses"] += n_miss
         if self.tracks_use:
           hr = rows[hit]
-          self._last_seen[hr] = self.step
+          if self.tier is None:
+            self._last_seen[hr] = self.step
+          else:  # rows a read-ahead pinned for this step or a later one keep their pin
+            seen = self._last_seen[hr]
+            # (A row another lookup of this step found first counts too: several workers' lookups of a step.)
+            self.counters["read_ahead_hits"] += int(np.count_nonzero(seen >= self.step))
+            self._last_seen[hr] = np.maximum(seen, self.step)
           self._freq[hr] += 1
           self._dirty[hr] = True  # an incremental snapshot must carry the new last-seen and count
       if n_miss:
@@ -320,7 +332,7 @@ class Table:
     err, self._evict_error = self._evict_error, None
     if err is not None:
       raise OSError(
-        f"table {self.spec.name!r}: the eviction after a lookup failed; its rows stayed in RAM: {err}"
+        f"table {self.spec.name!r}: the eviction after a lookup or a read-ahead failed; its rows stayed in RAM: {err}"
       ) from err
 
   def _evict_behind(self, inserted: int) -> None:
@@ -343,7 +355,9 @@ class Table:
       self.lock.release()
 
   def close(self) -> None:
-    """Waits for an eviction in flight and closes the tier; raises the error of a failed eviction."""
+    """Waits for the read-aheads and the eviction in flight and closes the tier; raises the
+    error of a failed eviction."""
+    self.wait_read_ahead()
     with self.lock:
       try:
         self._raise_evict_error()
@@ -357,61 +371,104 @@ class Table:
       return self._ids.find(np.asarray(ids, np.uint64)) >= 0
 
   def read_ahead(self, ids: np.ndarray, step: int) -> int:
-    """Starts reading, from the tier, the rows a later lookup of ``ids`` (at ``step``) will miss.
+    """Brings into RAM, on a reader thread, the tier's rows that a later lookup of ``ids`` (at
+    ``step``) would read, and pins them and the ids' rows already in RAM until that step.
 
-    Returns at once. The rows read are staged beside the RAM cache, not in it, so nothing a
-    lookup, an eviction or a snapshot sees changes: the table goes on exactly as without the
-    read-ahead, only its lookups find the tier's rows already read. A staged copy is used
-    only while the tier still holds that id at the row it was read from (``DiskTier.locate``);
-    a row that came to RAM and went back since is read again. Staged reads are dropped once
-    their step is ``protect_steps`` behind the table's step, and hold at most
-    ``read_ahead_rows`` rows: the misses of a step that would pass that are not read ahead
-    (counted in ``read_ahead_skipped``).
+    Returns at once. The reader thread takes the table's lock as a lookup does: it takes the
+    rows out of the tier, inserts them into the RAM cache (stamped with ``step`` as their last
+    lookup), and evicts as a lookup does. Eviction never takes a row stamped with a step the
+    table has not reached, so the lookup of ``step`` finds every row in RAM. Values are what
+    they would be without the read-ahead, bit for bit: a row has the same values in RAM and in
+    the tier. Only where rows lie changes (and with it which rows later spill), which is why a
+    table that expires rows (``TableSpec.expire_after``, which forgets rows in RAM but never
+    those in the tier) does not read ahead.
+
+    The pinned rows count against the capacity like any other, and at most ``read_ahead_rows``
+    rows are pinned for later steps: a read-ahead that would pass that reads (and pins) the
+    tier's rows first and then pins rows already in RAM, as many as fit; the rest of its ids
+    are counted in ``read_ahead_skipped``, and the lookup of their step finds them as it would
+    without the read-ahead. One that runs after its step's lookup started does nothing
+    (``read_ahead_late``). A read that fails costs no row: the ids stay in the tier and the
+    lookup reads them (and raises if that fails too).
 
     Args:
       ids: the distinct uint64 ids the lookup of ``step`` will ask for.
       step: the training step of that lookup.
 
     Returns:
-      The number of rows staged (0 without a tier).
+      The number of ids handed to the reader thread (0 without a tier, or with expiry).
     """
-    if self.tier is None:
+    if self.tier is None or self.spec.expire_after:
       return 0
     ids = np.asarray(ids, np.uint64)
-    with self._locked():
-      self._drop_ahead()
-      miss = ids[self._ids.find(ids) < 0]
-      if miss.shape[0] == 0:
+    if ids.shape[0] == 0:
+      return 0
+    with self._ahead_jobs_lock:
+      self._ahead_jobs = [f for f in self._ahead_jobs if not f.done()]
+      try:
+        self._ahead_jobs.append(shared_pool("ps-ahead", AHEAD_THREADS).submit(self._read_ahead_now, ids, int(step)))
+      except RuntimeError:  # the interpreter is shutting down: no new threads
         return 0
-      if self._ahead_held + miss.shape[0] > self.read_ahead_rows:
-        self.counters["read_ahead_skipped"] += miss.shape[0]
-        return 0
-      read = self.tier.read_ahead(miss)
-      if len(read):
-        self._ahead.append((int(step), read))
-        self._ahead_held += len(read)
-        self.counters["read_ahead_rows"] += len(read)
-      return len(read)
+    return ids.shape[0]
 
-  def _drop_ahead(self) -> None:
-    """Drops staged reads whose step is more than ``protect_steps`` behind the table's."""
-    keep = [(t, r) for t, r in self._ahead if t >= self.step - self.protect_steps]
-    if len(keep) != len(self._ahead):
-      self._ahead = keep
-      self._ahead_held = sum(len(r) for _, r in keep)
+  def _read_ahead_now(self, ids: np.ndarray, step: int) -> None:
+    """The work of ``read_ahead``, on a reader thread."""
+    with self.lock:
+      if self._evict_error is not None:  # left for the caller's next call to raise
+        return
+      if step < self.step:
+        self.counters["read_ahead_late"] += ids.shape[0]
+        return
+      n = self._ids.size
+      rows = self._ids.find(ids)
+      hit = rows >= 0
+      miss = ids[~hit]
+      hr = rows[hit]
+      hr = hr[self._last_seen[hr] < step]  # not yet pinned for this step or a later one
+      # Within the budget, the tier's rows first (reading them is what the lookup would wait
+      # for), then the pins of rows already in RAM (so that no eviction takes them before their step).
+      room = max(0, self.read_ahead_rows - int(np.count_nonzero(self._last_seen[:n] > self.step)))
+      if miss.shape[0] + hr.shape[0] > room:
+        self.counters["read_ahead_skipped"] += miss.shape[0] + hr.shape[0] - room
+        miss = miss[:room]
+        hr = hr[: room - miss.shape[0]]
+      self._last_seen[hr] = step
+      self._dirty[hr] = True  # an incremental snapshot carries the new last-seen step
+      if miss.shape[0] == 0:
+        return
+      try:
+        found, w, slots = self.tier.take(miss)
+      except OSError as e:
+        logging.warning(
+          "table %r: a read-ahead of %d rows failed; the lookup reads them: %s", self.spec.name, miss.shape[0], e
+        )
+        return
+      if w.shape[0] == 0:
+        return
+      new = self._insert(miss[found], w, slots, absent=True)
+      self._last_seen[new] = step
+      self.counters["tier_reads"] += w.shape[0]
+      self.counters["read_ahead_rows"] += w.shape[0]
+      t0 = time.perf_counter()
+      try:
+        self._evict(self._ids.size - n)
+      except BaseException as e:  # raised by the table's next call, as after a lookup
+        self._evict_error = e
+      finally:
+        self.timers["evict_s"] += time.perf_counter() - t0
+
+  def wait_read_ahead(self) -> None:
+    """Returns once every read-ahead submitted so far has run."""
+    with self._ahead_jobs_lock:
+      jobs, self._ahead_jobs = self._ahead_jobs, []
+    for f in jobs:
+      f.result()
 
   def _take_tier(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, Slots]:
-    """``tier.take(ids)`` with the reads ``read_ahead`` staged (a failed one is dropped: its rows
-    were read again), timed in ``tier_wait_s``."""
+    """``tier.take(ids)``, timed in ``tier_wait_s`` (the time lookups waited on the tier)."""
     t0 = time.perf_counter()
     try:
-      self._drop_ahead()
-      found, w, slots, used = self.tier.take(ids, [r for _, r in self._ahead])
-      self.counters["read_ahead_used"] += used
-      if any(r.failed for _, r in self._ahead):
-        self._ahead = [(t, r) for t, r in self._ahead if not r.failed]
-        self._ahead_held = sum(len(r) for _, r in self._ahead)
-      return found, w, slots
+      return self.tier.take(ids)
     finally:
       self.timers["tier_wait_s"] += time.perf_counter() - t0
 
@@ -479,18 +536,18 @@ class Table:
     return {
       "rows": n,
       "tier_rows": tier_rows,
-      # Rows staged by read-ahead count too: they are held in RAM beside the cache.
-      "bytes": (n + self._ahead_held) * row_bytes
-      + index_bytes
-      + (self._sketch.nbytes if self._sketch is not None else 0),
+      "bytes": n * row_bytes + index_bytes + (self._sketch.nbytes if self._sketch is not None else 0),
       **c,
       "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
+      # What the cache held by itself: hits less the rows a read-ahead brought from the tier
+      # (each is hit once, by its step's lookup).
+      "cache_hit_rate": (c["hits"] - c["read_ahead_rows"]) / c["lookups"] if c["lookups"] else float("nan"),
       "lookup_ms": 1e3 * self.timers["lookup_s"] / max(1, self.timers["lookup_calls"]),
       "apply_ms": 1e3 * self.timers["apply_s"] / max(1, self.timers["apply_calls"]),
       "tier_wait_s": self.timers["tier_wait_s"],
       "evict_s": self.timers["evict_s"],
-      "reads_in_flight": len(self._ahead),
-      "read_ahead_held": self._ahead_held,
+      "reads_in_flight": sum(not f.done() for f in self._ahead_jobs),
+      "read_ahead_pinned": int(np.count_nonzero(self._last_seen[:n] > self.step)),
       "write_behind_rows": self.tier.stats()["pending_rows"] if self.tier is not None else 0,
     }
 
@@ -798,8 +855,8 @@ class Table:
     n = ids.shape[0]
     last_seen = np.asarray(snap["last_seen"], np.int64) if "last_seen" in snap else np.full(n, -1, np.int64)
     freq = np.asarray(snap["freq"], np.uint32) if "freq" in snap else np.zeros(n, np.uint32)
+    self.wait_read_ahead()  # none runs on the restored table for a step of the run before
     with self.lock:
-      self._ahead, self._ahead_held = [], 0  # read for steps of the run before the restore
       if not merge:
         self._clear(0)
         self._init_bounds()

@@ -11,12 +11,10 @@ old row behind as garbage; ``compact`` rewrites the live rows contiguously from 
 run automatically by ``write`` once garbage outweighs live rows by two to one.
 
 Because rows are appended, never rewritten in place, an id found at the same disk row in the
-same epoch (which a compaction advances) still has the values read from there: that is what
-lets ``read_ahead`` read a later step's misses early, and ``Table`` use them only while they
-are still the latest (``locate``).
+same epoch (which a compaction advances) still has the values read from there (``locate``).
 
-This module is the index over the storage, the live / garbage bookkeeping, the compaction
-policy and the read-ahead; the storage's layout and I/O are its two backends.
+This module is the index over the storage, the live / garbage bookkeeping and the compaction
+policy; the storage's layout and I/O are its two backends.
 
 The store does not persist the index: a ``DiskTier`` always creates fresh storage (deleting
 any previous files or arrays under the kvstore path), and a second instance cannot reopen the
@@ -26,11 +24,10 @@ rows of an earlier one. It is a spill area for one process's cache, not a checkp
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import tensorstore as ts
-from absl import logging
 
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.ids import first_repeat_at
@@ -64,39 +61,6 @@ def _as_ids(ids: Any, what: str) -> np.ndarray:
       raise ValueError(f"{what}: ids must be integers (uint64), got dtype {ids.dtype}")
     ids = ids.astype(np.uint64)
   return ids
-
-
-class PendingRead:
-  """Rows a ``DiskTier.read_ahead`` is reading: which ids, from where, and their values.
-
-  Attributes:
-    ids: the ids the tier held (sorted, distinct).
-    rows: the disk row each was read from.
-    epoch: the tier's epoch when the read was issued. A copy is the latest while ``locate``
-      still gives the same row in the same epoch.
-  """
-
-  def __init__(self, ids, rows, epoch, out, finish, slot_names):
-    self.ids, self.rows, self.epoch = ids, rows, epoch
-    self._out, self._finish, self._slot_names = out, finish, slot_names
-    self._lock = threading.Lock()
-    self._done = False
-    self.failed = False  # set by ``DiskTier.take`` once waiting for it raised
-
-  def __len__(self) -> int:
-    return int(self.ids.shape[0])
-
-  def result(self) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
-    """Waits for the reads (once; later calls return at once): ``(weights, slots)`` in ``ids`` order.
-
-    Raises:
-      OSError: if a read failed (it is raised again by later calls).
-    """
-    with self._lock:
-      if not self._done:
-        self._finish()
-        self._done = True
-    return self._out["weights"], {name: self._out[f"slot_{name}"] for name in self._slot_names}
 
 
 class DiskTier:
@@ -194,9 +158,6 @@ class DiskTier:
       "rows_written": 0,
       "rows_read": 0,
       "compactions": 0,
-      "reads_ahead": 0,
-      "rows_read_ahead": 0,
-      "rows_taken_ahead": 0,
     }
     self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
     self.backend, kv = _backend(spec, backend)
@@ -312,24 +273,17 @@ class DiskTier:
     weights = out.pop("weights")
     return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}
 
-  def take(
-    self, ids: Any, ahead: Sequence["PendingRead"] = ()
-  ) -> Tuple[np.ndarray, np.ndarray, Dict[str, np.ndarray], int]:
+  def take(self, ids: Any) -> Tuple[np.ndarray, np.ndarray, Dict[str, np.ndarray]]:
     """Reads the latest rows of distinct ids and removes the ids (a lookup bringing them to RAM).
 
-    ``read`` then ``remove`` in one pass over the index. Rows that a ``read_ahead`` in
-    ``ahead`` holds are taken from it where it is still the latest copy (same disk row, same
-    epoch); the rest are read now. A read ahead that failed is marked ``failed`` and skipped
-    (its rows are read now), so a failed read-ahead costs time, never a row.
+    ``read`` then ``remove`` in one pass over the index.
 
     Args:
       ids: [n] distinct uint64 ids.
-      ahead: reads started by ``read_ahead``, in any order.
 
     Returns:
-      ``(found, weights, slots, from_ahead)``: found [n] bool; weights [m, dim] float32 and
-      slots (each [m, width] float32) of the m found ids, in their order in ``ids``; how many
-      of them came from ``ahead``.
+      ``(found, weights, slots)``: found [n] bool; weights [m, dim] float32 and slots (each
+      [m, width] float32) of the m found ids, in their order in ``ids``.
 
     Raises:
       OSError: if reading the rows failed (nothing is removed then).
@@ -341,36 +295,16 @@ class DiskTier:
       index, rows = self._index_and_rows(ids)
       found = rows >= 0
       at = np.flatnonzero(found)
-      ids, rows, index = ids[at], rows[at], index[at]
+      rows, index = rows[at], index[at]
       m = at.shape[0]
       out = {f: np.empty((m, w), np.float32) for f, (w, _) in self._fields.items()}
-      todo = np.ones(m, bool)
-      from_ahead = 0
-      for read in ahead:
-        if read.epoch != self._epoch or read.failed or len(read) == 0 or not todo.any():
-          continue
-        pos = np.minimum(np.searchsorted(read.ids, ids), len(read) - 1)
-        hit = todo & (read.ids[pos] == ids) & (read.rows[pos] == rows)
-        if not hit.any():
-          continue
-        try:
-          read.result()
-        except OSError as e:
-          logging.warning("disk tier: a read-ahead of %d rows failed, read again: %s", len(read), e)
-          read.failed = True
-          continue
-        for f, v in out.items():
-          v[hit] = read._out[f][pos[hit]]
-        todo &= ~hit
-        from_ahead += int(hit.sum())
-      if todo.any():
+      if m:
         self._store.reap()
-        self._store.gather(rows, todo, out)()
-        self._counters["rows_read"] += int(todo.sum())
+        self._store.gather(rows, np.ones(m, bool), out)()
+        self._counters["rows_read"] += m
       self._forget_locked(index)
-      self._counters["rows_taken_ahead"] += from_ahead
     weights = out.pop("weights")
-    return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}, from_ahead
+    return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}
 
   def locate(self, ids: Any) -> Tuple[np.ndarray, int]:
     """Where the latest rows of ids live: ``(disk rows, epoch)``.
@@ -384,36 +318,6 @@ class DiskTier:
     with self._lock:
       self._check_open()
       return self._rows_of(ids), self._epoch
-
-  def read_ahead(self, ids: Any) -> "PendingRead":
-    """Starts reading the rows of the ids the tier holds; returns at once.
-
-    Rows still in RAM (the last partial chunk, writes not yet committed) are copied now; the
-    store's rows are read asynchronously (tensorstore futures). Nothing changes in the tier:
-    the ids stay where they are, and the result says where (``PendingRead.rows``, ``.epoch``)
-    so that a later user can tell whether its copy is still the latest (``locate``).
-
-    Args:
-      ids: [n] uint64 ids; repeats are allowed; ids the tier does not hold are left out.
-
-    Raises:
-      OSError: if an earlier asynchronous write failed.
-    """
-    ids = _as_ids(ids, "DiskTier.read_ahead")
-    if not (ids[1:] > ids[:-1]).all():  # a lookup's ids come sorted out of its dedup: no sort then
-      ids = np.unique(ids)
-    with self._lock:
-      self._check_open()
-      rows = self._rows_of(ids)
-      found = rows >= 0
-      ids, rows = ids[found], rows[found]
-      out = {f: np.empty((ids.shape[0], w), np.float32) for f, (w, _) in self._fields.items()}  # every row is read
-      self._store.reap()
-      finish = self._store.gather(rows, np.ones(ids.shape[0], bool), out, background=True)  # no-op if empty
-      if ids.shape[0]:
-        self._counters["reads_ahead"] += 1
-        self._counters["rows_read_ahead"] += ids.shape[0]
-      return PendingRead(ids, rows, self._epoch, out, finish, tuple(self.slot_shapes))
 
   def files(self) -> List[Tuple[str, int]]:
     """The file backend's file and the bytes of a row in it (``[]`` with tensorstore)."""
@@ -467,8 +371,7 @@ class DiskTier:
       A dict with ``live_rows``, ``garbage_rows``, ``bytes_written`` and ``bytes_read``
       (bytes of rows moved to / from the store, compaction included), ``writes`` and
       ``reads`` (calls), ``index_bytes`` (RAM of the index), and also ``rows_written``,
-      ``rows_read`` (rows read by ``read`` and ``take``), ``rows_taken_ahead`` (rows ``take``
-      found read ahead), ``reads_ahead`` / ``rows_read_ahead`` (``read_ahead`` calls / rows), ``compactions``, ``disk_rows`` (rows
+      ``rows_read`` (rows read by ``read`` and ``take``), ``compactions``, ``disk_rows`` (rows
       appended since the last compaction), ``capacity_rows`` and ``pending_rows`` (rows not
       yet committed to the store).
     """

@@ -22,9 +22,8 @@ sees them at once, and the operating system writes them to the disk in its own t
 (write-behind), so there is nothing to flush and no write in flight to wait for. A full disk
 fails the ``pwrite`` with an ``OSError`` naming the file.
 
-Reads are one ``pread`` per row, in a compiled loop without the GIL
-(``kernels.fileio``), on the caller's thread or, for ``DiskTier.read_ahead``, on a reader
-thread (``READ_THREADS`` shared by every tier of the process). Nothing is memory-mapped, so
+Reads are one ``pread`` per row, in a compiled loop without the GIL (``kernels.fileio``), on
+the caller's thread (a lookup's, or a read-ahead's: ``Table.read_ahead``). Nothing is memory-mapped, so
 the file's pages are the kernel's page cache and never count in the process's RSS (an earlier
 memory-mapped version unmapped them to keep RSS bounded, and then paid a page fault per row
 read: ``kernels.fileio`` gives the measurement).
@@ -34,17 +33,12 @@ The file is always created fresh (a previous one is deleted).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 
 from recsys_jax.async_ps.kernels.fileio import pread_rows
-from recsys_jax.async_ps.store.workers import shared_pool
-
-READ_THREADS = 2
-"""Threads that read ahead from the files, shared by every ``FileRowStore`` of the process."""
 
 _COMPACT_BLOCK = 1 << 14  # rows a compaction moves per read / write
 
@@ -52,8 +46,7 @@ _COMPACT_BLOCK = 1 << 14  # rows a compaction moves per read / write
 class FileRowStore:
   """Rows of all fields in one file of fixed-size records, addressed by disk row number.
 
-  Not thread-safe for writes: ``DiskTier`` calls it under its own lock. A read running on a
-  reader thread may overlap later appends (they write other rows).
+  Not thread-safe: ``DiskTier`` calls it under its own lock.
 
   Attributes:
     end: disk rows [0, end) are written (appended since the last compaction).
@@ -86,7 +79,6 @@ class FileRowStore:
     self.max_pending_bytes = 0  # nothing is ever pending
     self.end = 0
     self._fd = -1
-    self._in_flight: List[concurrent.futures.Future] = []
     try:
       os.makedirs(path, exist_ok=True)
       self._fd = os.open(self.file(), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -139,8 +131,7 @@ class FileRowStore:
     self._counters["rows_written"] += n
 
   def reap(self) -> None:
-    """Forgets finished reads (nothing is written asynchronously here)."""
-    self._in_flight = [f for f in self._in_flight if not f.done()]
+    """Nothing to do: no read or write here is asynchronous."""
 
   def flush(self) -> None:
     """Nothing to do: appended rows are in the page cache, which every reader sees."""
@@ -150,16 +141,10 @@ class FileRowStore:
     return 0
 
   def release(self) -> None:
-    """Waits for reads in flight and closes the file (on close)."""
-    self._wait_reads()
+    """Closes the file (on close)."""
     if self._fd >= 0:
       os.close(self._fd)
       self._fd = -1
-
-  def _wait_reads(self) -> None:
-    for f in self._in_flight:
-      f.exception()  # waits; a failed read is raised to whoever waits for its result
-    self._in_flight = []
 
   # ------------------------------------------------------------------------ reads
 
@@ -189,28 +174,19 @@ class FileRowStore:
       else:
         out[f][sel] = self._field(records, f)
 
-  def gather(
-    self, rows: np.ndarray, found: np.ndarray, out: Dict[str, np.ndarray], background: bool = False
-  ) -> Callable[[], None]:
-    """Fills ``out`` at the found positions; returns a function that waits until it is filled.
-
-    ``background``: read on a reader thread (the returned function waits for it); else at once.
-    """
+  def gather(self, rows: np.ndarray, found: np.ndarray, out: Dict[str, np.ndarray]) -> Callable[[], None]:
+    """Fills ``out`` at the found positions now; returns a function with nothing left to wait for
+    (``TierStore.gather``'s returns one that waits for its reads)."""
     n = int(found.sum())
     self._counters["bytes_read"] += n * self.row_bytes
-    if not background or n == 0:  # nothing to wait for: no reader thread
-      if n:
-        self._gather(rows, found, out)
-      return _nothing
-    fut = shared_pool("tier-read", READ_THREADS).submit(self._gather, rows, found, out)
-    self._in_flight.append(fut)
-    return fut.result
+    if n:
+      self._gather(rows, found, out)
+    return _nothing
 
   # ------------------------------------------------------------------------ compaction
 
   def move_to_front(self, src: np.ndarray) -> None:
     """Rewrites disk rows ``src`` (sorted, distinct) as rows [0, len(src)); ``end`` becomes len(src)."""
-    self._wait_reads()  # a read ahead of these rows is dropped by its epoch, but must not see them torn
     m = src.shape[0]
     # Row i comes from src[i] >= i, and a block's sources are read before the block is
     # written, so no row is overwritten before it is moved.
@@ -226,7 +202,6 @@ class FileRowStore:
 
   def truncate(self) -> None:
     """Shrinks the file to the rows [0, end)."""
-    self._wait_reads()  # a read of a row past the new end would come back short
     os.ftruncate(self._fd, self.end * self.row_bytes)
 
 

@@ -326,17 +326,14 @@ class TierStore:
 
     return wait
 
-  def gather(
-    self, rows: np.ndarray, found: np.ndarray, out: Dict[str, np.ndarray], background: bool = False
-  ) -> Callable[[], None]:
+  def gather(self, rows: np.ndarray, found: np.ndarray, out: Dict[str, np.ndarray]) -> Callable[[], None]:
     """Fills ``out`` at the found positions from the tail buffer, pending writes, or the store.
 
     Rows in RAM (the tail buffer, writes not yet committed) are copied at once; the store's
     rows are read asynchronously. Returns a function that waits for those reads and fills
     their positions: until it has returned, ``out`` is complete only where the rows were in
     RAM. It may be called from any thread, and needs no lock: the store's rows a read was
-    issued for do not change until the disk tier's next compaction. ``background`` is
-    accepted for ``FileRowStore``'s sake: tensorstore's reads are asynchronous anyway.
+    issued for do not change until the disk tier's next compaction.
     """
     todo = found.copy()
     in_tail = todo & (rows >= self._tail_start)
@@ -359,7 +356,6 @@ class TierStore:
       todo &= ~hit
     if not todo.any():
       return _nothing
-    del background
     fetch = self._read_store(rows[todo])
 
     def finish() -> None:
