@@ -240,7 +240,7 @@ def tier_reads(ps: ParameterServer, batch) -> list:
       table = ps.shards[s][t]
       mine = ids[shard == s]
       miss = mine[~table.in_ram(mine)]
-      rows, _ = table.tier.locate(miss)
+      rows = table.tier.locate(miss)
       rows = rows[rows >= 0]
       for path, width in table.tier.files():
         out.extend((path, int(r) * width, width) for r in rows)

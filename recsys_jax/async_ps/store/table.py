@@ -344,6 +344,15 @@ class Table:
       self._evict_then_release(inserted)
 
   def _evict_then_release(self, inserted: int) -> None:
+    try:
+      self._evict_keeping_error(inserted)
+    finally:
+      self._idle.set()
+      self.lock.release()
+
+  def _evict_keeping_error(self, inserted: int) -> None:
+    """``_evict``, timed in ``evict_s``, off the caller's thread: an error is kept for the
+    table's next call to raise (``_raise_evict_error``)."""
     t0 = time.perf_counter()
     try:
       self._evict(inserted)
@@ -351,8 +360,6 @@ class Table:
       self._evict_error = e
     finally:
       self.timers["evict_s"] += time.perf_counter() - t0
-      self._idle.set()
-      self.lock.release()
 
   def close(self) -> None:
     """Waits for the read-aheads and the eviction in flight and closes the tier; raises the
@@ -449,13 +456,7 @@ class Table:
       self._last_seen[new] = step
       self.counters["tier_reads"] += w.shape[0]
       self.counters["read_ahead_rows"] += w.shape[0]
-      t0 = time.perf_counter()
-      try:
-        self._evict(self._ids.size - n)
-      except BaseException as e:  # raised by the table's next call, as after a lookup
-        self._evict_error = e
-      finally:
-        self.timers["evict_s"] += time.perf_counter() - t0
+      self._evict_keeping_error(self._ids.size - n)
 
   def wait_read_ahead(self) -> None:
     """Returns once every read-ahead submitted so far has run."""

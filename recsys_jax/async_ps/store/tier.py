@@ -10,9 +10,6 @@ disk row per slot) records where the latest copy of each id lives. Rewriting an 
 old row behind as garbage; ``compact`` rewrites the live rows contiguously from row 0 and is
 run automatically by ``write`` once garbage outweighs live rows by two to one.
 
-Because rows are appended, never rewritten in place, an id found at the same disk row in the
-same epoch (which a compaction advances) still has the values read from there (``locate``).
-
 This module is the index over the storage, the live / garbage bookkeeping and the compaction
 policy; the storage's layout and I/O are its two backends.
 
@@ -159,7 +156,6 @@ class DiskTier:
       "rows_read": 0,
       "compactions": 0,
     }
-    self._epoch = 0  # changes when a compaction moves rows (see ``locate``)
     self.backend, kv = _backend(spec, backend)
     if self.backend == "file":
       self._store = FileRowStore(kv["path"], self._fields, self._counters)
@@ -306,18 +302,13 @@ class DiskTier:
     weights = out.pop("weights")
     return found, weights, {name: out[f"slot_{name}"] for name in self.slot_shapes}
 
-  def locate(self, ids: Any) -> Tuple[np.ndarray, int]:
-    """Where the latest rows of ids live: ``(disk rows, epoch)``.
-
-    Returns:
-      ``rows``: [n] int64, the disk row of each id (-1: not in the tier), and the tier's
-      epoch, which changes when a compaction moves rows. An id at the same disk row in the
-      same epoch has the same values: rows are appended, never rewritten in place.
-    """
+  def locate(self, ids: Any) -> np.ndarray:
+    """Where the latest rows of ids live: [n] int64, the disk row of each id (-1: not in the
+    tier). A compaction moves rows."""
     ids = _as_ids(ids, "DiskTier.locate")
     with self._lock:
       self._check_open()
-      return self._rows_of(ids), self._epoch
+      return self._rows_of(ids)
 
   def files(self) -> List[Tuple[str, int]]:
     """The file backend's file and the bytes of a row in it (``[]`` with tensorstore)."""
@@ -489,5 +480,4 @@ class DiskTier:
     self._live = m
     self._garbage = 0
     self._store.truncate()
-    self._epoch += 1
     self._counters["compactions"] += 1
