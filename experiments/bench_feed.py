@@ -78,10 +78,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -89,6 +91,7 @@ import numpy as np
 import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 from bench_ps import memcpy_bandwidth  # experiments/bench_ps.py (its flags too)
+from gil_sampler import GilSampler  # experiments/gil_sampler.py
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,7 +103,7 @@ _STEP = flags.DEFINE_multi_enum(
   "step", ["noop"], ["noop", "tiny"], "Device steps (repeat the flag for both): none, or DLRM with MLPs of width 16."
 )
 _RECORDS = flags.DEFINE_integer("records", 400_000, "Records of the generated TSV files (one pass: the warm-up).")
-_SAMPLES = flags.DEFINE_integer("samples", 600_000, "Samples per setting (at least --min_steps steps).")
+_SAMPLES = flags.DEFINE_integer("samples", 2_000_000, "Samples per setting (at least --min_steps steps).")
 _MIN_STEPS = flags.DEFINE_integer("min_steps", 12, "Steps per setting at least, warmup included.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Steps not timed.")
 _DATA_DIR = flags.DEFINE_string(
@@ -113,6 +116,18 @@ _TRANSFER = flags.DEFINE_bool(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each setting (the median is reported; of 2, the faster).")
 _SETTING = flags.DEFINE_string("setting", None, "(internal) run one setting, given as JSON, in this process.")
+_GIL = flags.DEFINE_bool(
+  "gil",
+  True,
+  "Sample the interpreter lock over the timed steps with py-spy (gil_us_per_sample; experiments/gil_sampler.py).",
+)
+_GIL_RAW = flags.DEFINE_string("gil_raw_dir", None, "Also keep py-spy's raw GIL stacks of each setting in this folder.")
+_CPU_PROFILE = flags.DEFINE_bool(
+  "cpu_profile",
+  False,
+  "With --gil_raw_dir: keep every running thread's stacks there, native frames too (a CPU profile, to find where "
+  "time goes), instead of the lock holder's; gil_us_per_sample then counts every thread and is no lock figure.",
+)
 _SMOKE = flags.DEFINE_bool("smoke", False, "A tiny sweep that checks the script runs (the test suite's; no figure).")
 
 SMOKE = {
@@ -213,7 +228,12 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
       if pos["epoch"] >= 1:  # every file read to its end: its manifest and every chunk written
         break
   load0 = os.getloadavg()[0]
-  summary = train.train_and_evaluate(c, workdir)
+  sampler = GilSampler(raw_out=s.get("gil_raw"), native=s.get("cpu_profile", False), gil_only=not s.get("cpu_profile"))
+  window = SampledWindow(s["warmup"], n, sampler if s.get("gil") else None)
+  try:
+    summary = train.train_and_evaluate(c, workdir, on_metrics=window.on_metrics)
+  finally:
+    gil = window.result()
   recs = train.read_metrics(workdir, "train")
   w, w0 = s["warmup"], s["first_timed"]
   timed = interval_steps(recs, w, n)  # warmup and n are multiples of L: whole intervals
@@ -264,6 +284,17 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   for stage in STAGES:
     out[f"{stage}_ms"] = mean(f"host_{stage}_ms")
     out[f"{stage}_cpu_ms"] = mean(f"host_{stage}_cpu_ms")
+  # The stage threads' CPU, and the whole process's over the sampled window (every thread: XLA's,
+  # the loop's, the feeder's), per sample; the lock-held time over the same window.
+  out["cpu_us_per_sample"] = 1e3 * sum(out[f"{stage}_cpu_ms"] for stage in STAGES) / B
+  out["gil_us_per_sample"] = out["process_cpu_us_per_sample"] = out["gil_fraction"] = None
+  if gil is not None:
+    per_sample = 1e6 / (gil["wall_s"] * sps)  # us per sample of each second of the window
+    out["gil_us_per_sample"] = gil["gil_s"] * per_sample
+    out["process_cpu_us_per_sample"] = gil["cpu_s"] * per_sample
+    out["gil_fraction"] = gil["gil_fraction"]
+    out["gil_window_s"] = gil["wall_s"]
+    out["gil_top"], out["gil_top_threads"] = gil["top"], gil["top_threads"]
   if s["step"] == "tiny":  # the step alone on a batch of a fresh job: how long the device is busy
     fresh = train.build_job(c, os.path.join(workdir, "alone"), restore=False)
     pre = fresh.host.train_prefetcher(0, c, StalenessGate(last_applied=-1))
@@ -282,6 +313,52 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     out["device_idle_fraction"] = max(0.0, 1.0 - float(np.median(alone[3:])) * steps_timed / elapsed)
     fresh.ps.close()
   return out
+
+
+class SampledWindow:
+  """Samples the interpreter lock (``sampler``) from the train record of step ``first`` (the warm-up's
+  end) to that of step ``last`` (the run's), on a thread of its own, so the loop that writes the
+  records (``on_metrics``) is not held up while py-spy attaches or stops."""
+
+  def __init__(self, first: int, last: int, sampler: Optional[GilSampler]):
+    self.first, self.last, self.sampler = first, last, sampler
+    self._events: "queue.Queue" = queue.Queue()
+    self._out: Optional[Dict[str, Any]] = None
+    self._error: Optional[BaseException] = None
+    self._thread = threading.Thread(target=self._run, name="gil-window", daemon=True)
+    if sampler is not None:
+      self._thread.start()
+
+  def on_metrics(self, step: int, kind: str, values: Dict[str, Any]) -> None:
+    if kind == "train" and step in (self.first, self.last):
+      self._events.put(step)
+
+  def _run(self) -> None:
+    started = False
+    try:
+      while True:
+        step = self._events.get()
+        if step == self.first and not started:
+          self.sampler.start()
+          started = True
+        elif step is None or step == self.last:
+          if started:
+            self._out = self.sampler.stop()
+          return
+    except BaseException as e:  # noqa: BLE001 - re-raised by result()
+      self._error = e
+
+  def result(self) -> Optional[Dict[str, Any]]:
+    """The sampler's figures (None without one); raises what sampling raised, or if the window never opened."""
+    if self.sampler is None:
+      return None
+    self._events.put(None)  # the run ended: stop sampling if the last record never came
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    if self._out is None:
+      raise RuntimeError(f"the interpreter lock was not sampled: no train record at step {self.first} and {self.last}")
+    return self._out
 
 
 # -- threads or processes ------------------------------------------------------------------------
@@ -416,7 +493,7 @@ STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
 
 def print_table(results: List[Dict[str, Any]]) -> None:
   head = f"{'source':9}{'batch':>7}{'wk':>4}{'step':>5}{'code':>6}{'samples/s':>11}{'(runs, k)':>16}{'vs base':>8}{'floor':>11}"
-  head += f"{'ratio':>7}{'idle':>6}"
+  head += f"{'ratio':>7}{'idle':>6}{'cpu us':>8}{'gil us':>8}"
   head += "".join(f"{s:>9}" for s in STAGES) + "   (ms per batch; CPU ms in brackets below)"
   print(head)
   for r in results:
@@ -425,10 +502,11 @@ def print_table(results: List[Dict[str, Any]]) -> None:
       f"{r['source']:9}{r['batch']:>7}{r['workers']:>4}{r['step']:>5}{r['label']:>6}{r['feed_samples_per_s']:>11,.0f}"
     )
     line += f"{spread:>16}{r.get('vs_baseline', float('nan')):>8.2f}{r['floor_samples_per_s']:>11,.0f}"
-    line += f"{r['floor_ratio']:>7.3f}{r.get('device_idle_fraction', 1.0):>6.2f}"
+    line += f"{r['floor_ratio']:>7.3f}{r.get('device_idle_fraction', 1.0):>6.2f}{r['cpu_us_per_sample']:>8.3f}"
+    line += f"{r['gil_us_per_sample'] if r['gil_us_per_sample'] is not None else float('nan'):>8.3f}"
     line += "".join(f"{r.get(f'{s}_ms', float('nan')):>9.2f}" for s in STAGES)
     print(line)
-    print(" " * 90 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
+    print(" " * 106 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
 
 
 def schedule(records: int, batch: int) -> Dict[str, int]:
@@ -492,10 +570,17 @@ def main(argv):
                 "cache_dir": os.path.join(data_dir, "cache"),
                 "code_root": root,
                 "memcpy_bytes_per_s": bw,
+                "gil": _GIL.value,
               }
               setting["workdir"] = os.path.join(work, f"{len(failed) + sum(map(len, runs.values()))}")
+              if _GIL_RAW.value:
+                name = f"gil_{label}_{source}_{batch}_w{w}_{step}_r{rep}.txt"
+                setting["gil_raw"] = os.path.abspath(os.path.join(_GIL_RAW.value, name))
+                setting["cpu_profile"] = _CPU_PROFILE.value
               print(f"{setting_name(setting)} ...", file=sys.stderr, flush=True)
               r, why = child(setting)
+              if setting.get("gil_raw") and os.path.exists(setting["gil_raw"]):
+                outputs.wrote(setting["gil_raw"])
               if r is None:
                 failed.append(f"setting {setting_name(setting)} failed: {why}")
                 print(failed[-1], file=sys.stderr, flush=True)

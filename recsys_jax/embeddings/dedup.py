@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numba
@@ -29,55 +30,147 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _home(x, mask):
+  h = x ^ (x >> np.uint64(31))  # splitmix64's finaliser: test ids are small, real ids hashed already
+  h *= _MIX1
+  h ^= h >> np.uint64(27)
+  h *= _MIX2
+  return np.int64(h & mask)
+
+
 @numba.njit(nogil=True, cache=True)
-def _unique_inverse(ids, inverse, offset):
-  """Sorted distinct ``ids`` (uint64 [n]); writes ``inverse[i] = offset + ``the place of ``ids[i]`` among them."""
-  n = ids.shape[0]
-  cap = 16
-  while cap < 2 * n:
-    cap *= 2
-  mask = np.uint64(cap - 1)
-  slot_key = np.empty(cap, np.uint64)
-  slot_of = np.full(cap, -1, np.int64)  # index into ``seen`` of the id in each slot; -1: empty
-  seen = np.empty(n, np.uint64)  # distinct ids in order of first occurrence
-  local = np.empty(n, np.int64)
+def _radix_sort(x, tmp):
+  """Sorts uint64 ``x`` with ``tmp`` (as long) as scratch, by bytes from the lowest (LSD radix,
+  skipping bytes every key shares); returns whichever of the two holds the result. Four times
+  numba's ``np.sort`` on the distinct ids of a table at batch 65536, 2x numpy's own."""
+  n = x.shape[0]
+  counts = np.zeros((8, 256), np.int64)
+  for i in range(n):
+    v = x[i]
+    for d in range(8):
+      counts[d, np.int64((v >> np.uint64(8 * d)) & np.uint64(255))] += 1
+  src, dst = x, tmp
+  for d in range(8):
+    c = counts[d]
+    if c.max() == n:  # every key has the same byte here
+      continue
+    total = 0
+    for b in range(256):
+      here = c[b]
+      c[b] = total
+      total += here
+    shift = np.uint64(8 * d)
+    for i in range(n):
+      v = src[i]
+      b = np.int64((v >> shift) & np.uint64(255))
+      dst[c[b]] = v
+      c[b] += 1
+    src, dst = dst, src
+  return src
+
+
+@numba.njit(nogil=True, cache=True)
+def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
+  """Sorted distinct ``ids`` (uint64 [B, L]); writes ``inverse[b, l] = offset + ``the place of
+  ``ids[b, l]`` among them (``inverse`` may be a strided view, e.g. one feature of [B, F, L]).
+
+  ``slots`` (uint64 [cap, 2], cap a power of two >= 2 * B * L) is the caller's scratch hash
+  table, reused across calls without clearing: a slot belongs to this call only if its tag's
+  high half is ``gen`` (0 is never a generation, so a zeroed table is empty); each slot holds an
+  id and ``gen << 32 | its index in seen``, in one cache line. ``seen`` (uint64) and ``local``
+  (int32) and ``tmp`` (uint64), at least B * L long, are scratch too.
+  """
+  mask = np.uint64(slots.shape[0] - 1)
+  imask = np.int64(mask)
+  g = np.uint64(gen) << np.uint64(32)
   k = 0
-  for i in range(n):
-    x = ids[i]
-    h = x ^ (x >> np.uint64(31))  # splitmix64's finaliser: test ids are small, real ids hashed already
-    h *= _MIX1
-    h ^= h >> np.uint64(27)
-    h *= _MIX2
-    pos = np.int64(h & mask)
-    while True:
-      j = slot_of[pos]
-      if j < 0:
-        slot_key[pos] = x
-        slot_of[pos] = k
-        seen[k] = x
-        local[i] = k
-        k += 1
-        break
-      if slot_key[pos] == x:
-        local[i] = j
-        break
-      pos = (pos + 1) & np.int64(mask)
-  order = np.argsort(seen[:k])
-  rank = np.empty(k, np.int64)
-  uniq = np.empty(k, np.uint64)
-  for r in range(k):
-    rank[order[r]] = r
-    uniq[r] = seen[order[r]]
-  for i in range(n):
-    inverse[i] = offset + rank[local[i]]
+  i = 0
+  for b in range(ids.shape[0]):
+    for j in range(ids.shape[1]):
+      x = ids[b, j]
+      pos = _home(x, mask)
+      while True:
+        tag = slots[pos, 1]
+        if (tag >> np.uint64(32)) != np.uint64(gen):  # free in this call
+          slots[pos, 0] = x
+          slots[pos, 1] = g | np.uint64(k)
+          seen[k] = x
+          local[i] = k
+          k += 1
+          break
+        if slots[pos, 0] == x:
+          local[i] = np.int32(tag & np.uint64(0xFFFFFFFF))
+          break
+        pos = (pos + 1) & imask
+      i += 1
+  uniq = _radix_sort(seen[:k], tmp[:k]).copy()
+  rank = np.empty(k, np.int32)
+  for r in range(k):  # each distinct id's place among them, through the slot that holds it
+    x = uniq[r]
+    pos = _home(x, mask)
+    while slots[pos, 0] != x:  # no earlier slot of its probe run can hold it from an older call
+      pos = (pos + 1) & imask
+    rank[np.int64(slots[pos, 1] & np.uint64(0xFFFFFFFF))] = r
+  i = 0
+  for b in range(ids.shape[0]):
+    for j in range(ids.shape[1]):
+      inverse[b, j] = offset + rank[local[i]]
+      i += 1
   return uniq
 
 
-def unique_inverse(ids: np.ndarray, offset: int = 0) -> Tuple[np.ndarray, np.ndarray]:
-  """``(np.unique(ids), inverse + offset as int32)`` of ``np.unique(ids, return_inverse=True)``, compiled."""
-  ids = np.ascontiguousarray(ids, np.uint64).reshape(-1)
-  inverse = np.empty(ids.shape[0], np.int32)
-  return _unique_inverse(ids, inverse, np.int64(offset)), inverse
+class _Scratch(threading.local):
+  """Each thread's hash table and buffers for ``unique_inverse``, grown as needed, never cleared
+  (generations tell this call's slots from older ones): a table of 2 MB cleared per call cost
+  more than deduplicating a table of few distinct ids."""
+
+  def __init__(self):
+    self.slots = np.zeros((16, 2), np.uint64)
+    self.seen = np.empty(0, np.uint64)
+    self.local = np.empty(0, np.int32)
+    self.tmp = np.empty(0, np.uint64)
+    self.gen = 0
+
+  def take(self, n: int):
+    cap = self.slots.shape[0]
+    if cap < 2 * n:
+      while cap < 2 * n:
+        cap *= 2
+      self.slots, self.gen = np.zeros((cap, 2), np.uint64), 0
+    if self.seen.shape[0] < n:
+      self.seen, self.local, self.tmp = np.empty(n, np.uint64), np.empty(n, np.int32), np.empty(n, np.uint64)
+    self.gen += 1
+    if self.gen >= 1 << 32:  # every generation used: clear once, start again
+      self.slots[:] = 0
+      self.gen = 1
+    return self.slots, self.gen, self.seen, self.local, self.tmp
+
+
+_scratch = _Scratch()
+
+
+def unique_inverse(ids: np.ndarray, offset: int = 0, out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+  """``(np.unique(ids), inverse + offset as int32)`` of ``np.unique(ids, return_inverse=True)``, compiled.
+
+  Args:
+    ids: uint64 ids, any shape (a 2-D [B, L] array is read in place, strided or not).
+    offset: added to every inverse index.
+    out: int32 array of ``ids``' 2-D shape to write the inverse into (e.g. a strided view of one
+      feature's columns in a [B, F, L] inverse); None: a new flat array.
+
+  Returns:
+    The sorted distinct ids and the inverse (``out`` if given).
+  """
+  ids = np.asarray(ids)
+  if ids.dtype != np.uint64:
+    ids = ids.astype(np.uint64)
+  ids2 = ids.reshape(ids.shape[0], -1) if ids.ndim == 2 else ids.reshape(-1, 1)
+  inverse = np.empty(ids2.shape, np.int32) if out is None else out
+  if inverse.shape != ids2.shape or inverse.dtype != np.int32:
+    raise ValueError(f"unique_inverse: out is {inverse.dtype} {inverse.shape}, expected int32 {ids2.shape}")
+  uniq = _unique_inverse(ids2, inverse, np.int64(offset), *_scratch.take(ids2.size))
+  return uniq, (inverse.reshape(-1) if out is None else out)
 
 
 def bucket_size(n: int, min_bucket: int = MIN_BUCKET) -> int:
@@ -187,6 +280,11 @@ def dedup(
     offset = 0
     for tname in dict.fromkeys(f.table for f in feats):
       cols = [i for i, f in enumerate(feats) if f.table == tname]
+      if len(cols) == 1 and valid_of[feats[cols[0]].name] is None:  # one feature, no padding: in place
+        uniq, _ = unique_inverse(ids_of[feats[cols[0]].name], offset, out=inverse[:, cols[0], :])
+        group_tables.append((tname, uniq, offset))
+        offset += uniq.shape[0]
+        continue
       parts = []
       for i in cols:
         name, valid = feats[i].name, valid_of[feats[i].name]

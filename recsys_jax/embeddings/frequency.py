@@ -16,10 +16,12 @@ it is used). Tables can hold billions of distinct ids, so counts are not kept pe
 Invariant: every id whose estimate reached the threshold when it was last seen is in the pool,
 so with exact estimates ``top(n)`` (n <= capacity) is the exact top n up to ties at the cut.
 
-An ``add`` costs O(len(ids)) in a compiled kernel plus a binary search of the new candidates
-against the pool; new candidates wait in a list and are merged into the pool (O(pool + new)) once
-they are as many as the pool's ids, or past ``2 * capacity`` merged and cut to ``capacity``, so
-it is O(log capacity) per id amortised, never O(pool) per call.
+An ``add`` is one compiled pass (the sketch, then a search of the pool for the ids at the
+threshold, which ascend, so each search starts where the last one ended); new candidates wait in
+a list and are merged into the pool (a compiled merge, O(pool + new log new)) once they are as
+many as the pool's ids, or past ``2 * capacity`` merged and cut to ``capacity`` (a compiled
+selection, O(pool)), so it is O(log capacity) per id amortised, never O(pool) per call. Every
+kernel drops the GIL: an ``add`` holds it for a few microseconds whatever its size.
 Results depend only on the sequence of calls (ties broken by id). Calls for different tables may
 run on different threads at once (the kernels drop the GIL; each table has its own lock).
 No jax here: the host feed calls this.
@@ -57,30 +59,96 @@ def _first_unsorted(ids):
 
 
 @numba.njit(nogil=True, cache=True)
-def _add(sketch, seeds, ids, conservative, est_out):
-  """Counts each id once in ``sketch`` [depth, width]; writes each id's estimate after the add."""
+def _add(sketch, seeds, ids, conservative, threshold, pool):
+  """Counts a step's sorted distinct ``ids`` once each in ``sketch`` [depth, width]; returns
+  ``(-1, the ids whose estimate after the add reached threshold and that are not in the sorted
+  ``pool``)``, or ``(i, empty)`` if ``ids[i]`` is not above ``ids[i - 1]`` (nothing is counted then)."""
+  bad = _first_unsorted(ids)
+  if bad >= 0:
+    return bad, np.empty(0, np.uint64)
   depth, width = sketch.shape
   w = np.uint64(width)
   cols = np.empty(depth, np.int64)
+  new = np.empty(ids.shape[0], np.uint64)
+  n_new = 0
+  p = pool.shape[0]
+  lo = 0  # ids ascend: each one's place in the pool is at or after the last one's
   for i in range(ids.shape[0]):
+    x = ids[i]
     m = np.uint32(0xFFFFFFFF)
     for d in range(depth):
-      c = np.int64(_mix(ids[i] + seeds[d]) % w)
+      c = np.int64(_mix(x + seeds[d]) % w)
       cols[d] = c
       if sketch[d, c] < m:
         m = sketch[d, c]
     # m >= the id's true count so far, so m + 1 bounds it after this step: conservative update
     # raises only the counters below m + 1; plain count-min adds 1 to all. Either way the new
     # minimum is m + 1 (counters saturate instead of wrapping).
-    new = m + np.uint32(1) if m < np.uint32(0xFFFFFFFF) else m
+    new_m = m + np.uint32(1) if m < np.uint32(0xFFFFFFFF) else m
     for d in range(depth):
       c = cols[d]
       if conservative:
-        if sketch[d, c] < new:
-          sketch[d, c] = new
+        if sketch[d, c] < new_m:
+          sketch[d, c] = new_m
       elif sketch[d, c] < np.uint32(0xFFFFFFFF):
         sketch[d, c] += np.uint32(1)
-    est_out[i] = new
+    if np.int64(new_m) >= threshold:
+      hi = p
+      while lo < hi:  # the first pool id >= x
+        mid = (lo + hi) >> 1
+        if pool[mid] < x:
+          lo = mid + 1
+        else:
+          hi = mid
+      if lo >= p or pool[lo] != x:
+        new[n_new] = x
+        n_new += 1
+  return -1, new[:n_new].copy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _merge(pool, pending):
+  """The sorted distinct ids of the sorted distinct ``pool`` and ``pending`` (any order, repeats)."""
+  pending = np.sort(pending)
+  out = np.empty(pool.shape[0] + pending.shape[0], np.uint64)
+  i = j = n = 0
+  while i < pool.shape[0] or j < pending.shape[0]:
+    if j >= pending.shape[0] or (i < pool.shape[0] and pool[i] <= pending[j]):
+      x = pool[i]
+      i += 1
+    else:
+      x = pending[j]
+      j += 1
+    if n == 0 or out[n - 1] != x:
+      out[n] = x
+      n += 1
+  return out[:n].copy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _keep_top(sketch, seeds, pool, capacity):
+  """``(the capacity ids of the sorted distinct pool of highest estimate, ties by id ascending,
+  still sorted; the estimate of the last one kept)``: what sorting by (estimate descending, id
+  ascending) and keeping the first ``capacity`` keeps, in O(pool)."""
+  n = pool.shape[0]
+  est = np.empty(n, np.int64)
+  for i in range(n):
+    est[i] = _row_min(sketch, seeds, pool[i])
+  cut = np.partition(-est, capacity - 1)[capacity - 1] * -1  # the capacity-th highest estimate
+  above = 0
+  for i in range(n):
+    if est[i] > cut:
+      above += 1
+  at_cut = capacity - above  # ids with the cut's estimate that stay: the smallest ones
+  out = np.empty(capacity, np.uint64)
+  k = 0
+  for i in range(n):
+    if est[i] > cut or (est[i] == cut and at_cut > 0):
+      if est[i] == cut:
+        at_cut -= 1
+      out[k] = pool[i]
+      k += 1
+  return out, cut
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -165,6 +233,8 @@ class FrequencyCounter:
 
   @staticmethod
   def _ids(table: str, ids, what: str) -> np.ndarray:
+    if type(ids) is np.ndarray and ids.dtype == np.uint64 and ids.ndim == 1 and ids.flags.c_contiguous:
+      return ids  # what the trainer passes: no check costs more than this one
     ids = np.asarray(ids)
     if ids.ndim != 1:
       raise ValueError(f"FrequencyCounter.{what}({table!r}): ids must be 1-D, got shape {ids.shape}")
@@ -176,19 +246,13 @@ class FrequencyCounter:
     """Counts one step's distinct ``ids`` of ``table`` (uint64, sorted ascending, as np.unique gives)."""
     t = self._table(table)
     ids = self._ids(table, ids, "add")
-    bad = _first_unsorted(ids)
-    if bad >= 0:  # a repeated id would be counted twice in one step
-      raise ValueError(
-        f"FrequencyCounter.add({table!r}): ids must be distinct and sorted ascending (np.unique); "
-        f"ids[{bad - 1}] = {ids[bad - 1]} then ids[{bad}] = {ids[bad]}"
-      )
-    est = np.empty(ids.shape[0], np.int64)
     with t.lock:
-      _add(t.sketch, self._seeds, ids, self.conservative, est)
-      new = ids[est >= t.threshold]
-      if t.pool.size and new.size:
-        pos = np.minimum(np.searchsorted(t.pool, new), t.pool.size - 1)
-        new = new[t.pool[pos] != new]
+      bad, new = _add(t.sketch, self._seeds, ids, self.conservative, t.threshold, t.pool)
+      if bad >= 0:  # a repeated id would be counted twice in one step (nothing was counted)
+        raise ValueError(
+          f"FrequencyCounter.add({table!r}): ids must be distinct and sorted ascending (np.unique); "
+          f"ids[{bad - 1}] = {ids[bad - 1]} then ids[{bad}] = {ids[bad]}"
+        )
       if new.size:
         t.pending.append(new)
         t.pending_n += new.size
@@ -204,19 +268,17 @@ class FrequencyCounter:
   def _merged(self, t: _Table) -> np.ndarray:
     if not t.pending:
       return t.pool
-    return np.unique(np.concatenate([t.pool, *t.pending]))
+    return _merge(t.pool, t.pending[0] if len(t.pending) == 1 else np.concatenate(t.pending))
 
   def _cut(self, t: _Table) -> None:
-    """Merges the new candidates into the pool and keeps the ``capacity`` of highest estimate."""
+    """Merges the new candidates into the pool and keeps the ``capacity`` of highest estimate
+    (ties by id ascending)."""
     pool = self._merged(t)
     t.pending, t.pending_n = [], 0
     if pool.size > self.capacity:
-      est = self._estimate(t, pool)
-      order = np.lexsort((pool, -est))  # estimate descending, then id ascending
-      cut = int(est[order[self.capacity - 1]])
-      pool = np.sort(pool[order[: self.capacity]])
+      pool, cut = _keep_top(t.sketch, self._seeds, pool, self.capacity)
       # Ids dropped here have estimates <= cut; they come back once seen above it.
-      t.threshold = max(t.threshold, cut + 1)
+      t.threshold = max(t.threshold, int(cut) + 1)
     t.pool = pool
 
   def _estimate(self, t: _Table, ids: np.ndarray) -> np.ndarray:

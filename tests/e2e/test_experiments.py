@@ -145,6 +145,7 @@ ELSEWHERE = {
 EXEMPT = {
   "outputs.py": "where the scripts write (imported by them, no main): run with every script that imports it",
   "tier_files.py": "bench_tier_layout.py's layouts and floor reader (no main): run with it; tests/e2e/test_tier_files.py",
+  "gil_sampler.py": "bench_feed.py's interpreter-lock sampler (no main): tests/e2e/test_gil_sampler.py",
 }
 
 

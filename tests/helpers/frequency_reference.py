@@ -1,0 +1,284 @@
+"""Test helper: the frequency counter before its compiled add, merge and cut, kept verbatim as the reference.
+
+``tests/embeddings/test_frequency.py`` checks that ``recsys_jax.embeddings.frequency.FrequencyCounter``
+holds, after every call, exactly the state this one holds (the hot set, and so the main job's
+results, depend on it); not a test module. Kernels included, so that it shares no code with what
+it checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Sequence, Tuple
+
+import numba
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _mix(x):
+  """splitmix64's finaliser: a bijection on uint64 that spreads small and structured ids."""
+  z = x
+  z = (z ^ (z >> np.uint64(30))) * _MIX1
+  z = (z ^ (z >> np.uint64(27))) * _MIX2
+  return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_unsorted(ids):
+  """Index of the first id not strictly greater than the one before it; -1 if strictly ascending."""
+  for i in range(1, ids.shape[0]):
+    if ids[i] <= ids[i - 1]:
+      return i
+  return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _add(sketch, seeds, ids, conservative, est_out):
+  """Counts each id once in ``sketch`` [depth, width]; writes each id's estimate after the add."""
+  depth, width = sketch.shape
+  w = np.uint64(width)
+  cols = np.empty(depth, np.int64)
+  for i in range(ids.shape[0]):
+    m = np.uint32(0xFFFFFFFF)
+    for d in range(depth):
+      c = np.int64(_mix(ids[i] + seeds[d]) % w)
+      cols[d] = c
+      if sketch[d, c] < m:
+        m = sketch[d, c]
+    # m >= the id's true count so far, so m + 1 bounds it after this step: conservative update
+    # raises only the counters below m + 1; plain count-min adds 1 to all. Either way the new
+    # minimum is m + 1 (counters saturate instead of wrapping).
+    new = m + np.uint32(1) if m < np.uint32(0xFFFFFFFF) else m
+    for d in range(depth):
+      c = cols[d]
+      if conservative:
+        if sketch[d, c] < new:
+          sketch[d, c] = new
+      elif sketch[d, c] < np.uint32(0xFFFFFFFF):
+        sketch[d, c] += np.uint32(1)
+    est_out[i] = new
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _row_min(sketch, seeds, x):
+  depth, width = sketch.shape
+  m = np.uint32(0xFFFFFFFF)
+  for d in range(depth):
+    v = sketch[d, np.int64(_mix(x + seeds[d]) % np.uint64(width))]
+    if v < m:
+      m = v
+  return m
+
+
+@numba.njit(nogil=True, cache=True)
+def _estimate(sketch, seeds, ids, out):
+  for i in range(ids.shape[0]):
+    out[i] = _row_min(sketch, seeds, ids[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def _mix_all(xs):
+  out = np.empty_like(xs)
+  for i in range(xs.shape[0]):
+    out[i] = _mix(xs[i])
+  return out
+
+
+class _Table:
+  """One table's sketch, candidate pool and threshold (guarded by its lock)."""
+
+  def __init__(self, depth: int, width: int):
+    self.sketch = np.zeros((depth, width), np.uint32)
+    self.pool = np.zeros(0, np.uint64)  # sorted, distinct
+    self.pending: List[np.ndarray] = []  # new candidates since the last merge (may repeat ids)
+    self.pending_n = 0
+    self.threshold = 1
+    self.lock = threading.Lock()
+
+
+class FrequencyCounter:
+  """Per-table step counts of ids (count-min sketch) and the candidates for the hot set; see the module docstring.
+
+  capacity: candidates kept per table, the most hot rows a table could ever get.
+  width, depth: the sketch of each table (``4 * width * depth`` bytes). An id's over-estimate is
+    about (the table's total count) / width for plain count-min, less with conservative update.
+  """
+
+  MERGE_MIN = 1 << 16
+  """New candidates held unmerged before they are merged into a pool smaller than this."""
+
+  def __init__(
+    self,
+    tables: Sequence[str],
+    capacity: int,
+    width: int = 1 << 16,
+    depth: int = 4,
+    seed: int = 0,
+    conservative: bool = True,
+  ):
+    tables = list(tables)
+    if len(set(tables)) != len(tables):
+      raise ValueError(f"FrequencyCounter: table names repeat: {tables}")
+    for name, v, lo in (("capacity", capacity, 1), ("width", width, 1), ("depth", depth, 1)):
+      if int(v) != v or v < lo:
+        raise ValueError(f"FrequencyCounter: {name} must be an integer >= {lo}, got {v!r}")
+    self.capacity, self.width, self.depth = int(capacity), int(width), int(depth)
+    self.conservative = bool(conservative)
+    # Independent hashes per sketch row: a splitmix64 stream from the seed.
+    steps = np.arange(1, self.depth + 1, dtype=np.uint64) * _GOLDEN
+    self._seeds = _mix_all(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + steps)
+    self._tables: Dict[str, _Table] = {t: _Table(self.depth, self.width) for t in tables}
+
+  @property
+  def tables(self) -> Tuple[str, ...]:
+    return tuple(self._tables)
+
+  def _table(self, table: str) -> _Table:
+    try:
+      return self._tables[table]
+    except KeyError:
+      raise KeyError(f"FrequencyCounter: unknown table {table!r}; known: {sorted(self._tables)}") from None
+
+  @staticmethod
+  def _ids(table: str, ids, what: str) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.ndim != 1:
+      raise ValueError(f"FrequencyCounter.{what}({table!r}): ids must be 1-D, got shape {ids.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"FrequencyCounter.{what}({table!r}): ids must be integers, got dtype {ids.dtype}")
+    return np.ascontiguousarray(ids, np.uint64)
+
+  def add(self, table: str, ids: np.ndarray) -> None:
+    """Counts one step's distinct ``ids`` of ``table`` (uint64, sorted ascending, as np.unique gives)."""
+    t = self._table(table)
+    ids = self._ids(table, ids, "add")
+    bad = _first_unsorted(ids)
+    if bad >= 0:  # a repeated id would be counted twice in one step
+      raise ValueError(
+        f"FrequencyCounter.add({table!r}): ids must be distinct and sorted ascending (np.unique); "
+        f"ids[{bad - 1}] = {ids[bad - 1]} then ids[{bad}] = {ids[bad]}"
+      )
+    est = np.empty(ids.shape[0], np.int64)
+    with t.lock:
+      _add(t.sketch, self._seeds, ids, self.conservative, est)
+      new = ids[est >= t.threshold]
+      if t.pool.size and new.size:
+        pos = np.minimum(np.searchsorted(t.pool, new), t.pool.size - 1)
+        new = new[t.pool[pos] != new]
+      if new.size:
+        t.pending.append(new)
+        t.pending_n += new.size
+      if t.pool.size + t.pending_n > 2 * self.capacity:
+        self._cut(t)
+      elif t.pending_n >= max(t.pool.size, self.MERGE_MIN):
+        # Ids seen again before a merge are pending twice: merge once the pending list is as large
+        # as the pool (each merge costs O(pool + pending), so still O(log) per id amortised), or
+        # with a capacity far above the distinct ids it would grow to 2 * capacity of repeats.
+        t.pool = self._merged(t)
+        t.pending, t.pending_n = [], 0
+
+  def _merged(self, t: _Table) -> np.ndarray:
+    if not t.pending:
+      return t.pool
+    return np.unique(np.concatenate([t.pool, *t.pending]))
+
+  def _cut(self, t: _Table) -> None:
+    """Merges the new candidates into the pool and keeps the ``capacity`` of highest estimate."""
+    pool = self._merged(t)
+    t.pending, t.pending_n = [], 0
+    if pool.size > self.capacity:
+      est = self._estimate(t, pool)
+      order = np.lexsort((pool, -est))  # estimate descending, then id ascending
+      cut = int(est[order[self.capacity - 1]])
+      pool = np.sort(pool[order[: self.capacity]])
+      # Ids dropped here have estimates <= cut; they come back once seen above it.
+      t.threshold = max(t.threshold, cut + 1)
+    t.pool = pool
+
+  def _estimate(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+    out = np.empty(ids.shape[0], np.int64)
+    _estimate(t.sketch, self._seeds, ids, out)
+    return out
+
+  def candidates(self, table: str) -> np.ndarray:
+    """The table's candidate ids (uint64, sorted ascending, at most 2 * capacity)."""
+    t = self._table(table)
+    with t.lock:
+      return self._merged(t).copy()
+
+  def estimate(self, table: str, ids: np.ndarray) -> np.ndarray:
+    """int64 estimated counts of ``ids`` (any order, repeats allowed); never below the true counts."""
+    t = self._table(table)
+    ids = self._ids(table, ids, "estimate")
+    with t.lock:
+      return self._estimate(t, ids)
+
+  def top(self, table: str, n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids, counts) of the ``n`` candidates of highest estimate: counts descending, ties by id ascending.
+
+    Fewer than ``n`` if the table has fewer candidates; n above ``capacity`` gets candidates that a
+    cut may have dropped, so ask for at most ``capacity``.
+    """
+    if int(n) != n or n < 0:
+      raise ValueError(f"FrequencyCounter.top({table!r}): n must be an integer >= 0, got {n!r}")
+    t = self._table(table)
+    with t.lock:
+      pool = self._merged(t)
+      est = self._estimate(t, pool)
+    order = np.lexsort((pool, -est))[: int(n)]
+    return pool[order], est[order]
+
+  def threshold(self, table: str) -> int:
+    """The estimate an id of ``table`` must reach when seen to become a candidate (1 until the first cut)."""
+    return self._table(table).threshold
+
+  def state(self) -> Dict[str, np.ndarray]:
+    """Everything the counts depend on, as arrays (``load_state`` on a counter built with the same
+    arguments continues exactly as this one would)."""
+    out = {"tables": np.array(self.tables), "shape": np.array([self.capacity, self.width, self.depth])}
+    for i, t in enumerate(self._tables.values()):
+      with t.lock:
+        out[f"sketch_{i}"] = t.sketch.copy()
+        out[f"pool_{i}"] = t.pool.copy()
+        out[f"pending_{i}"] = np.concatenate(t.pending) if t.pending else np.zeros(0, np.uint64)
+        out[f"counts_{i}"] = np.array([t.pending_n, t.threshold], np.int64)
+    return out
+
+  def load_state(self, state) -> None:
+    """Restores ``state()`` of a counter built with the same tables, capacity, width and depth.
+
+    Raises:
+      ValueError: the state is of another counter (tables or sizes differ) or incomplete.
+    """
+    tables = [str(x) for x in np.asarray(state["tables"]).tolist()]
+    shape = np.asarray(state["shape"]).tolist()
+    if tables != list(self.tables) or shape != [self.capacity, self.width, self.depth]:
+      raise ValueError(
+        f"FrequencyCounter.load_state: the state counts tables {tables} with (capacity, width, depth) {shape}, "
+        f"this counter {list(self.tables)} with {[self.capacity, self.width, self.depth]}"
+      )
+    for i, t in enumerate(self._tables.values()):
+      sketch = np.asarray(state[f"sketch_{i}"], np.uint32)
+      if sketch.shape != t.sketch.shape:
+        raise ValueError(f"FrequencyCounter.load_state: sketch {i} has shape {sketch.shape}, expected {t.sketch.shape}")
+      pending = np.asarray(state[f"pending_{i}"], np.uint64)
+      n, threshold = (int(x) for x in np.asarray(state[f"counts_{i}"]).tolist())
+      with t.lock:
+        t.sketch = sketch.copy()
+        t.pool = np.asarray(state[f"pool_{i}"], np.uint64).copy()
+        t.pending, t.pending_n, t.threshold = ([pending] if pending.size else []), n, threshold
+
+  def nbytes(self) -> int:
+    """Bytes held by the sketches, pools and pending candidates of all tables."""
+    total = self._seeds.nbytes
+    for t in self._tables.values():
+      total += t.sketch.nbytes + t.pool.nbytes + sum(p.nbytes for p in t.pending)
+    return total
+
+
+ReferenceFrequencyCounter = FrequencyCounter
