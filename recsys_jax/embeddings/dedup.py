@@ -40,7 +40,7 @@ def _home(x, mask):
 
 
 @numba.njit(nogil=True, cache=True)
-def _radix_sort(x, tmp):
+def radix_sort(x, tmp):
   """Sorts uint64 ``x`` with ``tmp`` (as long) as scratch, by bytes from the lowest (LSD radix,
   skipping bytes every key shares); returns whichever of the two holds the result. Four times
   numba's ``np.sort`` on the distinct ids of a table at batch 65536, 2x numpy's own."""
@@ -104,7 +104,7 @@ def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
           break
         pos = (pos + 1) & imask
       i += 1
-  uniq = _radix_sort(seen[:k], tmp[:k]).copy()
+  uniq = radix_sort(seen[:k], tmp[:k]).copy()
   rank = np.empty(k, np.int32)
   for r in range(k):  # each distinct id's place among them, through the slot that holds it
     x = uniq[r]

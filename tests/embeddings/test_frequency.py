@@ -207,20 +207,21 @@ def test_bad_input():
     FrequencyCounter(["a", "a"], capacity=10)
 
 
-@pytest.mark.parametrize("conservative", [True, False])
-def test_same_state_as_the_reference_after_every_call(conservative):
+@pytest.mark.parametrize("conservative,width", [(True, 1 << 11), (False, 1 << 11), (True, 1000)])
+def test_same_state_as_the_reference_after_every_call(conservative, width):
   """The compiled add, merge and cut hold exactly the state the numpy counter before them held
   (``tests/helpers/frequency_reference.py``), after every call: sketch, pool, pending ids in
   order, their count and the threshold, over enough steps for many merges and cuts (a small
-  capacity, a MERGE_MIN below the pool) on Zipf ids, with empty steps and ids at the uint64 edges."""
+  capacity, a MERGE_MIN below the pool) on Zipf ids, with empty steps and ids at the uint64 edges,
+  with a sketch width that is a power of two (columns by mask) and one that is not (by modulo)."""
   from tests.helpers.frequency_reference import ReferenceFrequencyCounter
 
   rng = np.random.default_rng(5)
   steps = _zipf_steps(11, 120, 3000, 50_000, alpha=1.1)
   steps[7] = np.zeros(0, np.uint64)
   steps[9] = np.array([0, 1, 2**64 - 1], np.uint64)
-  new = FrequencyCounter(["t", "u"], capacity=300, width=1 << 11, seed=3, conservative=conservative)
-  ref = ReferenceFrequencyCounter(["t", "u"], capacity=300, width=1 << 11, seed=3, conservative=conservative)
+  new = FrequencyCounter(["t", "u"], capacity=300, width=width, seed=3, conservative=conservative)
+  ref = ReferenceFrequencyCounter(["t", "u"], capacity=300, width=width, seed=3, conservative=conservative)
   new.MERGE_MIN = ref.MERGE_MIN = 500
   cuts = 0
   for i, s in enumerate(steps):

@@ -19,9 +19,9 @@ import glob
 import os
 
 import numba
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
+
+from recsys_jax import prefetch as prefetch_lib
+from recsys_jax.prefetch import prefetch, prefetch_row  # noqa: F401 - the kernels' helpers, re-exported
 
 jit = numba.njit(nogil=True, cache=True, error_model="numpy")
 jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -33,44 +33,6 @@ KEYS_AHEAD = 64
 ROWS_AHEAD_1 = 24  # one row-sized array (gather, sgd; row-wise Adagrad's acc is one line)
 ROWS_AHEAD_2 = 12  # two (Adagrad)
 ROWS_AHEAD_3 = 8  # three (Adam, FTRL)
-_LINE_FLOATS = 16  # float32 per 64-byte cache line
-
-
-@intrinsic
-def prefetch(typingctx, arr, i, j):
-  """Prefetches the cache line of ``arr[i]`` (1-d; pass j = 0) or ``arr[i, j]`` (2-d), for reading.
-
-  A hint only (``llvm.prefetch``): never faults, changes no value. Indices must be in range
-  for the address to be meaningful (no wraparound of negative indices).
-  """
-  if not isinstance(arr, types.Array) or arr.ndim not in (1, 2):
-    return None
-  sig = types.void(arr, i, j)
-
-  def codegen(context, builder, signature, args):
-    aryty = signature.args[0]
-    ary = context.make_array(aryty)(context, builder, args[0])
-    idx = [args[1]] if aryty.ndim == 1 else [args[1], args[2]]
-    idx = [context.cast(builder, x, t, types.intp) for x, t in zip(idx, signature.args[1:])]
-    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
-    i8p = ir.PointerType(ir.IntType(8))
-    i32 = ir.IntType(32)
-    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    # rw = 0 (read), locality = 3 (keep in all levels), cache type = 1 (data).
-    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-    return context.get_dummy_value()
-
-  return sig, codegen
-
-
-@jit_inline
-def prefetch_row(a, r):
-  """Prefetches every cache line of row ``r`` of the 2-d float32 array ``a``."""
-  dim = a.shape[1]
-  for j in range(0, dim, _LINE_FLOATS):
-    prefetch(a, r, j)
-  prefetch(a, r, dim - 1)  # the row need not start on a line boundary
 
 
 DEPENDENTS = ("lookup", "update")
@@ -78,9 +40,10 @@ DEPENDENTS = ("lookup", "update")
 
 
 def invalidate_dependent_caches(source: str = __file__, cache_dir: str | None = None) -> bool:
-  """Drops the dependents' numba cache indexes if ``source`` changed since the last call.
+  """Drops the dependents' numba cache indexes if ``source`` (or ``recsys_jax/prefetch.py``, whose
+  helpers they inline too) changed since the last call.
 
-  The stamp (mtime and size of ``source``) is kept in ``cache_dir`` (numba's in-tree cache:
+  The stamp (mtime and size of both) is kept in ``cache_dir`` (numba's in-tree cache:
   ``__pycache__`` beside the source). A missing index makes numba compile again and write a
   new one. Caches elsewhere (``NUMBA_CACHE_DIR``) are not touched.
 
@@ -88,8 +51,7 @@ def invalidate_dependent_caches(source: str = __file__, cache_dir: str | None = 
     Whether indexes were dropped (the source is new or changed).
   """
   cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(source)), "__pycache__")
-  st = os.stat(source)
-  stamp = f"{st.st_mtime_ns} {st.st_size}"
+  stamp = " ".join(f"{st.st_mtime_ns} {st.st_size}" for st in map(os.stat, (source, prefetch_lib.__file__)))
   stamp_path = os.path.join(cache_dir, os.path.basename(source) + ".stamp")
   try:
     with open(stamp_path) as f:
