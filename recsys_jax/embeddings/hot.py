@@ -33,9 +33,14 @@ def _split_table(hot_ids, hot_slots, ids, off, remap, cold_ids, n_cold, hot_pos,
   to its cold row; a hot one appends its row to ``hot_pos`` and its slot to ``hot_sl``.
   Returns the new (n_cold, n_hot). One pass, instead of a dozen numpy calls per table."""
   m = hot_ids.shape[0]
+  a = 0  # ids ascend (dedup sorts them): each one's place among the hot ids is at or after the last one's
   for i in range(ids.shape[0]):
     x = ids[i]
-    a, b = 0, m
+    step = 1  # gallop from there, then bisect: a few probes near ``a``
+    while a + step < m and hot_ids[a + step] < x:
+      a += step
+      step *= 2
+    b = min(m, a + step)
     while a < b:  # the first hot id >= x
       mid = (a + b) >> 1
       if hot_ids[mid] < x:
@@ -51,6 +56,40 @@ def _split_table(hot_ids, hot_slots, ids, off, remap, cold_ids, n_cold, hot_pos,
       cold_ids[n_cold] = x
       n_cold += 1
   return n_cold, n_hot
+
+
+_NO_WEIGHTS = np.zeros((1, 1, 1), np.float32)  # what _count_hits reads without weights (nothing)
+
+
+@numba.njit(nogil=True, cache=True)
+def _remap(inverse, remap):
+  """``remap[inverse]``, a new array of ``inverse``'s shape (numpy's fancy index holds the GIL)."""
+  out = np.empty_like(inverse)
+  flat_in, flat_out = inverse.reshape(-1), out.reshape(-1)
+  for i in range(flat_in.shape[0]):
+    flat_out[i] = remap[flat_in[i]]
+  return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_hits(inverse, bucket, weights, has_weights):
+  """(entries of ``inverse`` >= ``bucket`` with a nonzero weight, entries with a nonzero weight);
+  every weight is 1 without ``has_weights``."""
+  flat = inverse.reshape(-1)
+  hits = counted = 0
+  if has_weights:
+    w = weights.reshape(-1)
+    for i in range(flat.shape[0]):
+      if w[i] != 0:
+        counted += 1
+        if flat[i] >= bucket:
+          hits += 1
+  else:
+    counted = flat.shape[0]
+    for i in range(flat.shape[0]):
+      if flat[i] >= bucket:
+        hits += 1
+  return hits, counted
 
 
 def capacities(
@@ -292,8 +331,8 @@ class HotSet:
     hot_idx = np.full(bucket_h, self.capacity[g.dim], np.int32)
     hot_idx[:n_hot] = slots[:n_hot]
     remap[hot_pos[:n_hot]] = bucket + np.arange(n_hot, dtype=np.int32)
-    inverse = remap[g.inverse]
-    counted = np.ones(g.inverse.shape, bool) if g.weights is None else g.weights != 0
-    hits = int(np.count_nonzero((inverse >= bucket) & counted))
+    inverse = _remap(g.inverse, remap)
+    weights = g.weights if g.weights is not None else _NO_WEIGHTS
+    hits, counted = _count_hits(inverse, bucket, weights, g.weights is not None)
     cold_group = dataclasses.replace(g, tables=cold_tables, inverse=inverse, num_rows=n_cold, bucket=bucket)
-    return Split(cold_group, hot_idx, hits, int(np.count_nonzero(counted)))
+    return Split(cold_group, hot_idx, int(hits), int(counted))
