@@ -3,6 +3,7 @@
 import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,52 @@ def test_tiny_trains_well_above_chance_quickly(uninterrupted):
   # Loss goes down: last logged train loss below the first.
   losses = _losses(workdir)
   assert losses[-1] < losses[0]
+
+
+def _tensorboard_scalars(workdir):
+  """{(tag, step): value} of every scalar in the run's TensorBoard event files (TFRecord framing:
+  length, its crc, the serialized Event, its crc)."""
+  import struct
+
+  from tensorboardX.proto.event_pb2 import Event
+
+  out = {}
+  tb = os.path.join(workdir, "tensorboard")
+  for name in sorted(os.listdir(tb)):
+    with open(os.path.join(tb, name), "rb") as f:
+      data = f.read()
+    at = 0
+    while at < len(data):
+      (n,) = struct.unpack_from("<Q", data, at)
+      event = Event.FromString(data[at + 12 : at + 12 + n])
+      at += 12 + n + 4
+      for v in event.summary.value:
+        out[(v.tag, event.step)] = v.simple_value
+  return out
+
+
+def test_tensorboard_holds_every_record_and_the_ps_per_table(uninterrupted):
+  """Every finite number of every metrics.jsonl record is a TensorBoard scalar at its step (as
+  float32), and each PS table has its own scalars beside the totals."""
+  summary, workdir = uninterrupted
+  scalars = _tensorboard_scalars(workdir)
+  records = train.read_metrics(workdir)
+  checked = 0
+  for r in records:
+    prefix = "progressive" if r["kind"] == "progressive" and "source" not in r else r["kind"]
+    if r["kind"] == "progressive" and "source" in r:
+      prefix = f"progressive/{r['source']}"
+    for k, v in r.items():
+      if k in ("step", "kind") or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        continue
+      assert scalars[(f"{prefix}/{k}", r["step"])] == np.float32(v), (prefix, k, r["step"])
+      checked += 1
+  assert checked > 50, checked
+  steps = [r["step"] for r in records if r["kind"] == "ps"]
+  tables = {tag.split("/")[1] for tag, _ in scalars if tag.startswith("ps/") and tag.count("/") == 2}
+  assert len(tables) >= 2, tables
+  for t in tables:
+    assert all((f"ps/{t}/rows", s) in scalars for s in steps), t
 
 
 def test_step_is_traced_a_bounded_number_of_times(uninterrupted):

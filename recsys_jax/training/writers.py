@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from absl import logging
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.summary_pb2 import Summary
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
@@ -129,9 +130,19 @@ class Writers:
     self.jsonl.flush()
     if self.on_metrics is not None:
       self.on_metrics(step, kind, dict(values))
-    for k, v in values.items():
-      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        self.tb.add_scalar(f"{tb_prefix or kind}/{k}", v, step)
+    self._scalars(step, {f"{tb_prefix or kind}/{k}": v for k, v in values.items()})
+
+  def _scalars(self, step: int, values: Dict[str, Any]) -> None:
+    """The finite numbers of ``values`` (tag -> value) as one TensorBoard event: one event per
+    scalar (``add_scalar``) cost the loop 23 ms for the 312 PS scalars of a Criteo-shaped record
+    (under the GIL, which every host thread needs), one event with all of them 1 ms."""
+    tb_values = [
+      Summary.Value(tag=tag, simple_value=float(v))
+      for tag, v in values.items()
+      if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+    if tb_values:
+      self.tb.file_writer.add_summary(Summary(value=tb_values), step)
 
   def write_ps(self, step: int, stats: Dict[str, Dict[str, float]]) -> None:
     """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
@@ -154,10 +165,8 @@ class Writers:
     total["lookup_ms"] = sum(t["lookup_ms"] for t in stats.values())
     total["apply_ms"] = sum(t["apply_ms"] for t in stats.values())
     self.write(step, "ps", total)
-    for name, t in stats.items():
-      for k in keys + ("hit_rate", "cache_hit_rate", "lookup_ms", "apply_ms"):
-        if k in t and math.isfinite(t[k]):
-          self.tb.add_scalar(f"ps/{name}/{k}", t[k], step)
+    per_table = keys + ("hit_rate", "cache_hit_rate", "lookup_ms", "apply_ms")
+    self._scalars(step, {f"ps/{name}/{k}": t[k] for name, t in stats.items() for k in per_table if k in t})
 
   def close(self) -> None:
     """Closes the files (once; again is a no-op). One that cannot be flushed (a full disk) is
