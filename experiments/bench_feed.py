@@ -207,7 +207,10 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   for field in ("device_step", "final_checkpoint"):
     if field not in c:
       raise ValueError(f"this checkout has no config.{field}: bench_feed measures through it")
-  c.batch_size, c.num_steps = B, n
+  # Past the timed steps by more than the feed runs ahead of the loop (its workers + 2 queued,
+  # the prefetcher's depth), so that every stage thread still runs when the window closes at
+  # step n (a thread that ended has no CPU time left to read).
+  c.batch_size, c.num_steps = B, n + -(-(s["workers"] + 8) // L) * L
   c.checkpoint_every = c.eval_every = 0
   c.final_checkpoint = False  # the PS snapshot would only cost time and disk
   c.log_every = L  # each train record times its interval and the host's stages in it
@@ -295,6 +298,8 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     out["gil_fraction"] = gil["gil_fraction"]
     out["gil_window_s"] = gil["wall_s"]
     out["gil_top"], out["gil_top_threads"] = gil["top"], gil["top_threads"]
+    out["thread_cpu_us_per_sample"] = {k: v * per_sample for k, v in gil["thread_cpu_s"].items()}
+    out["minor_faults_per_step"] = gil["minor_faults"] * per_sample * B / 1e6
   if s["step"] == "tiny":  # the step alone on a batch of a fresh job: how long the device is busy
     fresh = train.build_job(c, os.path.join(workdir, "alone"), restore=False)
     pre = fresh.host.train_prefetcher(0, c, StalenessGate(last_applied=-1))
@@ -509,14 +514,21 @@ def print_table(results: List[Dict[str, Any]]) -> None:
     print(" " * 106 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
 
 
-def schedule(records: int, batch: int) -> Dict[str, int]:
+def schedule(records: int, batch: int, workers: int) -> Dict[str, int]:
   """Steps, warm-up and log interval of a setting: the warm-up is one pass over ``records`` (every
   row exists) and at least ``--warmup_steps``; both it and the run end on a train record (every
-  ``log_every`` steps), whose intervals time the steps after it."""
-  one_pass = max(_WARMUP.value, -(-records // batch))
+  ``log_every`` steps), whose intervals time the steps after it.
+
+  The host workers prepare up to ``workers + 2`` batches ahead of the loop (``Feed``'s default),
+  and fill that queue while the first step compiles: a window no longer than the queue would time
+  batches prepared before it began (16 workers once read 0 ms of dedup a batch). So the warm-up
+  also covers the queue, and the timed steps are at least three times its length, by which time
+  what was queued before the window is a small part of what the window times."""
+  queued = workers + 2
+  one_pass = max(_WARMUP.value, -(-records // batch), queued)
   every = max(1, -(-one_pass // 2))  # two records a pass (few: each flushes the pushes); the first compiles, untimed
   warmup = -(-one_pass // every) * every
-  timed = max(-(-_SAMPLES.value // batch), _MIN_STEPS.value - warmup, 1)
+  timed = max(-(-_SAMPLES.value // batch), _MIN_STEPS.value - warmup, 3 * queued, 1)
   return {"warmup": warmup, "steps": warmup + -(-timed // every) * every, "log_every": every}
 
 
@@ -563,7 +575,7 @@ def main(argv):
                 "batch": batch,
                 "workers": w,
                 "step": step,
-                **schedule(_RECORDS.value, batch),
+                **schedule(_RECORDS.value, batch, w),
                 "first_timed": _WARMUP.value,
                 "records": _RECORDS.value,
                 "files": files,

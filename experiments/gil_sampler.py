@@ -32,6 +32,34 @@ import time
 from typing import Any, Dict, List, Optional
 
 
+def thread_cpu() -> Dict[str, float]:
+  """CPU seconds (user + system) of every thread of this process so far, by thread name (Python's
+  name for its threads, ``native-<tid>`` for the others: XLA's, numba's, the runtime's), summed over
+  threads of one name with their numbers dropped (``host-worker_3`` counts as ``host-worker``).
+  Read from ``/proc/self/task/*/stat``; threads that ended are not counted."""
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  tick = os.sysconf("SC_CLK_TCK")
+  out: Dict[str, float] = collections.defaultdict(float)
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+      continue
+    name = names.get(int(tid), "native")
+    base = name.rstrip("0123456789").rstrip("_-") or name
+    out[base] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+  return dict(out)
+
+
+def minor_faults() -> int:
+  """This process's minor page faults so far (``/proc/self/stat``): each first touch of a page the
+  kernel must map and zero, what every fresh large numpy array costs (glibc maps allocations of
+  128 KB and more afresh unless they reuse freed memory)."""
+  with open("/proc/self/stat") as f:
+    return int(f.read().rsplit(")", 1)[1].split()[7])  # minflt, field 10
+
+
 class GilSamplerError(RuntimeError):
   """py-spy is missing or could not attach to this process."""
 
@@ -82,7 +110,8 @@ class GilSampler:
         self._proc.kill()
         self._proc.wait()
         raise GilSamplerError(f"py-spy could not attach to pid {os.getpid()}: {' / '.join(self._output[-3:])}")
-    self._t0, self._cpu0 = time.perf_counter(), time.process_time()
+    self._t0, self._cpu0, self._threads0 = time.perf_counter(), time.process_time(), thread_cpu()
+    self._faults0 = minor_faults()
     return self
 
   def stop(self, top: int = 12) -> Dict[str, Any]:
@@ -92,17 +121,21 @@ class GilSampler:
       ``gil_s`` (samples / rate), ``wall_s`` (the window), ``gil_fraction``, ``cpu_s`` (this
       process's CPU time over the window, every thread), ``samples``, ``rate``, and ``top`` /
       ``top_threads``: the innermost frames and the threads that held the lock most, as
-      ``[name, share of the samples]``.
+      ``[name, share of the samples]``; ``thread_cpu_s``: CPU seconds over the window per thread
+      name (``thread_cpu``), the lock held or not; ``minor_faults`` over the window.
     """
     if self._proc is None:
       raise GilSamplerError("stop() before start()")
     wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._cpu0
+    threads = {k: v - self._threads0.get(k, 0.0) for k, v in thread_cpu().items()}
+    faults = minor_faults() - self._faults0
     self._proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
     try:
       self._proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
       self._proc.kill()
       raise GilSamplerError("py-spy did not stop within 60 s of SIGINT") from None
+    thread_cpus = threads
     frames: collections.Counter = collections.Counter()
     threads: collections.Counter = collections.Counter()
     samples = 0
@@ -134,4 +167,6 @@ class GilSampler:
       "rate": self.rate,
       "top": share(frames),
       "top_threads": share(threads),
+      "minor_faults": faults,
+      "thread_cpu_s": {k: round(v, 3) for k, v in sorted(thread_cpus.items(), key=lambda kv: -kv[1]) if v > 0},
     }

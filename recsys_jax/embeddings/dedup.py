@@ -70,40 +70,42 @@ def radix_sort(x, tmp):
   return src
 
 
-@numba.njit(nogil=True, cache=True)
-def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
-  """Sorted distinct ``ids`` (uint64 [B, L]); writes ``inverse[b, l] = offset + ``the place of
-  ``ids[b, l]`` among them (``inverse`` may be a strided view, e.g. one feature of [B, F, L]).
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rank(ids, loc, slots, cap, gen, seen, tmp):
+  """``(the sorted distinct ids, rank)`` of ``ids`` (uint64 [n], contiguous), writing ``loc[i]`` = the
+  index of ``ids[i]`` in order of first occurrence, whose place among the sorted ids is
+  ``rank[loc[i]]``; or None if they are more than ``cap / 2`` (nothing to use is written then).
 
-  ``slots`` (uint64 [cap, 2], cap a power of two >= 2 * B * L) is the caller's scratch hash
-  table, reused across calls without clearing: a slot belongs to this call only if its tag's
-  high half is ``gen`` (0 is never a generation, so a zeroed table is empty); each slot holds an
-  id and ``gen << 32 | its index in seen``, in one cache line. ``seen`` (uint64) and ``local``
-  (int32) and ``tmp`` (uint64), at least B * L long, are scratch too.
+  The hash table is the first ``cap`` (a power of two) slots of ``slots`` (uint64 [>= cap, 2]),
+  reused across calls without clearing: a slot belongs to this call only if its tag's high half
+  is ``gen`` (0 is never a generation, so a zeroed table is empty); each slot holds an id and
+  ``gen << 32 | its index in seen``, in one cache line. A table sized to the distinct ids, not to
+  the ids, stays in the core's cache (a Criteo table at batch 65536: 8k distinct of 65k ids, 256
+  KB against 2 MB). ``seen`` and ``tmp`` (uint64, >= n) are scratch.
   """
-  mask = np.uint64(slots.shape[0] - 1)
+  mask = np.uint64(cap - 1)
   imask = np.int64(mask)
   g = np.uint64(gen) << np.uint64(32)
+  full = cap >> 1
   k = 0
-  i = 0
-  for b in range(ids.shape[0]):
-    for j in range(ids.shape[1]):
-      x = ids[b, j]
-      pos = _home(x, mask)
-      while True:
-        tag = slots[pos, 1]
-        if (tag >> np.uint64(32)) != np.uint64(gen):  # free in this call
-          slots[pos, 0] = x
-          slots[pos, 1] = g | np.uint64(k)
-          seen[k] = x
-          local[i] = k
-          k += 1
-          break
-        if slots[pos, 0] == x:
-          local[i] = np.int32(tag & np.uint64(0xFFFFFFFF))
-          break
-        pos = (pos + 1) & imask
-      i += 1
+  for i in range(ids.shape[0]):
+    x = ids[i]
+    pos = _home(x, mask)
+    while True:
+      tag = slots[pos, 1]
+      if (tag >> np.uint64(32)) != np.uint64(gen):  # free in this call
+        if k == full:
+          return None, None
+        slots[pos, 0] = x
+        slots[pos, 1] = g | np.uint64(k)
+        seen[k] = x
+        loc[i] = k
+        k += 1
+        break
+      if slots[pos, 0] == x:
+        loc[i] = np.int32(tag & np.uint64(0xFFFFFFFF))
+        break
+      pos = (pos + 1) & imask
   uniq = radix_sort(seen[:k], tmp[:k]).copy()
   rank = np.empty(k, np.int32)
   for r in range(k):  # each distinct id's place among them, through the slot that holds it
@@ -112,65 +114,157 @@ def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
     while slots[pos, 0] != x:  # no earlier slot of its probe run can hold it from an older call
       pos = (pos + 1) & imask
     rank[np.int64(slots[pos, 1] & np.uint64(0xFFFFFFFF))] = r
-  i = 0
-  for b in range(ids.shape[0]):
-    for j in range(ids.shape[1]):
-      inverse[b, j] = offset + rank[local[i]]
-      i += 1
-  return uniq
+  return uniq, rank
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rank_sized(ids, loc, slots, hint, gen, seen, tmp):
+  """``_rank`` with a table of about 4x ``hint`` distinct ids (at least 64 slots, at most
+  ``slots``' length, which holds 2x the ids: always enough); grown 4x and run again (with the next
+  generation) while too small. Returns ``(uniq, rank, the last generation used)``."""
+  cap = 64
+  while cap < 4 * hint:
+    cap *= 2
+  while True:
+    cap = min(cap, slots.shape[0])
+    uniq, rank = _rank(ids, loc, slots, cap, gen, seen, tmp)
+    if uniq is not None:
+      return uniq, rank, gen
+    cap *= 4
+    gen += 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
+  """Sorted distinct ``ids`` (uint64 [n], contiguous); writes ``inverse[i] = offset + ``the place
+  of ``ids[i]`` among them; returns them and the last generation used (``_rank_sized``, with no
+  hint). ``local`` (int32 [>= n]) and the rest: scratch."""
+  n = ids.shape[0]
+  loc = local[:n]
+  uniq, rank, gen = _rank_sized(ids, loc, slots, n // 4, gen, seen, tmp)
+  for i in range(n):
+    inverse[i] = offset + rank[loc[i]]
+  return uniq, gen
+
+
+@numba.njit(nogil=True, cache=True)
+def _dedup_own_tables(ids_list, inverse, hints, slots, gen, seen, local, tmp):
+  """The dedup of a group whose every feature reads a table of its own, with no padding: feature
+  ``t``'s ids (``ids_list[t]``, uint64 [B, L], contiguous) are table ``t``'s, laid after the
+  tables before it. Writes ``inverse`` (int32 [B, T, L]); returns each table's sorted distinct ids
+  and the last generation used.
+
+  ``hints[t]``: table ``t``'s distinct ids last time (its hash table is sized from it; updated).
+  Each table puts its ids' rows (``offset + rank``) into row ``t`` of ``local`` (int32 [>= T, >= B
+  * L]); the inverse is then written record by record, in blocks, so every write is sequential
+  (per table, each record's entry is a strided write, one cache line each: at batch 65536 that
+  cost as much as the dedup).
+  """
+  T = len(ids_list)
+  B, _, L = inverse.shape
+  out = numba.typed.List.empty_list(numba.types.uint64[::1])
+  offset = 0
+  for t in range(T):
+    ids = ids_list[t].reshape(-1)
+    loc = local[t, : ids.shape[0]]
+    uniq, rank, gen = _rank_sized(ids, loc, slots, hints[t], gen, seen, tmp)
+    gen += 1
+    hints[t] = uniq.shape[0]
+    for i in range(loc.shape[0]):
+      loc[i] = offset + rank[loc[i]]
+    out.append(uniq)
+    offset += uniq.shape[0]
+  block = 512
+  if L == 1:  # one-hot features (Criteo's): the inner loop without the bag axis
+    flat = inverse.reshape(B, T)
+    for b0 in range(0, B, block):
+      b1 = min(B, b0 + block)
+      for t in range(T):
+        for b in range(b0, b1):
+          flat[b, t] = local[t, b]
+  else:
+    for b0 in range(0, B, block):
+      b1 = min(B, b0 + block)
+      for t in range(T):
+        for b in range(b0, b1):
+          for j in range(L):
+            inverse[b, t, j] = local[t, b * L + j]
+  return out, gen - 1
 
 
 class _Scratch(threading.local):
-  """Each thread's hash table and buffers for ``unique_inverse``, grown as needed, never cleared
-  (generations tell this call's slots from older ones): a table of 2 MB cleared per call cost
-  more than deduplicating a table of few distinct ids."""
+  """Each thread's hash table and buffers for the dedup kernels, grown as needed, never cleared
+  (generations tell this call's slots from older ones: a table of 2 MB cleared per call cost
+  more than deduplicating a table of few distinct ids), and the distinct-id counts of the last
+  batch per group of tables (``hints``), which size the next batch's hash tables."""
 
   def __init__(self):
     self.slots = np.zeros((16, 2), np.uint64)
-    self.seen = np.empty(0, np.uint64)
-    self.local = np.empty(0, np.int32)
-    self.tmp = np.empty(0, np.uint64)
+    self.seen = self.tmp = np.empty(0, np.uint64)
+    self.local = np.empty((0, 0), np.int32)
     self.gen = 0
+    self.hints: Dict[tuple, np.ndarray] = {}
 
-  def take(self, n: int):
+  def take(self, n: int, tables: int = 1):
+    """(slots, first generation, seen, local [>= tables, >= n], tmp) for ``tables`` tables of <= n
+    ids; ``used(last generation)`` after the call."""
     cap = self.slots.shape[0]
     if cap < 2 * n:
       while cap < 2 * n:
         cap *= 2
       self.slots, self.gen = np.zeros((cap, 2), np.uint64), 0
     if self.seen.shape[0] < n:
-      self.seen, self.local, self.tmp = np.empty(n, np.uint64), np.empty(n, np.int32), np.empty(n, np.uint64)
-    self.gen += 1
-    if self.gen >= 1 << 32:  # every generation used: clear once, start again
+      self.seen, self.tmp = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    if self.local.shape[0] < tables or self.local.shape[1] < n:
+      self.local = np.empty((max(tables, self.local.shape[0]), max(n, self.local.shape[1])), np.int32)
+    # Each table takes one generation, and one more each time its table is too small and grows
+    # (at most log4 of its ids): 64 per table is never exhausted by a call.
+    if self.gen + 64 * tables >= 1 << 32:  # every generation used: clear once, start again
       self.slots[:] = 0
-      self.gen = 1
-    return self.slots, self.gen, self.seen, self.local, self.tmp
+      self.gen = 0
+    return self.slots, self.gen + 1, self.seen, self.local, self.tmp
+
+  def used(self, last_gen: int) -> None:
+    self.gen = int(last_gen)
 
 
 _scratch = _Scratch()
 
 
-def unique_inverse(ids: np.ndarray, offset: int = 0, out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
-  """``(np.unique(ids), inverse + offset as int32)`` of ``np.unique(ids, return_inverse=True)``, compiled.
+def unique_inverse(ids: np.ndarray, offset: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+  """``(np.unique(ids), inverse + offset as int32)`` of ``np.unique(ids, return_inverse=True)``, compiled."""
+  ids = np.ascontiguousarray(ids, np.uint64).reshape(-1)
+  inverse = np.empty(ids.shape[0], np.int32)
+  slots, gen, seen, local, tmp = _scratch.take(ids.shape[0])
+  uniq, last = _unique_inverse(ids, inverse, np.int64(offset), slots, gen, seen, local[0], tmp)
+  _scratch.used(last)
+  return uniq, inverse
+
+
+def dedup_own_tables(ids: Sequence[np.ndarray], key: Any = None) -> Tuple[List[np.ndarray], np.ndarray]:
+  """Dedup of features that each read a table of their own, with no padding, in one compiled call.
 
   Args:
-    ids: uint64 ids, any shape (a 2-D [B, L] array is read in place, strided or not).
-    offset: added to every inverse index.
-    out: int32 array of ``ids``' 2-D shape to write the inverse into (e.g. a strided view of one
-      feature's columns in a [B, F, L] inverse); None: a new flat array.
+    ids: per feature, its uint64 ids [B, L] (one L for all).
+    key: names the group (its tables), so that its hash tables are sized from its last batch's
+      distinct ids (None: not remembered).
 
   Returns:
-    The sorted distinct ids and the inverse (``out`` if given).
+    ``(each table's sorted distinct ids, the inverse int32 [B, F, L])``: table ``t``'s rows follow
+    those of the tables before it, as in :func:`dedup`.
   """
-  ids = np.asarray(ids)
-  if ids.dtype != np.uint64:
-    ids = ids.astype(np.uint64)
-  ids2 = ids.reshape(ids.shape[0], -1) if ids.ndim == 2 else ids.reshape(-1, 1)
-  inverse = np.empty(ids2.shape, np.int32) if out is None else out
-  if inverse.shape != ids2.shape or inverse.dtype != np.int32:
-    raise ValueError(f"unique_inverse: out is {inverse.dtype} {inverse.shape}, expected int32 {ids2.shape}")
-  uniq = _unique_inverse(ids2, inverse, np.int64(offset), *_scratch.take(ids2.size))
-  return uniq, (inverse.reshape(-1) if out is None else out)
+  arrays = numba.typed.List([np.ascontiguousarray(a, np.uint64) for a in ids])
+  B, L = ids[0].shape
+  inverse = np.empty((B, len(ids), L), np.int32)
+  hints = _scratch.hints.get(key) if key is not None else None
+  if hints is None or hints.shape[0] != len(ids):
+    hints = np.full(len(ids), B * L // 4, np.int64)
+    if key is not None:
+      _scratch.hints[key] = hints
+  slots, gen, seen, local, tmp = _scratch.take(B * L, len(ids))
+  uniqs, last = _dedup_own_tables(arrays, inverse, hints, slots, gen, seen, local, tmp)
+  _scratch.used(last)
+  return list(uniqs), inverse
 
 
 def bucket_size(n: int, min_bucket: int = MIN_BUCKET) -> int:
@@ -275,16 +369,20 @@ def dedup(
         w = np.pad(w, ((0, 0), (0, pad)))
       any_weights |= bool((w != 1.0).any())
       valid_of[f.name], w_of[f.name] = w != 0, w
-    inverse = np.zeros((batch, len(feats), max_len), np.int32)
     group_tables = []
     offset = 0
-    for tname in dict.fromkeys(f.table for f in feats):
-      cols = [i for i, f in enumerate(feats) if f.table == tname]
-      if len(cols) == 1 and valid_of[feats[cols[0]].name] is None:  # one feature, no padding: in place
-        uniq, _ = unique_inverse(ids_of[feats[cols[0]].name], offset, out=inverse[:, cols[0], :])
-        group_tables.append((tname, uniq, offset))
+    table_names = list(dict.fromkeys(f.table for f in feats))
+    if len(table_names) == len(feats) and all(v is None for v in valid_of.values()):
+      # Every feature its own table, no padding (Criteo's shape): one compiled call for the group.
+      uniqs, inverse = dedup_own_tables([ids_of[f.name] for f in feats], key=tuple(table_names))
+      for f, uniq in zip(feats, uniqs):
+        group_tables.append((f.table, uniq, offset))
         offset += uniq.shape[0]
-        continue
+      table_names = []
+    else:
+      inverse = np.zeros((batch, len(feats), max_len), np.int32)
+    for tname in table_names:
+      cols = [i for i, f in enumerate(feats) if f.table == tname]
       parts = []
       for i in cols:
         name, valid = feats[i].name, valid_of[feats[i].name]

@@ -54,7 +54,8 @@ class Feed:
   Args:
     workers: worker threads; 0 draws and prepares each item on the consumer's thread when it
       is asked for (no threads at all).
-    ahead: prepared items that may wait for the consumer (default: 2 per worker).
+    ahead: prepared items that may wait for the consumer (default: the workers + 2: one in the
+      hands of each worker and two ready; a batch of 65536 Criteo records is ~26 MB prepared).
     name: the threads' name prefix.
 
   Give the reader ``pool`` (its stream parses on it too), then ``start`` the feed.
@@ -65,7 +66,7 @@ class Feed:
       raise ValueError(f"host workers must be >= 0, got {workers}")
     self.workers = workers
     self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name) if workers else None
-    self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, ahead if ahead is not None else 2 * workers))
+    self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, ahead if ahead is not None else workers + 2))
     self._stop = threading.Event()
     self._items: Optional[Iterator[Any]] = None
     self._prepare: Optional[Callable[[Any], Any]] = None

@@ -239,3 +239,41 @@ def test_unique_inverse_equals_numpy_unique(n):
     assert got_u.dtype == np.uint64 and got_inv.dtype == np.int32
     np.testing.assert_array_equal(got_u, want_u)
     np.testing.assert_array_equal(got_inv, want_inv.reshape(-1) + 7)
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_own_tables_in_one_call_equal_numpy_unique_batch_after_batch(L):
+  """Features that each read a table of their own, no padding (Criteo's shape: the one-call kernel
+  that sizes each table's hash table from its last batch), against np.unique per table, over
+  batches whose distinct ids jump from a handful to all distinct and back (so a table sized for
+  the last batch is too small and must grow), and through ``dedup``: the same groups as the
+  per-table path gives when the batch does not take the one-call path."""
+  rng = np.random.default_rng(L)
+  B, T = 3000, 5
+  tables = {f"t{i}": TableSpec(name=f"t{i}", dim=4) for i in range(T)}
+  feats = [FeatureSpec(name=f"f{i}", table=f"t{i}", max_len=L) for i in range(T)]
+  # The same features in two groups of one row width, one table shared: the per-table path.
+  shared = [FeatureSpec(name=f"f{i}", table="t0" if i == 1 else f"t{i}", max_len=L) for i in range(T)]
+  for distinct in (4, B * L, 20, B * L, 2):
+    sparse = {}
+    for i in range(T):
+      pool = rng.integers(0, U64_MAX, size=distinct, dtype=np.uint64, endpoint=True)
+      sparse[f"f{i}"] = rng.choice(pool, size=(B, L))
+    uniqs, inverse = dd.dedup_own_tables([sparse[f.name] for f in feats], key="test-own")
+    assert inverse.shape == (B, T, L) and inverse.dtype == np.int32
+    offset = 0
+    for i in range(T):
+      want_u, want_inv = np.unique(sparse[f"f{i}"], return_inverse=True)
+      np.testing.assert_array_equal(uniqs[i], want_u)
+      np.testing.assert_array_equal(inverse[:, i, :], want_inv.reshape(B, L) + offset)
+      offset += want_u.shape[0]
+    (g,) = dd.dedup(sparse, feats, tables).values()
+    assert [(n, o) for n, _, o in g.tables] == [(f"t{i}", sum(u.shape[0] for u in uniqs[:i])) for i in range(T)]
+    np.testing.assert_array_equal(g.inverse, inverse)
+    for (_, ids, _), u in zip(g.tables, uniqs):
+      np.testing.assert_array_equal(ids, u)
+    (h,) = dd.dedup(sparse, shared, {**tables}).values()  # t0 read by f0 and f1: per table
+    for b in rng.integers(0, B, 20):
+      for i in range(T):
+        rows = np.concatenate([ids for _, ids, _ in h.tables])
+        np.testing.assert_array_equal(rows[h.inverse[b, i]], sparse[f"f{i}"][b])
