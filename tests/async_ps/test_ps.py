@@ -409,3 +409,50 @@ def test_a_negative_step_is_refused_naming_it_and_changes_nothing():
   assert ps.stats()["t"]["rows"] == 0
   ps.lookup_many({"t": ids}, True, 0)  # step 0 is a step
   assert ps.stats()["t"]["rows"] == 3
+
+
+def test_a_push_with_the_looked_up_ids_uses_the_lookups_rows_and_matches_the_reference():
+  """A training lookup's rows are kept for its step's push when the push comes with the very ids
+  array looked up (the trainer's way: no second probe of the id map). Against the float64
+  reference, with two steps in flight (lookups of t and t + 1 before the push of t), a push with
+  the ids in another order (another array: looked up again), a restore between a lookup and its push (the kept
+  rows are forgotten: the restored table numbers its rows anew), and a bounded table (nothing
+  kept: its rows move)."""
+  rng = np.random.default_rng(12)
+  specs = _specs("adagrad") + [TableSpec(name="bounded", dim=8, optimizer="adagrad", capacity=10_000)]
+  ps, ref = ParameterServer(specs, seed=5), RefPS(specs, 5)
+  pools = {"user": _id_pool(rng, 400), "item": _id_pool(rng, 50), "bounded": _id_pool(rng, 300)}
+
+  def look(step):
+    out = {}
+    for s in specs:
+      uniq = np.unique(rng.choice(pools[s.name], size=200))
+      got = ps.lookup_many({s.name: uniq}, step=step)[s.name]
+      np.testing.assert_allclose(got, ref.lookup(s.name, uniq), rtol=1e-5, atol=1e-6)
+      out[s.name] = uniq
+    return out
+
+  def push(step, ids, permuted=False):
+    for s in specs:
+      i = ids[s.name][rng.permutation(ids[s.name].shape[0])] if permuted else ids[s.name]
+      g = rng.normal(size=(i.shape[0], s.dim)).astype(np.float32)
+      ps.apply_many({s.name: (i, g)}, step=step)
+      ref.apply(s.name, i, g.astype(np.float64))
+
+  table = ps.shards[0]["user"]
+  pending = look(0)
+  for step in range(1, 12):
+    nxt = look(step)  # the lookup of step runs before the push of step - 1 (k = 1)
+    assert step in table._looked_up and (step - 1 in table._looked_up) == (step != 6)  # 5's went with the restore
+    assert not ps.shards[0]["bounded"]._looked_up
+    if step == 5:
+      snap = ps.snapshot()
+      ps.restore(snap)
+      assert not table._looked_up  # the restored table's rows are numbered anew
+    push(step - 1, pending, permuted=step == 8)  # other ids than those looked up: probed again
+    assert (step - 1 in table._looked_up) == (step == 8)  # kept until more steps push it out
+    pending = nxt
+  push(11, pending)
+  for s in specs:
+    ids = np.array(sorted(ref.rows[s.name]), np.uint64)
+    np.testing.assert_allclose(ps.lookup(s.name, ids), ref.lookup(s.name, ids), rtol=1e-5, atol=1e-6)
