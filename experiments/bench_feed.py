@@ -231,7 +231,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
       if pos["epoch"] >= 1:  # every file read to its end: its manifest and every chunk written
         break
   load0 = os.getloadavg()[0]
-  sampler = GilSampler(raw_out=s.get("gil_raw"), native=s.get("cpu_profile", False), gil_only=not s.get("cpu_profile"))
+  sampler = GilSampler(raw_out=s.get("gil_raw"), native=False, gil_only=not s.get("cpu_profile"))
   window = SampledWindow(s["warmup"], n, sampler if s.get("gil") else None)
   try:
     summary = train.train_and_evaluate(c, workdir, on_metrics=window.on_metrics)
@@ -300,6 +300,8 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     out["gil_top"], out["gil_top_threads"] = gil["top"], gil["top_threads"]
     out["thread_cpu_us_per_sample"] = {k: v * per_sample for k, v in gil["thread_cpu_s"].items()}
     out["minor_faults_per_step"] = gil["minor_faults"] * per_sample * B / 1e6
+    out["gc_ms_per_step"] = 1e3 * sum(gil["gc_s"]) * per_sample * B / 1e6
+    out["gc_full_collections"] = gil["gc_count"][2]
   if s["step"] == "tiny":  # the step alone on a batch of a fresh job: how long the device is busy
     fresh = train.build_job(c, os.path.join(workdir, "alone"), restore=False)
     pre = fresh.host.train_prefetcher(0, c, StalenessGate(last_applied=-1))

@@ -23,7 +23,7 @@ import ml_collections
 from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
-from recsys_jax.training import run_config
+from recsys_jax.training import heap, run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, last_step
 from recsys_jax.training.job import Job, build_job, build_ps
@@ -192,6 +192,7 @@ def train_and_evaluate(
   pusher = Pusher(lambda t, pl: progress.record_step(t, host.push_step(t, pl[:3]), pl[2], pl[3]), gate)
   scoring = config.get("device_step", "model") == "score"
   done, data_error = start, None
+  heap.settle()
   try:
     for t in range(start, last_step(n)):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -201,6 +202,8 @@ def train_and_evaluate(
       p, rows, batch = placed
       ckpts.positions[t] = p.position
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
+      if t == start:
+        heap.settle()  # and what compiling the step made
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       stopping = _hold_for_cut(gate, done, save, stop)

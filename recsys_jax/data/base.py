@@ -26,6 +26,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protoco
 import numpy as np
 from absl import logging
 
+from recsys_jax.embeddings.gathered import Gathered
 from recsys_jax.hashing import name_seed, splitmix64
 
 Columns = Dict[str, Any]
@@ -340,10 +341,22 @@ def empty_columns(schema: Schema) -> Columns:
 def concat_columns(parts: Sequence[Columns]) -> Columns:
   """Concatenates columns along the record axis (the parts share features)."""
   out: Columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("sparse", "sparse_weights")}
-  out["sparse"] = {f: np.concatenate([p["sparse"][f] for p in parts]) for f in parts[0]["sparse"]}
+  if all(isinstance(p["sparse"], Gathered) for p in parts):  # still not gathered (``take_records``)
+    out["sparse"] = Gathered.concat([p["sparse"] for p in parts])
+  else:
+    out["sparse"] = {f: np.concatenate([p["sparse"][f] for p in parts]) for f in parts[0]["sparse"]}
   weights = parts[0].get("sparse_weights") or {}
   if weights:
     out["sparse_weights"] = {f: np.concatenate([p["sparse_weights"][f] for p in parts]) for f in weights}
+  return out
+
+
+def take_records(cols: Columns, index: np.ndarray) -> Columns:
+  """Records ``index`` (an int array) of every column, the sparse ids as a :class:`Gathered`: not
+  copied out here but where they are used (the dedup reads them from ``cols``). The columns of
+  ``cols`` must not change while the result is in use."""
+  out = take_columns({k: v for k, v in cols.items() if k != "sparse"}, index)
+  out["sparse"] = Gathered([(cols["sparse"], np.asarray(index, np.int64))])
   return out
 
 
@@ -357,7 +370,8 @@ def take_columns(cols: Columns, index: np.ndarray) -> Columns:
       index = np.flatnonzero(index)
     take = lambda v: np.take(v, index, axis=0)  # noqa: E731
   out: Columns = {k: take(v) for k, v in cols.items() if k not in ("sparse", "sparse_weights")}
-  out["sparse"] = {f: take(v) for f, v in cols["sparse"].items()}
+  if "sparse" in cols:
+    out["sparse"] = {f: take(v) for f, v in cols["sparse"].items()}
   if cols.get("sparse_weights"):
     out["sparse_weights"] = {f: take(v) for f, v in cols["sparse_weights"].items()}
   return out

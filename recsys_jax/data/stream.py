@@ -185,16 +185,17 @@ class Stream:
           order = np.random.default_rng([self.seed, epoch, w, self.process_index]).permutation(n)
         while offset < n:
           take = min(self.batch_size - have, n - offset)
-          pending.append(
-            base.take_columns(cols, slice(offset, offset + take) if order is None else order[offset : offset + take])
-          )
+          if order is None:
+            pending.append(base.take_columns(cols, slice(offset, offset + take)))
+          else:  # the sparse ids are gathered by the dedup, on a worker, where it reads them
+            pending.append(base.take_records(cols, order[offset : offset + take]))
           have += take
           offset += take
           if have == self.batch_size:
             pos = {"epoch": epoch, "window": w, "offset": offset, "bad_records": bad_before}
             if offset == n:  # the next record starts the next window
               pos = {"epoch": epoch, "window": w + 1, "offset": 0, "bad_records": self.bad.count}
-            one_copy = len(pending) == 1 and order is not None  # gathered: already a copy, not a view of the window
+            one_copy = len(pending) == 1 and order is not None  # gathered: no view of the window but the sparse ids
             yield pending[0] if one_copy else base.concat_columns(pending), pos
             pending, have = [], 0
         offset = 0

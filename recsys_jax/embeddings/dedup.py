@@ -23,7 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numba
 import numpy as np
 
+from recsys_jax.embeddings.gathered import Gathered
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
+from recsys_jax.prefetch import prefetch
 
 MIN_BUCKET = 64
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -148,11 +150,17 @@ def _unique_inverse(ids, inverse, offset, slots, gen, seen, local, tmp):
 
 
 @numba.njit(nogil=True, cache=True)
-def _dedup_own_tables(ids_list, inverse, hints, slots, gen, seen, local, tmp):
+def _dedup_own_tables(ids_list, index, bounds, gathered, inverse, hints, slots, gen, seen, local, tmp, buf):
   """The dedup of a group whose every feature reads a table of its own, with no padding: feature
-  ``t``'s ids (``ids_list[t]``, uint64 [B, L], contiguous) are table ``t``'s, laid after the
-  tables before it. Writes ``inverse`` (int32 [B, T, L]); returns each table's sorted distinct ids
-  and the last generation used.
+  ``t``'s ids are table ``t``'s, laid after the tables before it. Writes ``inverse`` (int32 [B, T,
+  L]); returns each table's sorted distinct ids and the last generation used.
+
+  The ids of feature ``t`` are ``ids_list[t]`` (uint64 [B, L], contiguous), or with ``gathered``,
+  the records of pieces (a :class:`Gathered`'s): piece ``p``'s are ``index[bounds[p]:bounds[p +
+  1]]`` of ``ids_list[p * T + t]`` (uint64 [W, L]: a shuffle window's column). Those are copied
+  into ``buf`` (uint64 [>= B * L]) first, the rows a few records ahead prefetched: read where the
+  table's dedup reads them next, in cache, rather than gathered on another thread for every
+  table first and read back from memory.
 
   ``hints[t]``: table ``t``'s distinct ids last time (its hash table is sized from it; updated).
   Each table puts its ids' rows (``offset + rank``) into row ``t`` of ``local`` (int32 [>= T, >= B
@@ -160,12 +168,22 @@ def _dedup_own_tables(ids_list, inverse, hints, slots, gen, seen, local, tmp):
   (per table, each record's entry is a strided write, one cache line each: at batch 65536 that
   cost as much as the dedup).
   """
-  T = len(ids_list)
-  B, _, L = inverse.shape
+  B, T, L = inverse.shape
   out = numba.typed.List.empty_list(numba.types.uint64[::1])
   offset = 0
   for t in range(T):
-    ids = ids_list[t].reshape(-1)
+    if gathered:
+      for p in range(bounds.shape[0] - 1):
+        src = ids_list[p * T + t]
+        end = bounds[p + 1]
+        for i in range(bounds[p], end):
+          if i + _GATHER_AHEAD < end:
+            prefetch(src, index[i + _GATHER_AHEAD], 0)
+          for j in range(L):
+            buf[i * L + j] = src[index[i], j]
+      ids = buf[: B * L]
+    else:
+      ids = ids_list[t].reshape(-1)
     loc = local[t, : ids.shape[0]]
     uniq, rank, gen = _rank_sized(ids, loc, slots, hints[t], gen, seen, tmp)
     gen += 1
@@ -204,6 +222,7 @@ class _Scratch(threading.local):
     self.local = np.empty((0, 0), np.int32)
     self.gen = 0
     self.hints: Dict[tuple, np.ndarray] = {}
+    self._buf = np.empty(0, np.uint64)
 
   def take(self, n: int, tables: int = 1):
     """(slots, first generation, seen, local [>= tables, >= n], tmp) for ``tables`` tables of <= n
@@ -227,8 +246,16 @@ class _Scratch(threading.local):
   def used(self, last_gen: int) -> None:
     self.gen = int(last_gen)
 
+  def buffer(self, n: int) -> np.ndarray:
+    """A uint64 buffer of >= n ids (a gathered table's ids)."""
+    if self._buf.shape[0] < n:
+      self._buf = np.empty(n, np.uint64)
+    return self._buf
+
 
 _scratch = _Scratch()
+_NO_INDEX = np.zeros(0, np.int64)
+_GATHER_AHEAD = 32  # records whose rows a gathered dedup prefetches ahead of the one it copies
 
 
 def unique_inverse(ids: np.ndarray, offset: int = 0) -> Tuple[np.ndarray, np.ndarray]:
@@ -241,11 +268,15 @@ def unique_inverse(ids: np.ndarray, offset: int = 0) -> Tuple[np.ndarray, np.nda
   return uniq, inverse
 
 
-def dedup_own_tables(ids: Sequence[np.ndarray], key: Any = None) -> Tuple[List[np.ndarray], np.ndarray]:
+def dedup_own_tables(
+  sparse: Mapping[str, np.ndarray], names: Sequence[str], key: Any = None
+) -> Tuple[List[np.ndarray], np.ndarray]:
   """Dedup of features that each read a table of their own, with no padding, in one compiled call.
 
   Args:
-    ids: per feature, its uint64 ids [B, L] (one L for all).
+    sparse: feature name -> uint64 ids [B, L] (one L for all the features named); a
+      :class:`Gathered` is read from its pieces' sources, not gathered first.
+    names: the features, in the order of the inverse's F axis (and of their tables' rows).
     key: names the group (its tables), so that its hash tables are sized from its last batch's
       distinct ids (None: not remembered).
 
@@ -253,16 +284,31 @@ def dedup_own_tables(ids: Sequence[np.ndarray], key: Any = None) -> Tuple[List[n
     ``(each table's sorted distinct ids, the inverse int32 [B, F, L])``: table ``t``'s rows follow
     those of the tables before it, as in :func:`dedup`.
   """
-  arrays = numba.typed.List([np.ascontiguousarray(a, np.uint64) for a in ids])
-  B, L = ids[0].shape
-  inverse = np.empty((B, len(ids), L), np.int32)
+  gathered = isinstance(sparse, Gathered)
+
+  def flat(a) -> np.ndarray:
+    a = np.ascontiguousarray(a, np.uint64)
+    return a.reshape(a.shape[0], -1)
+
+  if gathered:
+    arrays = numba.typed.List([flat(src[n]) for src, _ in sparse.pieces for n in names])
+    index = np.concatenate([idx for _, idx in sparse.pieces]) if len(sparse.pieces) > 1 else sparse.pieces[0][1]
+    bounds = np.cumsum([0] + [idx.shape[0] for _, idx in sparse.pieces]).astype(np.int64)
+    B = index.shape[0]
+  else:
+    arrays = numba.typed.List([flat(sparse[n]) for n in names])
+    index, bounds, B = _NO_INDEX, _NO_INDEX, arrays[0].shape[0]
+  L = arrays[0].shape[1]
+  inverse = np.empty((B, len(names), L), np.int32)
   hints = _scratch.hints.get(key) if key is not None else None
-  if hints is None or hints.shape[0] != len(ids):
-    hints = np.full(len(ids), B * L // 4, np.int64)
+  if hints is None or hints.shape[0] != len(names):
+    hints = np.full(len(names), B * L // 4, np.int64)
     if key is not None:
       _scratch.hints[key] = hints
-  slots, gen, seen, local, tmp = _scratch.take(B * L, len(ids))
-  uniqs, last = _dedup_own_tables(arrays, inverse, hints, slots, gen, seen, local, tmp)
+  slots, gen, seen, local, tmp = _scratch.take(B * L, len(names))
+  buf = _scratch.buffer(B * L) if gathered else tmp
+  args = (arrays, np.ascontiguousarray(index, np.int64), bounds, gathered, inverse, hints)
+  uniqs, last = _dedup_own_tables(*args, slots, gen, seen, local, tmp, buf)
   _scratch.used(last)
   return list(uniqs), inverse
 
@@ -303,12 +349,22 @@ def aliased(
 ) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
   """(ids, weights) of a batch's features, with each alias reading the ids (and weights) of its
   source feature (e.g. first-order terms read the same ids as the embedding of that feature)."""
-  sparse, weights = dict(batch["sparse"]), dict(batch.get("sparse_weights") or {})
+  weights = dict(batch.get("sparse_weights") or {})
+  if isinstance(batch["sparse"], Gathered):  # not gathered here: the dedup reads them where they are
+    sparse = batch["sparse"].with_aliases(aliases)
+  else:
+    sparse = dict(batch["sparse"])
+    for name, source in aliases.items():
+      sparse[name] = sparse[source]
   for name, source in aliases.items():
-    sparse[name] = sparse[source]
     if source in weights:
       weights[name] = weights[source]
   return sparse, weights
+
+
+def _ids_2d(ids) -> np.ndarray:
+  ids = np.asarray(ids)
+  return (ids[:, None] if ids.ndim == 1 else ids).astype(np.uint64, copy=False)
 
 
 def dedup(
@@ -321,7 +377,8 @@ def dedup(
   """Deduplicates the ids of a batch per table and groups tables by row width.
 
   Args:
-    sparse: feature name -> uint64 ids [B, L] with L <= the feature's ``max_len``.
+    sparse: feature name -> uint64 ids [B, L] with L <= the feature's ``max_len``; a
+      :class:`Gathered` is read where its records are, not gathered first, where it can be.
     features: the feature specs, in model order.
     tables: table specs by name.
     sparse_weights: optional feature name -> float32 [B, L]; 0 marks padding.
@@ -341,24 +398,27 @@ def dedup(
     max_len = max(f.max_len for f in feats)
     ids_of, valid_of, w_of = {}, {}, {}
     any_weights = False
+    gathered = isinstance(sparse, Gathered)
     for f in feats:
       if f.name not in sparse:
         raise KeyError(f"batch has no sparse feature {f.name!r}")
-      ids = np.asarray(sparse[f.name])
-      if ids.ndim == 1:
-        ids = ids[:, None]
-      if ids.ndim != 2 or ids.shape[1] > f.max_len:
-        raise ValueError(f"feature {f.name!r}: ids have shape {ids.shape}, expected [B, <= {f.max_len}]")
+      if gathered:  # its shape, not its ids: the one-call path reads them from the sources
+        shape = sparse.feature_shape(f.name)
+      else:
+        shape = np.shape(sparse[f.name])
+      shape = shape + (1,) if len(shape) == 1 else shape
+      if len(shape) != 2 or shape[1] > f.max_len:
+        raise ValueError(f"feature {f.name!r}: ids have shape {shape}, expected [B, <= {f.max_len}]")
       if batch is None:
-        batch = ids.shape[0]
-      elif ids.shape[0] != batch:
-        raise ValueError(f"feature {f.name!r} has {ids.shape[0]} rows, others {batch}")
+        batch = shape[0]
+      elif shape[0] != batch:
+        raise ValueError(f"feature {f.name!r} has {shape[0]} rows, others {batch}")
       w = sparse_weights.get(f.name)
-      pad = max_len - ids.shape[1]
-      ids_of[f.name] = ids.astype(np.uint64, copy=False)
-      if w is None and not pad and (f.kind != "pooled" or f.combiner == "sum" or ids.shape[1] == 1):
+      pad = max_len - shape[1]
+      if w is None and not pad and (f.kind != "pooled" or f.combiner == "sum" or shape[1] == 1):
         valid_of[f.name], w_of[f.name] = None, None  # every weight 1 (a one-hot bag's mean is its id too)
         continue
+      ids = ids_of[f.name] = _ids_2d(sparse[f.name])
       w = np.ones(ids.shape, np.float32) if w is None else np.asarray(w, np.float32).reshape(ids.shape)
       if f.kind == "pooled" and f.combiner == "mean":
         w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(1e-12))
@@ -374,13 +434,16 @@ def dedup(
     table_names = list(dict.fromkeys(f.table for f in feats))
     if len(table_names) == len(feats) and all(v is None for v in valid_of.values()):
       # Every feature its own table, no padding (Criteo's shape): one compiled call for the group.
-      uniqs, inverse = dedup_own_tables([ids_of[f.name] for f in feats], key=tuple(table_names))
+      uniqs, inverse = dedup_own_tables(sparse, [f.name for f in feats], key=tuple(table_names))
       for f, uniq in zip(feats, uniqs):
         group_tables.append((f.table, uniq, offset))
         offset += uniq.shape[0]
       table_names = []
     else:
       inverse = np.zeros((batch, len(feats), max_len), np.int32)
+      for f in feats:
+        if f.name not in ids_of:
+          ids_of[f.name] = _ids_2d(sparse[f.name])
     for tname in table_names:
       cols = [i for i, f in enumerate(feats) if f.table == tname]
       parts = []

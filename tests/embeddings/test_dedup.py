@@ -259,7 +259,7 @@ def test_own_tables_in_one_call_equal_numpy_unique_batch_after_batch(L):
     for i in range(T):
       pool = rng.integers(0, U64_MAX, size=distinct, dtype=np.uint64, endpoint=True)
       sparse[f"f{i}"] = rng.choice(pool, size=(B, L))
-    uniqs, inverse = dd.dedup_own_tables([sparse[f.name] for f in feats], key="test-own")
+    uniqs, inverse = dd.dedup_own_tables(sparse, [f.name for f in feats], key="test-own")
     assert inverse.shape == (B, T, L) and inverse.dtype == np.int32
     offset = 0
     for i in range(T):
@@ -277,3 +277,43 @@ def test_own_tables_in_one_call_equal_numpy_unique_batch_after_batch(L):
       for i in range(T):
         rows = np.concatenate([ids for _, ids, _ in h.tables])
         np.testing.assert_array_equal(rows[h.inverse[b, i]], sparse[f"f{i}"][b])
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_gathered_batches_dedup_as_their_gathered_arrays(L):
+  """A batch whose sparse ids are records of shuffle windows (``Gathered``: one window, or two for
+  a batch that spans them) dedups to exactly what its ids gathered into arrays dedup to, for the
+  one-call path (own tables) and the per-table one (a table read by two features, an alias);
+  asking whether a feature is there gathers nothing, and each feature is gathered at most once."""
+  from recsys_jax.embeddings.gathered import Gathered
+
+  rng = np.random.default_rng(10 + L)
+  T = 4
+  tables = {f"t{i}": TableSpec(name=f"t{i}", dim=4) for i in range(T)}
+  own = [FeatureSpec(name=f"f{i}", table=f"t{i}", max_len=L) for i in range(T)]
+  shared = own[:-1] + [FeatureSpec(name="alias", table="t0", max_len=L)]
+
+  def window(n):
+    return {
+      f"f{i}": rng.integers(0, 40 * (i + 1), size=(n, L)).astype(np.uint64) * np.uint64(2**61 + 1) for i in range(T)
+    }
+
+  w1, w2 = window(500), window(300)
+  i1, i2 = rng.permutation(500)[:200], rng.permutation(300)[:120]
+  for g in (Gathered([(w1, i1)]), Gathered.concat([Gathered([(w1, i1)]), Gathered([(w2, i2)])])):
+    arrays = {f: g[f] for f in g}
+    assert arrays["f0"].shape == g.feature_shape("f0") == (g.num_records, L)
+    want = np.concatenate([w1["f2"][i1]] + ([w2["f2"][i2]] if len(g.pieces) == 2 else []))
+    np.testing.assert_array_equal(arrays["f2"], want)
+    fresh = Gathered(g.pieces)
+    assert "f1" in fresh and "nope" not in fresh and not fresh._made  # membership gathers nothing
+    for feats, sparse in ((own, fresh), (shared, fresh.with_aliases({"alias": "f3"}))):
+      got = dd.dedup(sparse, feats, tables)
+      ref_sparse = dict(arrays, alias=arrays["f3"])
+      want = dd.dedup({f.name: ref_sparse[f.name] for f in feats}, feats, tables)
+      for dim in want:
+        np.testing.assert_array_equal(got[dim].inverse, want[dim].inverse)
+        assert [(n, o) for n, _, o in got[dim].tables] == [(n, o) for n, _, o in want[dim].tables]
+        for (_, a, _), (_, b, _) in zip(got[dim].tables, want[dim].tables):
+          np.testing.assert_array_equal(a, b)
+    assert not fresh._made  # the one-call path read the windows, gathered nothing
