@@ -456,3 +456,71 @@ def test_a_push_with_the_looked_up_ids_uses_the_lookups_rows_and_matches_the_ref
   for s in specs:
     ids = np.array(sorted(ref.rows[s.name]), np.uint64)
     np.testing.assert_allclose(ps.lookup(s.name, ids), ref.lookup(s.name, ids), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_tables_worked_together_equal_each_table_on_its_own(threads):
+  """Plain tables (no bound, no tier, float32) are worked several at a time, their locks taken once
+  and only their kernels per table (``Table.lookup_plain``, ``apply_plain``); the result, bit for
+  bit, is each table's own ``lookup`` and ``apply``: rows, optimizer slots, the rows an incremental
+  snapshot carries, counters, over steps that create rows, with every row optimizer, a clip, a
+  bounded table beside them (per table), lookups without create, and in groups on 2 threads. A
+  push with ids never looked up is refused and changes no table."""
+  from recsys_jax.async_ps.optim import optimizers
+
+  specs = [TableSpec(name=o, dim=8, optimizer=o) for o in optimizers.NAMES]
+  specs += [
+    TableSpec(name="clipped", dim=8, optimizer="adagrad", optimizer_kwargs=(("learning_rate", 0.5), ("clip", 0.02))),
+    TableSpec(name="sgd_b", dim=4, optimizer="sgd", optimizer_kwargs=(("learning_rate", 0.2),)),
+    TableSpec(name="bounded", dim=8, capacity=150),
+  ]
+  together = ParameterServer(specs, seed=2, threads=threads, min_rows=1)
+  alone = ParameterServer(specs, seed=2, threads=1)
+  assert together.shards[0]["adagrad"].plain and not together.shards[0]["bounded"].plain
+  rng = np.random.default_rng(4)
+  for step in range(6):
+    ids = {s.name: np.unique(rng.integers(0, 400, 120)).astype(np.uint64) for s in specs}
+    got = together.lookup_many(ids, create=True, step=step)
+    for s in specs:
+      want = alone.shards[0][s.name].lookup(ids[s.name], True, step)
+      np.testing.assert_array_equal(got[s.name], want, err_msg=f"{s.name} step {step}")
+    grads = {s.name: (ids[s.name], rng.normal(size=(ids[s.name].shape[0], s.dim)).astype(np.float32)) for s in specs}
+    together.apply_many(grads, step=step)
+    for s in specs:
+      alone.shards[0][s.name].apply(*grads[s.name], step, distinct=True)
+  probe = {s.name: np.arange(0, 500, 7, dtype=np.uint64) for s in specs}  # unseen ids too: their initial rows
+  got = together.lookup_many(probe, create=False)
+  for s in specs:
+    np.testing.assert_array_equal(got[s.name], alone.shards[0][s.name].lookup(probe[s.name], False))
+  together.snapshot(incremental=True), alone.snapshot(incremental=True)  # from here, changed rows only
+  seen = {s.name: np.array(sorted(together.snapshot()[s.name]["ids"][::5]), np.uint64) for s in specs}
+  together.lookup_many(seen, create=True, step=6)
+  for s in specs:
+    alone.shards[0][s.name].lookup(seen[s.name], True, 6)
+  pushed = {s.name: (seen[s.name], np.full((seen[s.name].shape[0], s.dim), 0.01, np.float32)) for s in specs}
+  together.apply_many(pushed, step=6)
+  for s in specs:
+    alone.shards[0][s.name].apply(*pushed[s.name], 6, distinct=True)
+  inc_a, inc_b = together.snapshot(incremental=True), alone.snapshot(incremental=True)
+  assert np.array_equal(np.sort(inc_a["adagrad"]["ids"]), seen["adagrad"])  # the pushed rows, no others
+  for t in inc_a:
+    assert inc_a[t].keys() == inc_b[t].keys()
+    for k in inc_a[t]:
+      np.testing.assert_array_equal(inc_a[t][k], inc_b[t][k], err_msg=f"incremental {t}/{k}")
+  a, b = together.snapshot(), alone.snapshot()
+  for t in a:
+    for k in a[t]:
+      np.testing.assert_array_equal(a[t][k], b[t][k], err_msg=f"{t}/{k}")
+  for t, st in together.stats().items():
+    other = alone.stats()[t]
+    assert {k: st[k] for k in ("lookups", "hits", "misses", "created", "applied_rows")} == {
+      k: other[k] for k in ("lookups", "hits", "misses", "created", "applied_rows")
+    }, t
+  before = together.snapshot()
+  bad = {s.name: (np.array([1, 10**9], np.uint64), np.ones((2, s.dim), np.float32)) for s in specs[:3]}
+  with pytest.raises(KeyError, match="never looked up"):
+    together.apply_many(bad, step=7)
+  after = together.snapshot()
+  for t in before:
+    for k in before[t]:
+      np.testing.assert_array_equal(before[t][k], after[t][k], err_msg=f"{t}/{k}")

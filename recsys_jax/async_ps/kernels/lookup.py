@@ -57,12 +57,16 @@ def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
       ``splitmix64(id ^ salt) & mask``.
     keys: uint64 [n], the ids (repeats allowed).
     out_rows: int64 [n], written: the row of each id, or -1 where it is absent.
+
+  Returns:
+    How many ids are absent.
   """
   _check_slots(slot_keys, slot_rows, mask)
   if out_rows.shape[0] != keys.shape[0]:
     raise ValueError("find: out_rows must be as long as keys")
   imask = np.int64(mask)
   n = keys.shape[0]
+  absent = 0
   # First every home slot (into out_rows), so that the probe of key i can prefetch the slots
   # of key i + KEYS_AHEAD.
   for i in range(n):
@@ -87,6 +91,8 @@ def find(slot_keys, slot_rows, mask, salt, keys, out_rows):
         break
       pos = (pos + 1) & imask
     out_rows[i] = row
+    absent += row < 0
+  return absent
 
 
 @jit

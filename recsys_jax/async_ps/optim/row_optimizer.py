@@ -77,6 +77,15 @@ class FusedUpdate:
     bound = float(np.float32(clip))
     return FusedUpdate(self._apply, self._widths, bound if self.clip <= 0.0 else min(self.clip, bound))
 
+  def apply_owned(self, weights: np.ndarray, slots: Slots, rows: np.ndarray, grads: np.ndarray) -> None:
+    """``self(...)`` without its checks of the arrays, for a caller that made them as ``__call__``
+    requires (a table's own weights and slots, int64 rows, float32 gradients, all contiguous):
+    the checks cost about what the kernel does for a few hundred rows. A row out of range is still
+    refused (``IndexError``, nothing written)."""
+    bad = self._apply(weights, slots, kernels.read_only(rows), kernels.read_only(grads), np.float32(self.clip))
+    if bad >= 0:
+      raise IndexError(f"fused row update: row {rows[bad]} out of range [0, {weights.shape[0]}); nothing written")
+
   def __call__(self, weights: np.ndarray, slots: Slots, rows: np.ndarray, grads: np.ndarray) -> None:
     _check_full(weights, "weights")
     num_rows, dim = weights.shape

@@ -38,6 +38,23 @@ class IdMap:
     self._slot_keys = np.zeros((cap,), np.uint64)
     self._slot_rows = np.full((cap,), -1, np.int64)
 
+  # The table itself, for kernels that probe several maps in one call (``kernels.find_many``).
+  @property
+  def slot_keys(self) -> np.ndarray:
+    return self._slot_keys
+
+  @property
+  def slot_rows(self) -> np.ndarray:
+    return self._slot_rows
+
+  @property
+  def mask(self) -> np.uint64:
+    return self._mask
+
+  @property
+  def salt(self) -> np.uint64:
+    return self._salt
+
   @property
   def capacity(self) -> int:
     return self._slot_rows.shape[0]

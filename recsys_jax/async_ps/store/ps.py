@@ -129,20 +129,42 @@ class ParameterServer:
     """The positions of the ids of ``table`` that go to each shard, in shard order."""
     return route({table: ids}, self.shard_of, self.num_shards)[table]
 
-  def _fan_out(self, ids: Mapping[str, np.ndarray], fn) -> List[Any]:
+  def _fan_out(self, ids: Mapping[str, np.ndarray], fn, plain_fn=None) -> List[Any]:
     """Calls ``fn(table_shard, table, sel)`` for every shard's part ``sel`` of each table's ids
     (``sel`` None: all of them, with one shard), one task per (shard, table), on the workers;
-    returns their results."""
+    returns their results.
+
+    ``plain_fn(names)``: with one shard, the plain tables (``Table.plain``) are worked several
+    at a time by it instead, in as many groups as the call gets threads, balanced by ids (their
+    results are not returned: it is given for lookups and pushes only)."""
     tasks = []
     if self.num_shards == 1:
+      plain = [t for t in ids if plain_fn is not None and self.shards[0][t].plain]
+      for group in self._groups(plain, ids):
+        tasks.append((sum(ids[t].shape[0] for t in group), functools.partial(plain_fn, group)))
       for t, v in ids.items():
-        tasks.append((v.shape[0], functools.partial(fn, self.shards[0][t], t, None)))
+        if t not in plain:
+          tasks.append((v.shape[0], functools.partial(fn, self.shards[0][t], t, None)))
     else:
       for t, v in ids.items():
         for s, sel in enumerate(self._split(t, v)):
           if sel.shape[0]:
             tasks.append((sel.shape[0], functools.partial(fn, self.shards[s][t], t, sel)))
     return self._workers.run(tasks)
+
+  def _groups(self, names: Sequence[str], ids: Mapping[str, np.ndarray]) -> List[List[str]]:
+    """``names`` dealt into as many groups as a call of their ids gets threads (``Workers.helpers``
+    + the caller), largest first to the lightest group, so the groups carry about equal ids."""
+    if not names:
+      return []
+    n = 1 + self._workers.helpers([ids[t].shape[0] for t in names])
+    groups: List[List[str]] = [[] for _ in range(min(n, len(names)))]
+    load = [0] * len(groups)
+    for t in sorted(names, key=lambda t: -ids[t].shape[0]):
+      k = load.index(min(load))
+      groups[k].append(t)
+      load[k] += ids[t].shape[0]
+    return [sorted(g, key=list(names).index) for g in groups]
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
@@ -171,7 +193,12 @@ class ParameterServer:
       else:
         out[t][sel] = table.lookup(ids[t][sel], create, step)
 
-    self._fan_out(ids, look)
+    def look_plain(names):
+      Table.lookup_plain(
+        [self.shards[0][t] for t in names], [ids[t] for t in names], [out[t] for t in names], create, step
+      )
+
+    self._fan_out(ids, look, look_plain)
     return dict(out)
 
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
@@ -230,7 +257,12 @@ class ParameterServer:
       else:
         table.apply(i[sel], g[sel], step, distinct=True)
 
-    self._fan_out({t: i for t, (i, _) in arrays.items()}, push)
+    def push_plain(names):
+      Table.apply_plain(
+        [self.shards[0][t] for t in names], [arrays[t][0] for t in names], [arrays[t][1] for t in names], step
+      )
+
+    self._fan_out({t: i for t, (i, _) in arrays.items()}, push, push_plain)
 
   def lookup(self, table: str, ids: np.ndarray, create: bool = True, step: Optional[int] = None) -> np.ndarray:
     """Rows for distinct ids of one table (see ``Table.lookup``)."""

@@ -20,7 +20,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -474,6 +474,128 @@ class Table:
       return self.tier.take(ids)
     finally:
       self.timers["tier_wait_s"] += time.perf_counter() - t0
+
+  # -- several plain tables in one call ------------------------------------------------
+  @property
+  def plain(self) -> bool:
+    """No bound (capacity, expiry, admission), no tier, float32 rows with a fused optimizer: a
+    lookup only finds or creates rows, and rows never move. Such tables are worked several at a
+    time, with only their kernels per table (``lookup_plain``, ``apply_plain``)."""
+    return not (self.capacity or self.spec.expire_after or self._admission or self.tier is not None) and (
+      self._wdtype is np.float32 and self.opt.fused is not None
+    )
+
+  @staticmethod
+  @contextlib.contextmanager
+  def _all_locked(tables: Sequence["Table"]) -> Iterator[None]:
+    """Every table's lock, taken in one order (by identity) so that two such calls cannot deadlock;
+    a plain table never hands its lock to an evictor, so the locks are all there is to wait for."""
+    order = sorted(tables, key=id)
+    taken = []
+    try:
+      for t in order:
+        t.lock.acquire()
+        taken.append(t)
+      yield
+    finally:
+      for t in reversed(taken):
+        t.lock.release()
+
+  @staticmethod
+  def lookup_plain(
+    tables: Sequence["Table"], ids: Sequence[np.ndarray], outs: Sequence[np.ndarray], create: bool, step: Optional[int]
+  ) -> None:
+    """``tables[i].lookup(ids[i], create, step, outs[i])`` for plain tables (``plain``), in one call.
+
+    The locks are taken once, and each table does only what a plain table needs: a probe of its
+    id map and a gather of its rows (two compiled calls), and Python of its own only for unseen
+    ids (creating their rows, or reading their initial values): a ``lookup`` makes a dozen numpy
+    calls a table, which held the GIL longer than its kernels ran at the main job's shape. Results,
+    counters and the rows kept for the push (``_remember``) are those of ``lookup``, table by table.
+
+    Args:
+      tables: distinct plain tables.
+      ids: per table, its distinct uint64 ids (kept by the table for its push: the same array).
+      outs: per table, float32 [len(ids), dim] (C-contiguous) to write the rows into.
+      create: a training lookup (see ``lookup``).
+      step: the lookup's training step (or None).
+    """
+    t0 = time.perf_counter()
+    with Table._all_locked(tables):
+      for t, i, o in zip(tables, ids, outs):
+        if o.dtype != np.float32 or o.shape != (i.shape[0], t.spec.dim) or not o.flags.c_contiguous:
+          raise ValueError(
+            f"table {t.spec.name!r}: out is {o.dtype} {o.shape}, expected C-contiguous float32 ({i.shape[0]}, {t.spec.dim})"
+          )
+        if step is not None and create:
+          t.step = max(t.step, int(step))
+        if create and t._unstamped:
+          t._stamp()
+        m = t._ids
+        rows = np.empty(i.shape[0], np.int64)
+        absent = kernels.find(m.slot_keys, m.slot_rows, m.mask, m.salt, kernels.read_only(i), rows)
+        if absent:
+          rest = np.flatnonzero(rows < 0)
+          if create:
+            rows[rest] = t._insert(i[rest], None, None, absent=True)
+            t.counters["created"] += rest.shape[0]
+          else:  # rounded as a created row would be
+            o[rest] = t._init(i[rest]).astype(t._wdtype, copy=False)
+        if kernels.gather_rows(t._weights, rows, o) >= 0:
+          raise IndexError(f"table {t.spec.name!r}: a row out of range (a corrupt id map)")
+        if create:
+          c = t.counters
+          c["lookups"] += i.shape[0]
+          c["hits"] += i.shape[0] - absent
+          c["misses"] += absent
+          t._remember(step, i, rows)
+    share = (time.perf_counter() - t0) / max(1, len(tables))
+    for t in tables:
+      t.timers["lookup_s"] += share
+      t.timers["lookup_calls"] += 1
+
+  @staticmethod
+  def apply_plain(
+    tables: Sequence["Table"], ids: Sequence[np.ndarray], grads: Sequence[np.ndarray], step: Optional[int]
+  ) -> None:
+    """``tables[i].apply(ids[i], grads[i], step, distinct=True)`` for plain tables, in one call.
+
+    The rows are those each table's lookup of ``step`` kept (``_recall``), or found by a probe;
+    every table's are known before any table changes, so ids never looked up refuse the call
+    (``KeyError``, as ``apply``) with every table as it was; then each table is updated by its
+    optimizer's kernel without the per-call checks of arrays it owns (``FusedUpdate.apply_owned``).
+
+    Args:
+      tables: distinct plain tables.
+      ids: per table, its distinct uint64 ids (the caller checked them distinct).
+      grads: per table, float32 [len(ids), dim].
+      step: the push's training step (or None).
+    """
+    t0 = time.perf_counter()
+    grads = [np.ascontiguousarray(g, np.float32) for g in grads]
+    for t, i, g in zip(tables, ids, grads):
+      if g.shape != (i.shape[0], t.spec.dim):
+        raise ValueError(f"table {t.spec.name!r}: gradient shape {g.shape} does not match ({i.shape[0]}, {t.spec.dim})")
+    with Table._all_locked(tables):
+      rows = []
+      for t, i in zip(tables, ids):
+        r = t._recall(step, i)
+        if r is None:
+          m, r = t._ids, np.empty(i.shape[0], np.int64)
+          if kernels.find(m.slot_keys, m.slot_rows, m.mask, m.salt, kernels.read_only(np.asarray(i, np.uint64)), r):
+            for table, kept, i_ in zip(tables, rows, ids):  # the rows recalled go back for a retry
+              table._remember(step, i_, kept)
+            bad = np.asarray(i)[r < 0][:3].tolist()
+            raise KeyError(f"table {t.spec.name!r}: gradient for ids never looked up, e.g. {bad}")
+        rows.append(r)
+      for t, r, g in zip(tables, rows, grads):
+        t.opt.fused.apply_owned(t._weights, t._slots, r, g)
+        t._dirty[r] = True
+        t.counters["applied_rows"] += r.shape[0]
+    share = (time.perf_counter() - t0) / max(1, len(tables))
+    for t in tables:
+      t.timers["apply_s"] += share
+      t.timers["apply_calls"] += 1
 
   _REMEMBERED_STEPS = 8
   """Lookups whose rows a table keeps for their step's push: more than any staleness bound in use
