@@ -3,6 +3,7 @@ the evaluations during training and summary.json (written by process 0 only)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -118,19 +119,25 @@ class Writers:
     self.enabled = jax.process_index() == 0
     self.on_metrics = on_metrics
     self._closed = False
+    self._lock = threading.RLock()
     if self.enabled:
       self.jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, kind: str, values: Dict[str, Any], tb_prefix: Optional[str] = None) -> None:
-    """One record; its finite numbers also go to TensorBoard as ``<tb_prefix or kind>/<name>``."""
+    """One record; its finite numbers also go to TensorBoard as ``<tb_prefix or kind>/<name>``.
+    Thread-safe (the progressive reports are written by their own thread): records are whole,
+    in the order they are written, in the file, to ``on_metrics`` and to TensorBoard."""
     if not self.enabled:
       return
-    self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
-    self.jsonl.flush()
-    if self.on_metrics is not None:
-      self.on_metrics(step, kind, dict(values))
-    self._scalars(step, {f"{tb_prefix or kind}/{k}": v for k, v in values.items()})
+    with self._lock:
+      if self._closed:
+        raise ValueError(f"metrics writers closed: the {kind!r} record of step {step} came after the run's end")
+      self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+      self.jsonl.flush()
+      if self.on_metrics is not None:
+        self.on_metrics(step, kind, dict(values))
+      self._scalars(step, {f"{tb_prefix or kind}/{k}": v for k, v in values.items()})
 
   def _scalars(self, step: int, values: Dict[str, Any]) -> None:
     """The finite numbers of ``values`` (tag -> value) as one TensorBoard event: one event per
@@ -166,19 +173,21 @@ class Writers:
     total["apply_ms"] = sum(t["apply_ms"] for t in stats.values())
     self.write(step, "ps", total)
     per_table = keys + ("hit_rate", "cache_hit_rate", "lookup_ms", "apply_ms")
-    self._scalars(step, {f"ps/{name}/{k}": t[k] for name, t in stats.items() for k in per_table if k in t})
+    with self._lock:
+      self._scalars(step, {f"ps/{name}/{k}": t[k] for name, t in stats.items() for k in per_table if k in t})
 
   def close(self) -> None:
     """Closes the files (once; again is a no-op). One that cannot be flushed (a full disk) is
     logged, not raised: a run stopped by an error reports that error, once."""
     if not self.enabled or self._closed:
       return
-    self._closed = True
-    for f in (self.jsonl, self.tb):
-      try:
-        f.close()
-      except OSError as e:
-        logging.warning("closing %s: %s", f, e)
+    with self._lock:
+      self._closed = True
+      for f in (self.jsonl, self.tb):
+        try:
+          f.close()
+        except OSError as e:
+          logging.warning("closing %s: %s", f, e)
 
 
 class Progress:
@@ -213,6 +222,8 @@ class Progress:
     # Process 0 writes the records, and every process's step returns the whole batch's scores.
     self.progressive = ProgressiveValidation(window) if window and self.writers.enabled else None
     self.last_progressive: Optional[Dict[str, Any]] = None
+    self._reporter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="progressive")
+    self._reports: List[concurrent.futures.Future] = []
 
   def record_step(self, step: int, loss: float, metrics: Dict[str, Any], source: Optional[str] = None) -> None:
     """The pusher thread's record of an applied step: its loss, and with progressive validation on,
@@ -243,15 +254,28 @@ class Progress:
     self.log_t, self.log_step = now, done
 
   def log_progressive(self, done: int) -> None:
-    """The progressive metrics over the window, then per source (``report_ms``: what computing them took)."""
-    t = time.perf_counter()
-    rec = self.progressive.report()
-    sources = self.progressive.report_sources()
-    rec["report_ms"] = 1e3 * (time.perf_counter() - t)
-    self.writers.write(done, "progressive", rec)
-    for name, r in sources.items():
-      self.writers.write(done, "progressive", {"source": name, **r}, tb_prefix=f"progressive/{name}")
-    self.last_progressive = rec
+    """The progressive metrics over the window, then per source, computed and written on the
+    reporter thread: the loop only copies what they cover (``ProgressiveValidation.take``), so a
+    report (a sort of a million keys) never holds a step back (at k = 0 the next step waits for the
+    loop). ``report_ms``: what computing them took the reporter. ``flush_reports`` waits for them."""
+    taken = self.progressive.take()
+
+    def report() -> None:
+      t = time.perf_counter()
+      rec, sources = taken.metrics()
+      rec["report_ms"] = 1e3 * (time.perf_counter() - t)
+      self.writers.write(done, "progressive", rec)
+      for name, r in sources.items():
+        self.writers.write(done, "progressive", {"source": name, **r}, tb_prefix=f"progressive/{name}")
+      self.last_progressive = rec
+
+    self._reports.append(self._reporter.submit(report))
+
+  def flush_reports(self) -> None:
+    """Waits until every progressive report asked for is written; raises the first that failed."""
+    pending, self._reports = self._reports, []
+    for f in pending:
+      f.result()
 
   def log_eval(self, done: int, evaluate: Callable[[], Dict[str, float]]) -> None:
     """Runs an evaluation during training and records it against the training time so far."""
@@ -278,6 +302,8 @@ class Progress:
     ``done``: the step training reached (default: ``num_steps``, or ``start`` if past it)."""
     config, B = self.config, self.config.batch_size
     step = max(config.num_steps, start) if done is None else done  # a workdir past num_steps is evaluated where it is
+    self.flush_reports()
+    self._reporter.shutdown()
     self.writers.write(step, "eval", ev)
     self.writers.close()
     sps, recompiles, recompile_s = self.stats.throughput(B)

@@ -75,18 +75,17 @@ def test_window_holds_the_last_events_and_sources_their_own():
     y_all.append(y)
     by_src[src][0].append(z)
     by_src[src][1].append(y)
-    rec = pv.report()
+    rec, sources = pv.take().metrics()
     zc, yc = np.concatenate(z_all)[-1000:], np.concatenate(y_all)[-1000:]
     ref = reference(zc, yc)
     assert rec["events"] == zc.size and rec["events_seen"] == sum(sizes[: i + 1])
     assert rec["auc"] == ref["auc"]  # exact counts both ways
     np.testing.assert_allclose([rec["logloss"], rec["calibration"]], [ref["logloss"], ref["calibration"]], rtol=1e-12)
-    sources = pv.report_sources()
     assert list(sources) == [src]  # the other source had no event since the last report: dropped
     zs, ys = np.concatenate(by_src[src][0])[-1000:], np.concatenate(by_src[src][1])[-1000:]
     assert sources[src]["auc"] == pairwise_auc(ys, zs) and sources[src]["events"] == zs.size
     by_src["ab"[(i + 1) % 2]] = ([], [])  # the other one was dropped: it starts again empty
-  assert pv.report_sources() == {}  # nothing new since the last report
+  assert pv.take().metrics()[1] == {}  # nothing new since the last report
 
 
 def test_window_of_one_class_has_no_auc():
@@ -237,6 +236,7 @@ def test_source_metrics_are_written_under_their_name(tmp_path):
     z = rng.normal(size=30).astype(np.float32)
     progress.record_step(t, 0.5, {"loss": 0.5, "logits": z, "label": (z > 0).astype(np.float32)}, source=src)
   progress.log_progressive(4)
+  progress.flush_reports()  # computed and written on the reporter thread
   progress.writers.close()
   recs = train.read_metrics(str(tmp_path), "progressive")
   assert [r.get("source") for r in recs] == [None, "f0.tsv", "f1.tsv"]
