@@ -495,7 +495,7 @@ def has_cache(code_root: str) -> bool:
   return os.path.exists(os.path.join(code_root, "recsys_jax", "data", "cache.py"))
 
 
-STAGES = ("read", "parse", "prepare", "lookup", "place", "get", "push", "wait")
+STAGES = ("read", "parse", "prepare", "resolve", "lookup", "place", "get", "push", "wait")
 
 
 def print_table(results: List[Dict[str, Any]]) -> None:

@@ -34,8 +34,9 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    summary: ``samples_per_sec`` (compiles after the first step left out), ``recompiles`` and
    ``recompile_s``, and ``hot`` (``HotRows.metrics``): the hot hit rate of id lookups, hot and cold
    distinct rows a step (so the hot share of distinct rows), and the hot rows' own times, which
-   they record themselves: the split of a step's ids (``hot_split``, inside the lookup stage; the
-   lookup less it is ``ps_lookup``), the counting on its own thread (``hot_count``) and the
+   they record themselves: the split of a step's ids (``hot_split``, inside the resolve stage, which
+   runs before the staleness gate; resolve and lookup less it is ``ps_lookup``), the counting on its
+   own thread (``hot_count``) and the
    re-choices (``rechoose``, with their steps). The hit rates are since the start of the run
    (the warm-up's steps, before any row is hot, included), as the library reports them.
    Figures the script gave before it stopped wrapping the job's methods (issue 24) and that the
@@ -120,7 +121,7 @@ def _tree_bytes(tree) -> int:
 
 # Host stages the pipeline times itself (recsys_jax/training/stage_times.py: ``host_<stage>_ms`` of
 # every train record), the ones this script reports.
-STAGES = ("read", "parse", "prepare", "lookup", "place", "wait", "get", "push")
+STAGES = ("read", "parse", "prepare", "resolve", "lookup", "place", "wait", "get", "push")
 
 
 def _intervals(recs: List[Dict[str, Any]]) -> List[tuple]:
@@ -170,7 +171,8 @@ def run_figures(summary: Dict[str, Any], recs: List[Dict[str, Any]], first: int)
     rechoose_ms=1e3 * float(hot.get("rechoose_s", 0.0)) / max(1, n),
     recompile_ms=1e3 * float(summary.get("recompile_s") or 0.0) / max(1, n),
   )
-  out["ps_lookup_ms"] = out["lookup_ms"] - out["hot_split_ms"]  # the lookup stage holds the split
+  # The PS's part of a lookup: its resolve (before the staleness gate, which holds the split) and its read.
+  out["ps_lookup_ms"] = out["resolve_ms"] + out["lookup_ms"] - out["hot_split_ms"]
   sps = [r["samples_per_sec"] for _, _, r in ivs[1:]]
   out["steady_samples_per_sec"] = float(np.median(sps)) if sps else float("nan")
   out["rechoose_at"] = [c["step"] for c in hot.get("choices", [])]
@@ -306,9 +308,10 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   from above: no host work can make a step faster than it. Its FLOPs come from XLA's cost
   analysis of the compiled step, and the machine's peak from a large f32 matmul, so
   ``compute_fraction`` says how close the step itself is to the arithmetic floor. At k = 0
-  the lookup and push of a step cannot overlap the device step (they wait on it), so the
-  synchronous estimate is device + lookup + place + push (the lookup holds the hot rows'
-  split; their count runs on its own thread). With hot rows the set is chosen at its first boundary, as the job does
+  the push of a step and the read of the next one's rows cannot overlap the device step (they
+  wait on it), so the synchronous estimate is device + lookup (the read) + place + push; the
+  resolve (the hot rows' split, the PS finding and creating rows) runs while the step before
+  trains, and the hot count on its own thread. With hot rows the set is chosen at its first boundary, as the job does
   (every push before it is applied: the pushes here are synchronous), and the n timed steps
   come after it, so the step reads and updates hot rows.
   """
@@ -316,7 +319,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   train_step, hot_rows, host = job.train_step, job.hot, job.host
   B = config.batch_size
   skip = max(2, int(config.hot_warmup_steps) + 2) if hot_rows.enabled else 2
-  t = {"read_dedup": 0.0, "lookup": 0.0, "place": 0.0, "push": 0.0}
+  t = {"read_dedup": 0.0, "resolve": 0.0, "lookup": 0.0, "place": 0.0, "push": 0.0}
   hot_state = hot_rows.resume(0, None, job.ps, job.hot_state)  # a fresh set: its first choice after the warm-up
   placed, split0, hot0 = None, {}, {}
   for i in range(n + skip):
@@ -329,7 +332,9 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     t0 = time.perf_counter()
     p = host.prepare(i, job.reader.data.batch(synthetic.TRAIN, i, B))
     t1 = time.perf_counter()
-    host.lookup(p, create=True)  # with hot rows, the split first (the count goes to its own thread)
+    host.resolve(p)  # with hot rows, the split first (the count goes to its own thread)
+    t1r = time.perf_counter()
+    host.lookup(p, create=True)  # the rows' read, all that waits for the step before
     t2 = time.perf_counter()
     placed = host.place(p)
     jax.block_until_ready(placed[1:])
@@ -339,7 +344,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     host.push(p.groups, zeros)
     t5 = time.perf_counter()
     if i >= skip:
-      for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+      for k, v in zip(t, (t1 - t0, t1r - t1, t2 - t1r, t3 - t2, t5 - t4)):
         t[k] += v / n
   hot_rows.counted()
   counts = host.times.take(n)
@@ -384,6 +389,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     "peak_matmul_gflops": peak / 1e9,
     "compute_fraction": flops / device_s / peak,
     "host_read_dedup_ms": 1e3 * t["read_dedup"],
+    "host_resolve_ms": 1e3 * t["resolve"],
     "host_lookup_ms": 1e3 * t["lookup"],
     "host_place_ms": 1e3 * t["place"],
     "host_push_ms": 1e3 * t["push"],
@@ -431,6 +437,7 @@ def print_hot_table(cmp: Dict[str, Any], hv: Dict[str, Dict], runs: Dict[str, Li
     "hot_count",
     "hot_split",
     "ps_lookup",
+    "resolve",
     "lookup",
     "place",
     "get",
@@ -442,7 +449,8 @@ def print_hot_table(cmp: Dict[str, Any], hv: Dict[str, Dict], runs: Dict[str, Li
   print("ms per step in the job (median of runs)   " + "".join(f"{s:>12}" for s in stages))
   for v in ("hot", "nohot"):
     print(f"  {v:40}" + "".join(f"{hv[v].get(s + '_ms', 0.0):>12.2f}" for s in stages))
-  keys = ("device_step_ms", "host_count_ms", "host_split_ms", "host_lookup_ms", "host_place_ms", "host_push_ms")
+  keys = ("device_step_ms", "host_count_ms", "host_split_ms", "host_resolve_ms", "host_lookup_ms", "host_place_ms")
+  keys += ("host_push_ms",)
   print("alone (floor), ms                         " + "".join(f"{k[:-3]:>16}" for k in keys))
   for v, fl in (("hot", f), ("nohot", f0)):
     print(f"  {v:40}" + "".join(f"{fl[k]:>16.2f}" for k in keys))
@@ -590,8 +598,9 @@ def main(argv):
     f"device's {f['peak_matmul_gflops']:.0f} GFLOP/s f32 matmul peak)"
   )
   print(
-    f"host per step, alone: read+dedup {f['host_read_dedup_ms']:.1f} ms (overlapped), lookup "
-    f"{f['host_lookup_ms']:.1f} ms, place {f['host_place_ms']:.1f} ms, push {f['host_push_ms']:.1f} ms "
+    f"host per step, alone: read+dedup {f['host_read_dedup_ms']:.1f} ms (overlapped), resolve "
+    f"{f['host_resolve_ms']:.1f} ms (overlapped), lookup (the read) {f['host_lookup_ms']:.1f} ms, place "
+    f"{f['host_place_ms']:.1f} ms, push {f['host_push_ms']:.1f} ms "
     f"({f['unique_rows_per_step']:,.0f} distinct rows)"
   )
   print(

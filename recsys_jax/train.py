@@ -208,6 +208,7 @@ def train_and_evaluate(
       save = _due(config.checkpoint_every, done, n)
       stopping = _hold_for_cut(gate, done, save, stop)
       publisher.step(p, done, gate, save or stopping)  # records the ids pushed; holds the lookups if it publishes
+      gate.decide(done)  # step done's ids may now be resolved ahead, unless held
       pusher.push(t, _payload(p, g_rows, m, scoring))
       publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)

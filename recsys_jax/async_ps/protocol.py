@@ -100,6 +100,19 @@ class RowStore(RowReader, Protocol):
     """``lookup_many({table: ids}, create, step)[table]``: float32 ``[len(ids), dim]``."""
     ...
 
+  def resolve_many(self, ids: Ids, step: int) -> int:
+    """Does the work of ``lookup_many(ids, create=True, step=step)`` that reads no row's value
+    (finding rows, creating unseen ids' rows), so that lookup, given these very arrays, has only
+    rows to read: a trainer resolves a step's ids while the step before it trains and its push is
+    not yet in. Optional for a store (it may resolve nothing; a remote one does not): results are
+    the same, bit for bit, with or without it, whatever pushes come in between. Raises
+    ``KeyError`` and ``ValueError`` for what a lookup refuses.
+
+    Returns:
+      The ids resolved ahead (0: the lookup does all the work).
+    """
+    ...
+
   def read_ahead_many(self, ids: Ids, step: int) -> int:
     """Starts bringing into RAM the disk-tier rows that ``lookup_many(ids, create=True, step=step)``
     would read, pinned until that step; returns at once, without waiting for the reads.

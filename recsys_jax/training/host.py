@@ -59,6 +59,8 @@ class Prepared:
   rows: Optional[Dict[int, np.ndarray]] = None
   hot_idx: Optional[Dict[str, np.ndarray]] = None
   """Row width -> the hot slots the step reads on the device (``hot_rows``), once looked up."""
+  resolved: bool = False
+  """Split into hot and cold (with hot rows) and its cold ids resolved by the PS (``HostPipeline.resolve``)."""
 
 
 class HostPipeline:
@@ -104,18 +106,30 @@ class HostPipeline:
     groups = dedup_lib.dedup(sparse, self.features, self.tables, weights, min_bucket=min_bucket)
     return Prepared(step, batch, groups, position, n_valid)
 
-  def lookup(self, p: Prepared, create: bool, gate: Optional[StalenessGate] = None) -> Prepared:
-    """Reads the rows of every table in one PS call (one request per shard).
-
-    A training step with hot rows first waits for its hot set (a re-choice may be under way)
-    and, before the run's first choice, for every earlier push (``gate``: the warm-up runs
-    synchronously); then it counts its ids and leaves the hot ones out: the device holds them.
-    """
-    if create and self.hot is not None:
+  def _split(self, p: Prepared, gate: Optional[StalenessGate]) -> None:
+    """With hot rows: waits for the step's hot set (a re-choice may be under way) and, before the
+    run's first choice, for every earlier push (``gate``: the warm-up runs synchronously); then
+    counts its ids and leaves the hot ones out: the device holds them."""
+    if self.hot is not None:
       self.hot.before_lookup(p.step)
       if gate is not None:
         self.hot.wait_warmup(p.step, gate)
       p.groups, p.hot_idx = self.hot.split(p.groups, self._min_bucket(int(p.batch["label"].shape[0]), True))
+
+  def resolve(self, p: Prepared, gate: Optional[StalenessGate] = None) -> Prepared:
+    """A training step's lookup work that reads no row, done before the staleness gate: the hot
+    split, then the PS's resolve of the cold ids (``RowStore.resolve_many``: rows found and
+    created), so that after the step before it is pushed only its rows are read (``lookup``)."""
+    self._split(p, gate)
+    self.ps.resolve_many(self.ids_of(p), step=p.step)
+    p.resolved = True
+    return p
+
+  def lookup(self, p: Prepared, create: bool, gate: Optional[StalenessGate] = None) -> Prepared:
+    """Reads the rows of every table in one PS call (one request per shard); a training step not
+    resolved first (``resolve``) is split into hot and cold here."""
+    if create and not p.resolved:
+      self._split(p, gate)
     wanted, out = {}, {}
     p.rows = {}
     for dim, g in p.groups.items():
@@ -263,6 +277,10 @@ class HostPipeline:
       assert p.step == t, (p.step, t)
       return p
 
+    def resolve(p: Prepared) -> Prepared:
+      with times.time("resolve"):
+        return self.resolve(p, gate)
+
     def lookup(p: Prepared) -> Prepared:
       with times.time("lookup"):
         return self.lookup(p, create=True, gate=gate)
@@ -290,6 +308,7 @@ class HostPipeline:
       depth=config.prefetch_depth,
       on_close=close,
       times=times,
+      resolve=resolve,
     )
 
   def eval_prefetcher(self, depth: int) -> Prefetcher:

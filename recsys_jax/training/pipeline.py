@@ -21,14 +21,21 @@ class Aborted(RuntimeError):
 
 
 class StalenessGate:
-  """Tracks the last step whose pushes are applied; lookups wait on it (and on a hold)."""
+  """Tracks the last step whose pushes are applied; lookups wait on it (and on a hold).
+
+  Resolving a step's ids ahead (``wait_resolve``) waits for neither the pushes nor the staleness
+  bound, only for the training loop to have decided whether that step's lookups are held (a
+  checkpoint or a publish after the step before it: ``decide``), so that no checkpoint's PS
+  snapshot holds rows a later step created.
+  """
 
   def __init__(self, last_applied: int):
     self._cond = threading.Condition()
     self.last_applied = last_applied
     self._error: Optional[BaseException] = None
     self._held_from: Optional[int] = None
-    self._passed = -1  # the last step whose lookup passed the gate
+    self._passed = -1  # the last step whose lookup (or resolve) passed the gate
+    self._decided = last_applied + 1  # the last step whose holds the loop has decided (the first step's: none)
 
   def _wait(self, ready: Callable[[], bool], timeout: Optional[float], what: str) -> None:
     with self._cond:
@@ -53,6 +60,24 @@ class StalenessGate:
       return ok
 
     self._wait(ready, timeout, f"the lookup of step {step} not allowed")
+
+  def wait_resolve(self, step: int, timeout: Optional[float] = None) -> None:
+    """Blocks until ``step``'s ids may be resolved ahead of its lookup: the loop has decided the
+    holds of ``step`` (``decide``) and none covers it. Counts as its lookup for ``hold``."""
+
+    def ready() -> bool:
+      ok = self._decided >= step and (self._held_from is None or step < self._held_from)
+      if ok:
+        self._passed = max(self._passed, step)
+      return ok
+
+    self._wait(ready, timeout, f"the resolve of step {step} not allowed")
+
+  def decide(self, step: int) -> None:
+    """The loop has decided whether the lookups of ``step`` are held (after the step before it)."""
+    with self._cond:
+      self._decided = max(self._decided, step)
+      self._cond.notify_all()
 
   def hold(self, step: int) -> bool:
     """Until ``release``, lookups of steps >= ``step`` wait, however many pushes are applied.
@@ -93,6 +118,9 @@ class Prefetcher:
     start, stop: the step range.
     prepare: step -> host batch (read + dedup); runs freely ahead.
     lookup: host batch -> batch with rows (PS lookup); runs once the gate allows.
+    resolve: host batch -> host batch, the lookup's work that reads no row (``RowStore.resolve_many``),
+      run before the staleness gate, once the loop has decided the step's holds
+      (``StalenessGate.wait_resolve``); None: the lookup does it all.
     place: batch with rows -> device arrays (e.g. ``jax.device_put``).
     gate: the staleness gate shared with the pusher.
     staleness: k; the lookup of step t waits for the pushes of steps <= t - k - 1.
@@ -115,10 +143,12 @@ class Prefetcher:
     depth: int = 2,
     on_close: Optional[Callable[[], None]] = None,
     times: Any = None,
+    resolve: Optional[Callable[[Any], Any]] = None,
   ):
     if staleness < 0:
       raise ValueError(f"staleness must be >= 0, got {staleness}")
     self._args = (start, stop, prepare, lookup, place)
+    self._resolve = resolve
     self._gate = gate
     self._k = staleness
     self._on_close = on_close
@@ -134,6 +164,11 @@ class Prefetcher:
     try:
       for t in range(start, stop):
         host = prepare(t)
+        if self._resolve is not None:
+          self._gate.wait_resolve(t)
+          if self._stop.is_set():
+            return
+          host = self._resolve(host)
         self._gate.wait_lookup(t, self._k)
         if self._stop.is_set():
           return

@@ -12,8 +12,10 @@ the loop), divided by the steps trained in that interval. CPU is ``time.thread_t
   gathering the batch's records and waiting for parses; without, the parsing too);
 - ``parse``: the format's parse of a chunk, or its read from the preprocessed cache (synthetic
   data: generating a batch), wherever it runs;
-- ``prepare`` (dedup), ``lookup`` (the PS read of the cold rows), ``place`` (the copy to the
-  devices): the host workers' and the prefetcher's work on a training batch;
+- ``prepare`` (dedup), ``resolve`` (the hot split and the PS's finding and creating of the cold
+  rows, before the staleness gate: ``HostPipeline.resolve``), ``lookup`` (the PS read of the cold
+  rows), ``place`` (the copy to the devices): the host workers' and the prefetcher's work on a
+  training batch;
 - ``read_ahead``: handing a later step's ids to the PS's read-ahead (``config.ps.read_ahead``; the
   reads themselves run on the PS's reader thread; 0 without a tier);
 - ``wait``: the training loop waiting for its next placed batch (the time a device sits idle);
@@ -35,7 +37,7 @@ import threading
 import time
 from typing import Dict, Iterator
 
-STAGES = ("read", "parse", "prepare", "read_ahead", "lookup", "place", "wait", "get", "push")
+STAGES = ("read", "parse", "prepare", "read_ahead", "resolve", "lookup", "place", "wait", "get", "push")
 COUNTS = ("rows", "bucket_rows", "place_row_bytes", "place_batch_bytes")
 
 

@@ -6,7 +6,7 @@ import pytest
 from recsys_jax.async_ps.store import initializers
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
-from recsys_jax.hashing import name_seed
+from recsys_jax.hashing import name_seed, splitmix64, uniform01
 
 U64_MAX = np.iinfo(np.uint64).max
 
@@ -178,6 +178,24 @@ def test_init_rows_with_a_seed_per_id_makes_each_tables_own_rows(kind):
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="2 seeds for 3 ids"):
     initializers.init_rows(ids[0][:3], 8, seeds[:2], kind, 0.1)
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_uniform_rows_are_the_numpy_formulas_bits(dim):
+  """'uniform' rows come from one compiled pass; they must be, bit for bit, the numpy formula the
+  rows of every checkpoint and served model were made with: (2 u - 1) * scale in float64 with
+  u = uniform01(splitmix64(splitmix64(id ^ seed) ^ (j + 1) * C)), rounded to float32 (the ids at
+  the uint64 edges, one seed for all and one seed per id)."""
+  rng = np.random.default_rng(dim)
+  ids = rng.integers(0, U64_MAX, 3000, dtype=np.uint64, endpoint=True)
+  ids[:3] = np.array([0, 2**63, U64_MAX], np.uint64)
+  for seed in (name_seed("t", 1), rng.integers(0, U64_MAX, 3000, dtype=np.uint64, endpoint=True)):
+    for scale in (0.05, 0.3, 1e-3):
+      base = splitmix64(ids ^ seed)
+      cols = np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+      u = uniform01(splitmix64(base[:, None] ^ cols[None, :]))
+      want = ((2.0 * u - 1.0) * scale).astype(np.float32)
+      np.testing.assert_array_equal(initializers.init_rows(ids, dim, seed, "uniform", scale), want)
 
 
 def test_lookup_without_create_reads_init_and_does_not_grow():

@@ -36,7 +36,7 @@ SMALL_SPECS = [dataclasses.replace(s, capacity=TIER_CAPACITY) for s in SPECS]
 # Rows a table may hold staged by read_ahead_many (the default, a quarter of TIER_CAPACITY, is
 # less than a step's misses, so nothing would be staged); a sequence below stages a few dozen.
 READ_AHEAD_ROWS = 1000
-KINDS = ["local", "tiered", "remote"]
+KINDS = ["local", "local_one_shard", "tiered", "remote"]
 TIERED = ("tiered", "remote_tiered")
 
 
@@ -117,6 +117,8 @@ def _new_store(kind, request, tier_path):
   newest remote store of a test holds its state)."""
   if kind == "local":
     return ParameterServer(SPECS, num_shards=3, seed=SEED, threads=2, min_rows=1)
+  if kind == "local_one_shard":  # plain tables worked several at a time, resolved ahead (Table.plain)
+    return ParameterServer(SPECS, seed=SEED, threads=2, min_rows=1)
   if kind == "tiered":
     tier = {"driver": "file", "path": str(tier_path)}
     return ParameterServer(SMALL_SPECS, seed=SEED, tier=tier, protect_steps=1, read_ahead_rows=READ_AHEAD_ROWS)
@@ -464,6 +466,42 @@ def test_reading_ahead_changes_no_row(make_any):
     assert staged == 0 and all(c["read_ahead_rows"] == c["read_ahead_hits"] == 0 for c in counts.values())
 
 
+def test_resolving_ahead_of_the_push_before_changes_no_row(make_any):
+  """The trainer's order at k = 0 with ``resolve_many``: step t + 1's ids resolved before step t's
+  push, then step t's push, then step t + 1's lookup (the same arrays). Every lookup reads the
+  reference's rows and the store ends with its rows and slots, bit for bit, with as many lookups,
+  rows created and pushed; in process, the plain tables' ids were resolved ahead, a remote store
+  resolves nothing (0). Bad input is refused as a lookup refuses it."""
+  ids, grads = _sequence()
+  touched = {t: np.unique(np.concatenate([i[t] for i in ids])) for t in ids[0]}
+  ref = _reference()
+  want, _, _ = _run(ref, ids, grads)
+  ps = make_any()
+  start = ps.stats()
+  resolved = ps.resolve_many(ids[0], 0)
+  got = []
+  for t in range(len(ids)):
+    got.append({k: v.copy() for k, v in ps.lookup_many(ids[t], create=True, step=t).items()})
+    if t + 1 < len(ids):
+      resolved += ps.resolve_many(ids[t + 1], t + 1)  # before step t's push, as a trainer does
+    ps.apply_many(grads[t], step=t)
+  for t in range(len(ids)):
+    _assert_same(got[t], want[t])
+  _assert_same(_export(ps, touched), _export(ref, touched))
+  end, ref_counts = ps.stats(), ref.stats()
+  for t in end:
+    assert {k: end[t][k] - start[t][k] for k in _SAME_COUNTERS} == {k: ref_counts[t][k] for k in _SAME_COUNTERS}, t
+  plain = [t for t in SPECS if not (t.capacity or t.expire_after or t.admit_after > 1 or t.admit_probability < 1.0)]
+  if make_any.kind == "local_one_shard":
+    assert resolved == sum(i[t.name].shape[0] for i in ids for t in plain if t.storage_dtype == "float32"), resolved
+  else:  # several shards, a tier on every table, or the servers: the lookups do it all
+    assert resolved == 0
+  with pytest.raises(KeyError, match="ghost"):
+    ps.resolve_many({"ghost": np.arange(3)}, 1)
+  with pytest.raises(ValueError, match="non-negative"):
+    ps.resolve_many({SPECS[0].name: np.array([1, -2])}, 1)
+
+
 @pytest.mark.parametrize(
   "call, error, words",
   [
@@ -567,6 +605,8 @@ _PARTIAL_PUSH = {
   "local": "a gradient for an id an unbounded table never looked up raises KeyError from its table "
   "shard after the push's other shards applied their parts (checking first would cost a second id "
   "search on every push)",
+  "local_one_shard": "its plain tables are pushed in groups, one per thread: the group of the table "
+  "with the unknown id refuses whole, and the other group has applied its part",
   "remote": "the server takes the push, then fails applying the step (FAILED_PRECONDITION, a "
   "RemotePSError, not KeyError), and the other server has applied its part",
 }

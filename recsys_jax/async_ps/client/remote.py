@@ -319,6 +319,14 @@ class RemotePS:
         raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
     return ids
 
+  def resolve_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
+    """Resolves nothing ahead (the servers' lookups do all their work when asked; see the
+    protocol): checks what a lookup checks and returns 0, sending nothing."""
+    if int(step) < 0:
+      raise ValueError(f"step {step} is negative: steps count from 0")
+    self._checked_ids(ids)
+    return 0
+
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
     """Has each server start bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read.
 

@@ -260,3 +260,23 @@ def move_rows(a, holes, movers):
     m = movers[i]
     for j in range(width):
       a[h, j] = a[m, j]
+
+
+# -- initial rows ---------------------------------------------------------------------------
+
+
+@jit
+def init_uniform(ids, seeds, per_id, col, scale, out):
+  """``out[i, j]`` = the 'uniform' initial value of id ``ids[i]``, column ``j``, exactly as
+  ``store.initializers.init_rows`` computes it with numpy: ``u = uniform01(splitmix64(splitmix64(
+  id ^ seed) ^ (j + 1) * col))``, then ``float32((2u - 1) * scale)`` in float64 (every step exact or
+  correctly rounded, so the same bits). ``seeds``: one table seed (``per_id`` False: ``seeds[0]``)
+  or one per id."""
+  dim = out.shape[1]
+  for i in range(ids.shape[0]):
+    s = seeds[i] if per_id else seeds[0]
+    base = splitmix64_one(ids[i] ^ s)
+    for j in range(dim):
+      h = splitmix64_one(base ^ (np.uint64(j + 1) * col))
+      u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+      out[i, j] = np.float32((2.0 * u - 1.0) * scale)

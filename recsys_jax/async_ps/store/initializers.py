@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from recsys_jax.async_ps import kernels
 from recsys_jax.hashing import splitmix64, uniform01
 
 _COL = np.uint64(0xD1B54A32D192ED03)
@@ -18,6 +19,8 @@ _BLOCK_VALUES = 1 << 18
 
 
 def _uniforms(ids: np.ndarray, dim: int, table_seed: np.uint64) -> np.ndarray:
+  """Uniforms in [0, 1) per (id, column): what the 'normal' rows are made from (and, in one
+  compiled pass, ``kernels.init_uniform``'s)."""
   base = splitmix64(np.asarray(ids, np.uint64) ^ table_seed)
   cols = np.arange(1, dim + 1, dtype=np.uint64) * _COL
   return uniform01(splitmix64(base[:, None] ^ cols[None, :]))
@@ -45,6 +48,10 @@ def init_rows(
     raise ValueError(f"init_rows: {seeds.shape[0]} seeds for {n} ids")
   out = np.zeros((n, dim), np.float32)
   if kind == "zeros":
+    return out
+  if kind == "uniform":  # one compiled pass, the same bits (the numpy form below took most of a creating lookup)
+    per_id = bool(seeds.ndim)
+    kernels.init_uniform(ids, seeds.reshape(-1) if per_id else seeds.reshape(1), per_id, _COL, float(scale), out)
     return out
   step = max(1, _BLOCK_VALUES // max(dim, 1))
   for a in range(0, n, step):  # element-wise, so the blocks change no value

@@ -201,6 +201,38 @@ class ParameterServer:
     self._fan_out(ids, look, look_plain)
     return dict(out)
 
+  def resolve_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
+    """Finds and creates the rows that ``lookup_many(ids, create=True, step=step)`` will read, and
+    reads no value: that lookup (with these very arrays) then only gathers them.
+
+    Exact whatever happens in between (pushes of earlier steps, above all): only the plain tables
+    of a one-shard store (``Table.plain``: their rows never move) resolve ahead; the others do all
+    their work in the lookup, as without it. So a trainer resolves step t's ids while step t - 1
+    trains, and only the gather waits for the staleness bound.
+
+    Args:
+      ids: {table: distinct ids} of a later ``lookup_many(ids, create=True, step=step)``.
+      step: that lookup's step.
+
+    Returns:
+      The ids resolved ahead (summed over tables).
+    """
+    _check_step(step)
+    for t in ids:
+      self._check(t)
+    checked = {t: as_ids(v, t) for t, v in ids.items()}  # bad ids refused as a lookup refuses them
+    if self.num_shards != 1:
+      return 0
+    plain = {t: v for t, v in checked.items() if self.shards[0][t].plain}
+
+    def resolve(names):
+      Table.resolve_plain([self.shards[0][t] for t in names], [plain[t] for t in names], step)
+
+    self._workers.run(
+      [(sum(plain[t].shape[0] for t in g), functools.partial(resolve, g)) for g in self._groups(list(plain), plain)]
+    )
+    return sum(v.shape[0] for v in plain.values())
+
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
     """Starts bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read,
     pinned until that step (``Table.read_ahead``); returns at once.

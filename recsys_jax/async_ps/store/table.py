@@ -512,6 +512,8 @@ class Table:
     ids (creating their rows, or reading their initial values): a ``lookup`` makes a dozen numpy
     calls a table, which held the GIL longer than its kernels ran at the main job's shape. Results,
     counters and the rows kept for the push (``_remember``) are those of ``lookup``, table by table.
+    A training lookup whose ids ``resolve_plain`` resolved for its step (the same arrays) only
+    gathers the rows it found.
 
     Args:
       tables: distinct plain tables.
@@ -527,32 +529,55 @@ class Table:
           raise ValueError(
             f"table {t.spec.name!r}: out is {o.dtype} {o.shape}, expected C-contiguous float32 ({i.shape[0]}, {t.spec.dim})"
           )
-        if step is not None and create:
-          t.step = max(t.step, int(step))
-        if create and t._unstamped:
-          t._stamp()
-        m = t._ids
-        rows = np.empty(i.shape[0], np.int64)
-        absent = kernels.find(m.slot_keys, m.slot_rows, m.mask, m.salt, kernels.read_only(i), rows)
-        if absent:
-          rest = np.flatnonzero(rows < 0)
-          if create:
-            rows[rest] = t._insert(i[rest], None, None, absent=True)
-            t.counters["created"] += rest.shape[0]
-          else:  # rounded as a created row would be
-            o[rest] = t._init(i[rest]).astype(t._wdtype, copy=False)
+        rows = t._resolved(step, i) if create else None
+        if rows is None:
+          rows = t._resolve(i, create, step, o)
         if kernels.gather_rows(t._weights, rows, o) >= 0:
           raise IndexError(f"table {t.spec.name!r}: a row out of range (a corrupt id map)")
-        if create:
-          c = t.counters
-          c["lookups"] += i.shape[0]
-          c["hits"] += i.shape[0] - absent
-          c["misses"] += absent
-          t._remember(step, i, rows)
     share = (time.perf_counter() - t0) / max(1, len(tables))
     for t in tables:
       t.timers["lookup_s"] += share
       t.timers["lookup_calls"] += 1
+
+  @staticmethod
+  def resolve_plain(tables: Sequence["Table"], ids: Sequence[np.ndarray], step: int) -> None:
+    """The part of ``lookup_plain(tables, ids, ..., create=True, step)`` that reads no row value:
+    each id's row found, unseen ids' rows created, counted, kept for the lookup and the push of
+    ``step`` (``_remember``). The lookup of ``step`` with these very arrays then only gathers.
+
+    Exact whenever it runs before that lookup: a plain table's rows never move, creating a row
+    touches no other, and a push changes values, not where rows lie. So a trainer resolves a
+    step's ids while the step before it still trains, and only the gather waits for that step's
+    push (the staleness bound)."""
+    with Table._all_locked(tables):
+      for t, i in zip(tables, ids):
+        if t._resolved(step, i) is None:
+          t._resolve(i, True, step, None)
+
+  def _resolve(self, ids: np.ndarray, create: bool, step: Optional[int], out: Optional[np.ndarray]) -> np.ndarray:
+    """A plain table's rows of ``ids`` (the lock held): found, the unseen ones created (``create``)
+    or their initial values written into ``out``; counted and kept (``_remember``) if ``create``."""
+    if step is not None and create:
+      self.step = max(self.step, int(step))
+    if create and self._unstamped:
+      self._stamp()
+    m = self._ids
+    rows = np.empty(ids.shape[0], np.int64)
+    absent = kernels.find(m.slot_keys, m.slot_rows, m.mask, m.salt, kernels.read_only(ids), rows)
+    if absent:
+      rest = np.flatnonzero(rows < 0)
+      if create:
+        rows[rest] = self._insert(ids[rest], None, None, absent=True)
+        self.counters["created"] += rest.shape[0]
+      else:  # rounded as a created row would be
+        out[rest] = self._init(ids[rest]).astype(self._wdtype, copy=False)
+    if create:
+      c = self.counters
+      c["lookups"] += ids.shape[0]
+      c["hits"] += ids.shape[0] - absent
+      c["misses"] += absent
+      self._remember(step, ids, rows)
+    return rows
 
   @staticmethod
   def apply_plain(
@@ -614,16 +639,20 @@ class Table:
     while len(self._looked_up) > self._REMEMBERED_STEPS:
       del self._looked_up[min(self._looked_up)]
 
-  def _recall(self, step: Optional[int], ids: np.ndarray) -> Optional[np.ndarray]:
-    """The rows ``_remember`` kept for ``step`` if ``ids`` is the array that lookup was given (and is
-    forgotten then); None otherwise."""
+  def _resolved(self, step: Optional[int], ids: np.ndarray) -> Optional[np.ndarray]:
+    """The rows ``_remember`` kept for ``step`` if ``ids`` is the array that lookup (or resolve) was
+    given, kept for the push; None otherwise."""
     if step is None:
       return None
     kept = self._looked_up.get(int(step))
-    if kept is None or kept[0] is not ids:
-      return None
-    del self._looked_up[int(step)]
-    return kept[1]
+    return kept[1] if kept is not None and kept[0] is ids else None
+
+  def _recall(self, step: Optional[int], ids: np.ndarray) -> Optional[np.ndarray]:
+    """``_resolved``, forgotten then (the push of ``step`` is its last use)."""
+    rows = self._resolved(step, ids)
+    if rows is not None:
+      del self._looked_up[int(step)]
+    return rows
 
   def apply(self, ids: np.ndarray, grads: np.ndarray, step: Optional[int] = None, distinct: bool = False) -> None:
     """Applies the row optimizer to distinct ids.
@@ -701,7 +730,8 @@ class Table:
       "tier_wait_s": self.timers["tier_wait_s"],
       "evict_s": self.timers["evict_s"],
       "reads_in_flight": sum(not f.done() for f in self._ahead_jobs),
-      "read_ahead_pinned": int(np.count_nonzero(self._last_seen[:n] > self.step)),
+      # Only a read-ahead pins, and only a tiered table reads ahead: no pass over every row otherwise.
+      "read_ahead_pinned": int(np.count_nonzero(self._last_seen[:n] > self.step)) if self.tier is not None else 0,
       "write_behind_rows": self.tier.stats()["pending_rows"] if self.tier is not None else 0,
     }
 
