@@ -20,6 +20,10 @@ def get_config() -> ml_collections.ConfigDict:
   # hybrid). With staleness k as well, Persia's fully asynchronous baseline.
   c.dense_staleness = 0
   c.prefetch_depth = 2  # Steps placed on the device ahead of the training loop.
+  # A step's inputs go to the device packed in two buffers (recsys_jax/training/packing.py); True:
+  # each is first staged in pinned (page-locked) host memory, where the devices have it (GPUs;
+  # ignored on a CPU), so the copy to the device is a DMA from it.
+  c.place_pinned_host = False
   # Host worker threads that parse and dedup batches ahead of the loop (-1: one per core; 0: none,
   # all on the prefetcher thread). Results do not depend on it (recsys_jax/training/feed.py).
   c.host_workers = -1

@@ -18,6 +18,7 @@ import numpy as np
 
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.parallel import mesh as mesh_lib
+from recsys_jax.training import packing
 from recsys_jax.training.feed import Feed
 from recsys_jax.training.pipeline import Prefetcher, StalenessGate
 from recsys_jax.training.stage_times import StageTimes
@@ -70,7 +71,9 @@ class HostPipeline:
   the prefetcher thread).
   """
 
-  def __init__(self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None, workers: int = 0):
+  def __init__(
+    self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None, workers: int = 0, pinned_host=False
+  ):
     self.reader, self.ps, self.features, self.tables = reader, ps, features, tables_by_name
     self.workers = int(workers)
     self.aliases = dict(aliases or {})
@@ -87,6 +90,10 @@ class HostPipeline:
       d = tables_by_name[f.table].dim
       self._ids_per_record[d] = self._ids_per_record.get(d, 0) + f.max_len
     self.local_devices = jax.local_device_count()
+    # Stage a step's two packed buffers in pinned host memory (config.place_pinned_host), where the
+    # devices have such memory; a CPU's "devices" are host memory already.
+    kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+    self.pinned_host = bool(pinned_host) and "pinned_host" in kinds and jax.default_backend() != "cpu"
     self.hot = None
     """The run's :class:`recsys_jax.training.hot_rows.HotRows`, if it keeps hot rows on the device."""
     self.times = StageTimes()
@@ -189,6 +196,11 @@ class HostPipeline:
     self.times.count("place_row_bytes", sum(x.nbytes for x in jax.tree.leaves(rows)))
     self.times.count("place_batch_bytes", sum(x.nbytes for x in jax.tree.leaves(batch)))
     if not self.multi_process:
+      packed_rows, packed_batch = packing.pack(rows, by_record=False), packing.pack(batch, by_record=True)
+      if packed_rows is not None and packed_batch is not None:  # two copies in all (training/packing.py)
+        self.times.count("place_copies", 2)
+        return p, self._put(packed_rows, self.replicated), self._put(packed_batch, self.data_sharding)
+      self.times.count("place_copies", len(jax.tree.leaves(rows)) + len(jax.tree.leaves(batch)))
       return p, jax.device_put(rows, self.replicated), jax.device_put(batch, self.data_sharding)
 
     def local(x):
@@ -198,6 +210,15 @@ class HostPipeline:
       return local(np.tile(x, (self.local_devices,) + (1,) * (x.ndim - 1)))
 
     return p, jax.tree.map(tiled, rows), jax.tree.map(local, batch)
+
+  def _put(self, packed: packing.Packed, sharding) -> packing.Packed:
+    """A packed buffer on the devices: one copy, staged in pinned host memory first where the run
+    asks for it and the devices have it (``pinned_host``: the copy to the device is then a DMA
+    from page-locked memory, not through the runtime's own staging)."""
+    words = packed.words
+    if self.pinned_host:
+      words = jax.device_put(words, sharding.with_memory_kind("pinned_host"))
+    return packing.Packed(jax.device_put(words, sharding), packed.layout)
 
   def push_step(self, step: int, payload) -> float:
     """The pusher's work for one step: waits for its device step, pushes its row gradients.

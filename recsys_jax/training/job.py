@@ -89,7 +89,9 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
   multi = jax.process_count() > 1
   # Several processes evaluate on their own devices, each its share of the eval set.
   eval_mesh = mesh_lib.make_mesh(-1, 1, jax.local_devices()) if multi else mesh
-  host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh, worker_count(config.host_workers))
+  workers = worker_count(config.host_workers)
+  pinned = bool(config.get("place_pinned_host", False))
+  host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh, workers, pinned_host=pinned)
   group_features = steps_lib.group_features(features, tables_by_name)
   traces: Dict[str, int] = {}
   repl = mesh_lib.replicated(mesh)

@@ -27,7 +27,9 @@ the loop), divided by the steps trained in that interval. CPU is ``time.thread_t
 ``place_row_bytes_per_step`` and ``place_batch_bytes_per_step`` are the bytes a training batch's
 placement copies host -> device: its rows (each group's bucket, and with hot rows the 4-byte hot
 slots) and the rest (dense features, labels, the inverse indices and weights), counted by
-``HostPipeline.place`` from the arrays it hands to ``device_put`` (one process's share).
+``HostPipeline.place`` from the arrays it hands to ``device_put`` (one process's share);
+``place_copies_per_step`` the host-to-device copies that makes (2 with one process: the step's
+inputs packed in two buffers, ``training/packing.py``; one per array otherwise).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import time
 from typing import Dict, Iterator
 
 STAGES = ("read", "parse", "prepare", "read_ahead", "resolve", "lookup", "place", "wait", "get", "push")
-COUNTS = ("rows", "bucket_rows", "place_row_bytes", "place_batch_bytes")
+COUNTS = ("rows", "bucket_rows", "place_row_bytes", "place_batch_bytes", "place_copies")
 
 
 class StageTimes:

@@ -22,6 +22,7 @@ from recsys_jax.data.base import Schema
 from recsys_jax.embeddings import pooling
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.parallel import mics, offload
+from recsys_jax.training import packing
 from recsys_jax.training.validation import dense_optimizer
 
 
@@ -202,6 +203,7 @@ def make_train_step(
 
   def train_step(state, hot, rows, batch):
     traces["train"] = traces.get("train", 0) + 1  # runs only while tracing
+    rows, batch = packing.unpack(rows), packing.unpack(batch)  # placed as two buffers (host.place)
     state = state.replace(opt_state=offload.to_device(state.opt_state, opt_state_on_device))
     return mapped(state, hot, rows, batch)
 
@@ -212,6 +214,7 @@ def no_train_step(state, hot, rows, batch):
   """The step of ``config.device_step = 'none'``: zero row gradients of the cold rows' shapes, the
   state and hot rows unchanged, loss 0; a run with it measures the host pipeline alone."""
   del batch
+  rows = packing.unpack(rows)
   return state, hot, jax.tree.map(jnp.zeros_like, rows["cold"]), {"loss": jnp.zeros((), jnp.float32)}
 
 

@@ -36,7 +36,7 @@ _FLOATS = (
   "data.bias data.dense_scale data.id_scale data.pair_scale data.stream_poll_s data.stream_idle_exit_s "
   "publish_every_s publish_dense_every_s"
 ).split()
-_BOOLS = "progress_bar final_checkpoint data.shuffle".split()
+_BOOLS = "progress_bar final_checkpoint place_pinned_host data.shuffle".split()
 _MAX_DENSE_STALENESS = 1024
 _STRS = (
   "device_step data.name data.stream_dir data.on_bad_record data.label data.dense_transform data.delimiter data.path data.split "

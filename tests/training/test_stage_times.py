@@ -25,7 +25,7 @@ def test_train_records_carry_stage_times_and_exact_row_counts(tiny_config, tmp_p
   for r in recs:
     keys = [f"host_{s}_ms" for s in STAGES] + [f"host_{s}_cpu_ms" for s in STAGES] + [f"{k}_per_step" for k in COUNTS]
     assert all(math.isfinite(r[k]) and r[k] >= 0 for k in keys), r
-    for stage in ("read", "parse", "prepare", "lookup", "place", "push"):  # work each step does
+    for stage in ("read", "parse", "prepare", "resolve", "lookup", "place", "push"):  # work each step does
       assert r[f"host_{stage}_ms"] > 0, (stage, r)
     assert r["loss"] == 0.0  # the no-op step
     assert r["train_s"] > 0 and r["samples_per_sec"] == (6 * c.batch_size) / r["train_s"]
@@ -47,6 +47,8 @@ def test_train_records_carry_stage_times_and_exact_row_counts(tiny_config, tmp_p
     6 * r["bucket_rows_per_step"] * 4 * c.embeddings.dim for r in recs
   )
   assert sum(6 * r["place_batch_bytes_per_step"] for r in recs) == sum(batch_bytes)
+  # In two host-to-device copies a step: its inputs packed in two buffers (training/packing.py).
+  assert [r["place_copies_per_step"] for r in recs] == [2.0, 2.0]
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
   assert summary["steps_this_run"] == 12 and math.isfinite(summary["auc"])
 
