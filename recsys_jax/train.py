@@ -12,6 +12,7 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import queue
 import threading
@@ -23,7 +24,7 @@ import ml_collections
 from recsys_jax.async_ps.factory import parse_kvstore
 from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
-from recsys_jax.training import heap, run_config
+from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, last_step
 from recsys_jax.training.job import Job, build_job, build_ps
@@ -53,6 +54,19 @@ __all__ = [
   "train_and_evaluate",
   "validate_config",
 ]
+
+
+def _settle_heap() -> None:
+  """Keeps the cyclic garbage collector off the heap of long-lived objects a trainer holds (jax's
+  and flax's: traced functions, compiled executables, the model, the configs): every host thread
+  allocates small objects every step, so CPython runs a full collection over that whole heap every
+  so often, on whichever thread crossed the threshold, holding the GIL (90-150 ms here, once or
+  twice a run, every host thread waiting; ``experiments/bench_feed.py`` reports ``gc_ms_per_step``).
+  Collects once, then freezes what is alive (``gc.freeze``): later collections look at objects made
+  after it only. Reference counting frees frozen objects as before; only a cycle of them that
+  becomes garbage is never collected, and the objects alive when a loop starts are the run's own."""
+  gc.collect()
+  gc.freeze()
 
 
 def _due(every: int, done: int, last: int) -> bool:
@@ -192,7 +206,7 @@ def train_and_evaluate(
   pusher = Pusher(lambda t, pl: progress.record_step(t, host.push_step(t, pl[:3]), pl[2], pl[3]), gate)
   scoring = config.get("device_step", "model") == "score"
   done, data_error = start, None
-  heap.settle()
+  _settle_heap()
   try:
     for t in range(start, last_step(n)):
       hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
@@ -203,7 +217,7 @@ def train_and_evaluate(
       ckpts.positions[t] = p.position
       state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
       if t == start:
-        heap.settle()  # and what compiling the step made
+        _settle_heap()  # and what compiling the step made
       done = t + 1
       save = _due(config.checkpoint_every, done, n)
       stopping = _hold_for_cut(gate, done, save, stop)

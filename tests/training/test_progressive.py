@@ -16,6 +16,7 @@ import pytest
 from configs import tiny
 from recsys_jax import metrics, train
 from recsys_jax.online import progressive as prog_lib
+from recsys_jax.training import packing
 from recsys_jax.training.writers import Progress
 
 
@@ -104,7 +105,7 @@ def _first_batches(job, c, n):
   out = []
   for t, (b, _) in zip(range(n), job.reader.train()):
     p = job.host.lookup(job.host.prepare(t, b), create=True)
-    _, rows, batch = job.host.place(p)
+    _, rows, batch = job.host.place(p)  # packed in two buffers: the step takes them apart, the test too
     out.append((p, rows, batch))
   return out
 
@@ -123,16 +124,17 @@ def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_s
   state = job.state
   for t, (p, rows, batch) in enumerate(_first_batches(job, c, 3)):
     before = jax.tree.map(jnp.copy, state.params)  # the step donates the state
-    logits_ref = job.eval_step(before, rows["cold"], batch)["logits"]
+    logits_ref = job.eval_step(before, packing.unpack(rows)["cold"], packing.unpack(batch))["logits"]
     state, _, g, m = job.train_step(state, job.hot_state, rows, batch)
     np.testing.assert_allclose(np.asarray(m["logits"]), np.asarray(logits_ref), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(m["label"]), batch["label"])
+    np.testing.assert_array_equal(np.asarray(m["label"]), packing.unpack(batch)["label"])
     assert float(m["loss"]) == pytest.approx(
-      float(np.mean(np.logaddexp(0, m["logits"]) - batch["label"] * m["logits"])), rel=1e-5
+      float(np.mean(np.logaddexp(0, m["logits"]) - packing.unpack(batch)["label"] * m["logits"])), rel=1e-5
     )
     job.host.push(p.groups, jax.device_get(g), t)  # the next batch sees the updated rows
   assert not np.array_equal(
-    np.asarray(m["logits"]), np.asarray(job.eval_step(state.params, rows["cold"], batch)["logits"])
+    np.asarray(m["logits"]),
+    np.asarray(job.eval_step(state.params, packing.unpack(rows)["cold"], packing.unpack(batch))["logits"]),
   )
 
   c.device_step = "score"
@@ -142,7 +144,7 @@ def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_s
   st, _, g, m = scorer.train_step(scorer.state, scorer.hot_state, rows, batch)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(st.params), params0)
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(g))
-  ref = scorer.eval_step(st.params, rows["cold"], batch)["logits"]
+  ref = scorer.eval_step(st.params, packing.unpack(rows)["cold"], packing.unpack(batch))["logits"]
   np.testing.assert_allclose(np.asarray(m["logits"]), np.asarray(ref), rtol=1e-5, atol=1e-6)
   job.ps.close()
   scorer.ps.close()
@@ -152,6 +154,7 @@ _MESH_CHECK = r"""
 import jax, jax.numpy as jnp, numpy as np
 from configs import tiny
 from recsys_jax import train
+from recsys_jax.training import packing
 c = tiny.get_config()
 c.hot_rows_bytes, c.micro_steps, c.mesh.fsdp, c.batch_size, c.progressive.window = 0, 2, 2, 512, 1000
 job = train.build_job(c, restore=False)
@@ -159,7 +162,7 @@ state, worst = job.state, 0.0
 for t, (b, _) in zip(range(3), job.reader.train()):
   p = job.host.lookup(job.host.prepare(t, b), create=True)
   _, rows, batch = job.host.place(p)
-  ref = np.asarray(job.eval_step(jax.tree.map(jnp.copy, state.params), rows["cold"], batch)["logits"])
+  ref = np.asarray(job.eval_step(jax.tree.map(jnp.copy, state.params), packing.unpack(rows)["cold"], packing.unpack(batch))["logits"])
   state, _, g, m = job.train_step(state, job.hot_state, rows, batch)
   assert np.array_equal(np.asarray(m["label"]), b["label"])
   worst = max(worst, float(np.abs(np.asarray(m["logits"]) - ref).max()))
