@@ -111,6 +111,9 @@ _DATA_DIR = flags.DEFINE_string(
 )
 _BASELINE = flags.DEFINE_string("baseline", None, "A checkout to run with one worker for comparison.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON lines to this file.", allow_override=True)
+_PNG_OUT = flags.DEFINE_string(
+  "png_out", None, "Plot samples/s and each stage's time against the worker counts, per source and batch (PNG)."
+)
 _TRANSFER = flags.DEFINE_bool(
   "transfer", False, "Only measure what handing parsed chunks back from worker processes would cost (no runs)."
 )
@@ -235,8 +238,10 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
   window = SampledWindow(s["warmup"], n, sampler if s.get("gil") else None)
   try:
     summary = train.train_and_evaluate(c, workdir, on_metrics=window.on_metrics)
-  finally:
-    gil = window.result()
+  except BaseException:
+    window.abandon()  # the run's own error is the one to report
+    raise
+  gil = window.result()
   recs = train.read_metrics(workdir, "train")
   w, w0 = s["warmup"], s["first_timed"]
   timed = interval_steps(recs, w, n)  # warmup and n are multiples of L: whole intervals
@@ -354,6 +359,12 @@ class SampledWindow:
           return
     except BaseException as e:  # noqa: BLE001 - re-raised by result()
       self._error = e
+
+  def abandon(self) -> None:
+    """Stops sampling, if it started, without a figure (the run failed)."""
+    if self.sampler is not None:
+      self._events.put(None)
+      self._thread.join()
 
   def result(self) -> Optional[Dict[str, Any]]:
     """The sampler's figures (None without one); raises what sampling raised, or if the window never opened."""
@@ -516,6 +527,40 @@ def print_table(results: List[Dict[str, Any]]) -> None:
     print(" " * 106 + "".join(f"{'(%.2f)' % r.get(f'{s}_cpu_ms', float('nan')):>9}" for s in STAGES))
 
 
+def plot_workers(results: List[Dict[str, Any]], path: str) -> None:
+  """Per (source, batch, step) of this checkout: samples/s against the host worker counts (left),
+  and each stage's wall ms a batch beside the batch's own time (right): where samples/s stops
+  growing, the stage whose line meets the batch's time is the one that bounds it."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  series: Dict[tuple, List[Dict[str, Any]]] = {}
+  for r in results:
+    if r["label"] == "new":
+      series.setdefault((r["source"], r["batch"], r["step"]), []).append(r)
+  fig, axes = plt.subplots(len(series), 2, figsize=(12, 4 * len(series)), squeeze=False)
+  for (left, right), ((source, batch, step), rs) in zip(axes, sorted(series.items())):
+    rs = sorted(rs, key=lambda r: r["workers"])
+    w = [r["workers"] for r in rs]
+    left.plot(w, [r["feed_samples_per_s"] / 1e6 for r in rs], "o-", label="samples/s")
+    left.set(xlabel="host workers", ylabel="M samples/s", title=f"{source}, batch {batch}, step {step}")
+    left.set_xticks(w)
+    left.grid(alpha=0.3)
+    right.plot(w, [1e3 * batch / r["feed_samples_per_s"] for r in rs], "k--", lw=2, label="a batch (1/throughput)")
+    for stage in STAGES:
+      ys = [r.get(f"{stage}_ms", float("nan")) for r in rs]
+      if stage != "wait" and any(y > 0 for y in ys):
+        right.plot(w, ys, "o-", label=stage)
+    right.set(xlabel="host workers", ylabel="ms a batch (wall, on its thread)", title="where a batch's time goes")
+    right.set_xticks(w)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+  fig.tight_layout()
+  outputs.save_figure(fig, path, dpi=110)
+
+
 def schedule(records: int, batch: int, workers: int) -> Dict[str, int]:
   """Steps, warm-up and log interval of a setting: the warm-up is one pass over ``records`` (every
   row exists) and at least ``--warmup_steps``; both it and the run end on a train record (every
@@ -620,6 +665,8 @@ def main(argv):
   lines = [json.dumps(r) for r in results]
   if _JSON_OUT.value:
     outputs.write_text(_JSON_OUT.value, "\n".join(lines) + "\n")
+  if _PNG_OUT.value and results:
+    plot_workers(results, _PNG_OUT.value)
   for line in lines:
     print(line)
   for line in failed:  # again at the end, where a reader of the table looks

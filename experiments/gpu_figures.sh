@@ -6,7 +6,10 @@
 #     bash experiments/gpu_figures.sh OUT_DIR [WHEEL_DIR] [STEP ...]
 #
 # STEPs (default: all, about 10 minutes on an H200 with 16 cores; name some to split the run):
-# env bench_step bench_train bench_train_w4 bench_tier_train bench_feed bench_ps bench_scorer.
+# env feed_65536 train_gpu bench_step bench_train bench_train_w4 bench_tier_train bench_feed bench_ps
+# bench_scorer. The first two are issue 39's, at batch 65536: the host half alone against host
+# worker counts (is one host a million samples a second, and which stage stops it?), and the
+# PS path against on-device embeddings with configs/dlrm_gpu.py.
 # WHEEL_DIR holds wheels of the pure-Python packages the machine lacks (ml-collections,
 # tensorboardX), installed into /tmp/site. Writes OUT_DIR/log.txt (everything printed, each
 # command with its exit status) and the benchmarks' JSON and PNG files. Uses whatever JAX the
@@ -41,6 +44,13 @@ step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND with a time limit, logs i
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv; nproc; uptime; \
   $py -c 'import jax; from importlib.metadata import version as v; print(jax.devices()); \
 print(*(f\"{p} {v(p)}\" for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"tensorstore\", \"numba\")))'"
+# Issue 39 first: the host half alone at batch 65536 from the binary cache (no-op step), over host
+# worker counts, with its interpreter-lock figure and a plot of where a batch's time goes.
+step feed_65536 200 $py experiments/bench_feed.py --sources=cache --batch_sizes=65536 --workers=1,4,8,14 \
+  --json_out="$out/bench_feed_65536.json" --png_out="$out/bench_feed_65536.png"
+# The GPU config: the PS path (with and without hot rows) against embeddings on the device, same batch.
+step train_gpu 240 $py experiments/bench_train.py --config=configs/dlrm_gpu.py --steps=40 --warmup=5 --repeats=1 \
+  --json_out="$out/bench_train_gpu.json"
 # The jitted step alone, at the main job's MLPs (0: the config's).
 step bench_step 60 $py experiments/bench_step.py --bottom=0 --top=0 --repeats=10
 # The PS path against all embeddings on the device; hot rows against none.

@@ -339,7 +339,7 @@ def _timed_run(script, args, tmp_path):
   return p, time.perf_counter() - t
 
 
-BENCH_FEED_ARGS = ["--smoke", "--data_dir={tmp}/data", "--workers=1,-5"]
+BENCH_FEED_ARGS = ["--smoke", "--data_dir={tmp}/data", "--workers=1,-5", "--png_out={tmp}/feed.png"]
 
 
 def _job(item):
@@ -433,12 +433,16 @@ def test_bench_feed_names_a_failed_setting_and_exits_1(runs, request):
   assert "config.host_workers = -5" in failed[0], failed
   line = last_json(p.stdout)
   keys = ["feed_samples_per_s", "first_pass_samples_per_s", "distinct_rows_per_batch", "floor_ratio"]
-  keys += [f"{s}_ms" for s in ("read", "prepare", "lookup", "place", "get", "push", "wait")]
+  keys += [f"{s}_ms" for s in ("read", "prepare", "resolve", "lookup", "place", "get", "push", "wait")]
+  # The CPU of the stage threads and of the process, and the interpreter lock (py-spy), per sample.
+  keys += ["cpu_us_per_sample", "process_cpu_us_per_sample", "gil_us_per_sample", "gil_fraction"]
   assert line["workers"] == 1 and all(line[k] > 0 for k in keys) and not _finite(line), line
+  assert line["gil_us_per_sample"] < line["process_cpu_us_per_sample"], line
+  assert line["batch"] == 1024 and line["source"] == "cache" and line["thread_cpu_us_per_sample"], line
   left = [str(q.relative_to(tmp_path)) for q in tmp_path.rglob("*") if "work_" in str(q) or "bench_feed_" in q.name]
   assert len(left) == 2 and left[1].endswith(".log") and left[1] in failed[0], left
   data = sorted(str(q) for q in (tmp_path / "data").glob("criteo_*/*"))  # generated once, kept for the next run
-  assert data and announced(p.stdout) == {str(tmp_path / left[1]), *data}, p.stdout
+  assert data and announced(p.stdout) == {str(tmp_path / left[1]), str(tmp_path / "feed.png"), *data}, p.stdout
 
 
 def test_gpu_figures_runs_only_the_steps_named(tmp_path):
