@@ -121,7 +121,7 @@ class HostPipeline:
       self.hot.before_lookup(p.step)
       if gate is not None:
         self.hot.wait_warmup(p.step, gate)
-      p.groups, p.hot_idx = self.hot.split(p.groups, self._min_bucket(int(p.batch["label"].shape[0]), True))
+      p.groups, p.hot_idx = self.hot.split(p.groups, self._min_bucket(int(p.batch["label"].shape[0]), True), p.step)
 
   def resolve(self, p: Prepared, gate: Optional[StalenessGate] = None) -> Prepared:
     """A training step's lookup work that reads no row, done before the staleness gate: the hot

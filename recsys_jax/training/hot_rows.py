@@ -119,6 +119,7 @@ class HotRows:
     self.overrides = {str(k): int(v) for k, v in dict(config.get("hot_rows_per_table", {}) or {}).items()}
     self.min_count = int(config.get("hot_min_count", 2))
     self.every = int(config.get("hot_every", 0))
+    self.count_every = int(config.get("hot_count_every", 1))
     self.warmup = int(config.get("hot_warmup_steps", 0))
     self._new_counter = lambda: FrequencyCounter(
       [t for ts in self.groups.values() for t in ts], capacity=max(cap.values(), default=1), seed=int(config.seed)
@@ -250,8 +251,9 @@ class HotRows:
       while step >= self._next and not self._closed:
         self._cond.wait(0.1)
 
-  def split(self, groups: Dict[int, dedup_lib.Group], min_bucket) -> tuple:
-    """Counts a training step's ids, then splits each group: -> (cold groups, hot slots per width).
+  def split(self, groups: Dict[int, dedup_lib.Group], min_bucket, step: int = 0) -> tuple:
+    """Counts a training step's ids (one step in ``hot_count_every``: the steps whose number it
+    divides), then splits each group: -> (cold groups, hot slots per width).
 
     Shapes change rarely, since each one compiles the step (``_bucket_floor``): a group's hot
     bucket (4 bytes an entry) never shrinks in a run, and its cold bucket shrinks only to half or
@@ -259,7 +261,10 @@ class HotRows:
     is padded to the last shapes.
     """
     t0 = time.perf_counter()
-    self._count_later([(name, ids) for g in groups.values() for name, ids, _ in g.tables if name in self.set.group_of])
+    if step % self.count_every == 0:
+      self._count_later(
+        [(name, ids) for g in groups.values() for name, ids, _ in g.tables if name in self.set.group_of]
+      )
     cold, hot_idx = {}, {}
     hits = lookups = n_hot = 0
     for dim, g in groups.items():

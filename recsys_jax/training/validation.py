@@ -26,7 +26,7 @@ _INTS = (
   "data.shuffle_window data.max_history data.max_genres data.num_dense data.num_pairs data.teacher_dim embeddings.dim "
   "embeddings.capacity embeddings.expire_after embeddings.admit_after ps.num_shards ps.threads mesh.replica mesh.fsdp "
   "ps.read_ahead ps.read_ahead_rows "
-  "hot_rows_bytes hot_warmup_steps hot_every hot_min_count progressive.window data.drift_records data.eval_at_record"
+  "hot_rows_bytes hot_warmup_steps hot_every hot_min_count hot_count_every progressive.window data.drift_records data.eval_at_record"
 ).split()
 # Sizes of arrays, or indices into them, that the jitted step holds as int32.
 _INT32 = "batch_size eval_batch_size micro_steps data.chunk_records embeddings.dim data.num_dense".split()
@@ -128,6 +128,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     need(config.hot_warmup_steps >= 0, "hot_warmup_steps", "must be >= 0")
     need(config.hot_every >= 0, "hot_every", "must be >= 0 (0: choose the hot set once, after the warm-up)")
     need(config.hot_min_count >= 1, "hot_min_count", "must be >= 1")
+    if "hot_count_every" in config:
+      need(config.hot_count_every >= 1, "hot_count_every", "must be >= 1 (1: count every step's ids)")
     per_table = config.hot_rows_per_table
     need(
       isinstance(per_table, (dict, ml_collections.ConfigDict))
