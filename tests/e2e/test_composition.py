@@ -1,5 +1,6 @@
 """Features that compose: a run stopped at N and resumed to 2N ends where the run that never
-stopped ends, bit for bit, whatever the combination of hot rows, bounds, disk tier (tensorstore
+stopped ends, bit for bit, whatever the combination of hot rows (their ids counted one step in four),
+bounds, disk tier (tensorstore
 in memory, or plain files with read-ahead), remote PS, data source (synthetic, csv files in
 epochs, or a stream of them) and staleness (issue 24), with rows published for serving every
 0.05 s in every case (issue 29: a publish holds the lookups for its cut, as a checkpoint does).
@@ -129,6 +130,9 @@ def _config(tiny_config, case, tmp_path, addresses):
   c.hot_rows_bytes = (1 << 12) if case["hot"] == "on" else 0  # ~64 rows of width 8: a part of what is seen
   c.hot_warmup_steps = 2
   c.hot_every = 3  # re-chosen before and after the stop
+  c.hot_count_every = (
+    4  # the ids of one step in four counted (N is not a multiple): a resumed run counts the same steps
+  )
   c.hot_min_count = 1
   c.publish_every_s = (
     0.05  # rows for serving (online/publish.py) in every case: a publish's cut changes nothing trained

@@ -252,6 +252,35 @@ def test_a_choice_counts_every_earlier_step_though_counting_lags(tiny_config):
   job.ps.close()
 
 
+def test_counting_one_step_in_n_counts_the_steps_whose_number_n_divides(tiny_config):
+  """``hot_count_every = 3``: the counter holds exactly what a counter fed the ids of steps 0, 3, 6,
+  ... holds, whatever step the job started from (a resumed run counts the same steps as one that
+  never stopped: the step's number decides, not how many steps this process split)."""
+  from recsys_jax import train
+  from recsys_jax.data import synthetic
+  from recsys_jax.embeddings.frequency import FrequencyCounter
+
+  c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
+  c.hot_count_every = 3
+  for first in (0, 4):  # a fresh run, and one resumed at step 4
+    job = train.build_job(c)
+    hot, host = job.hot, job.host
+    ref = FrequencyCounter(hot.counter.tables, hot.counter.capacity, seed=c.seed)
+    for step in range(first, first + 8):
+      p = host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 256))
+      if step % 3 == 0:
+        for name, ids, _ in p.groups[8].tables:
+          ref.add(name, ids)
+      host.lookup(p, create=True)
+    hot.counted()
+    got, want = hot.counter.state(), ref.state()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=f"first step {first}: {k}")
+    assert want["sketch_0"].any()
+    hot.close()
+    job.ps.close()
+
+
 def test_a_counting_failure_stops_the_next_choice_and_never_a_lookup(tiny_config):
   from recsys_jax import train
   from recsys_jax.data import synthetic
