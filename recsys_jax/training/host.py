@@ -62,6 +62,10 @@ class Prepared:
   """Row width -> the hot slots the step reads on the device (``hot_rows``), once looked up."""
   resolved: bool = False
   """Split into hot and cold (with hot rows) and its cold ids resolved by the PS (``HostPipeline.resolve``)."""
+  packed_rows: Any = None
+  """The rows (and hot slots) as one word buffer (``training/packing.py``), written by the lookup."""
+  packed_batch: Any = None
+  """Everything with a batch axis as one word buffer, packed before the staleness gate."""
 
 
 class HostPipeline:
@@ -130,7 +134,19 @@ class HostPipeline:
     self._split(p, gate)
     self.ps.resolve_many(self.ids_of(p), step=p.step)
     p.resolved = True
+    if not self.multi_process:  # its batch part waits for no push: packed now, off the step's path
+      p.packed_batch = packing.pack(self._batch_tree(p), by_record=True)
     return p
+
+  @staticmethod
+  def _batch_tree(p: Prepared) -> Dict[str, Any]:
+    """What a step reads with a batch axis: dense features, labels, inverse indices, weights."""
+    return {
+      "dense": p.batch["dense"],
+      "label": p.batch["label"],
+      "inverse": {str(d): g.inverse for d, g in p.groups.items()},
+      "weights": {str(d): g.weights for d, g in p.groups.items() if g.weights is not None},
+    }
 
   def lookup(self, p: Prepared, create: bool, gate: Optional[StalenessGate] = None) -> Prepared:
     """Reads the rows of every table in one PS call (one request per shard); a training step not
@@ -138,11 +154,25 @@ class HostPipeline:
     if create and not p.resolved:
       self._split(p, gate)
     wanted, out = {}, {}
+    if create and not self.multi_process:
+      # A training step's rows and hot slots go to the device as one buffer (place): laid out
+      # first, so that the PS writes the rows into it and nothing is copied to pack them.
+      hot_idx = dict(p.hot_idx or {})
+      shapes = {
+        "cold": {str(d): jax.ShapeDtypeStruct((g.bucket, d), np.float32) for d, g in p.groups.items()},
+        "hot_idx": {k: jax.ShapeDtypeStruct(v.shape, np.int32) for k, v in hot_idx.items()},
+      }
+      p.packed_rows, views = packing.empty(shapes, by_record=False)
+      for k, v in hot_idx.items():
+        views["hot_idx"][k][...] = v
+      buffers = {d: views["cold"][str(d)] for d in p.groups}
+    else:
+      buffers = {d: np.empty((g.bucket, d), np.float32) for d, g in p.groups.items()}
     p.rows = {}
     for dim, g in p.groups.items():
       # The PS writes each table's rows straight into its slice of the step's buffer; only the
       # bucket's padding, which no id points at, is zeroed here.
-      rows = np.empty((g.bucket, dim), np.float32)
+      rows = buffers[dim]
       rows[g.num_rows :] = 0.0
       for name, ids, off in g.tables:
         wanted[name], out[name] = ids, rows[off : off + ids.shape[0]]
@@ -180,12 +210,7 @@ class HostPipeline:
     evaluation batch (``n_valid`` set) goes onto the eval mesh, with a validity mask and the
     true probabilities if the data has them.
     """
-    batch = {
-      "dense": p.batch["dense"],
-      "label": p.batch["label"],
-      "inverse": {str(d): g.inverse for d, g in p.groups.items()},
-      "weights": {str(d): g.weights for d, g in p.groups.items() if g.weights is not None},
-    }
+    batch = self._batch_tree(p)
     rows = {str(d): r for d, r in p.rows.items()}
     if p.n_valid is not None:
       batch["valid"] = np.arange(batch["label"].shape[0]) < p.n_valid
@@ -196,7 +221,8 @@ class HostPipeline:
     self.times.count("place_row_bytes", sum(x.nbytes for x in jax.tree.leaves(rows)))
     self.times.count("place_batch_bytes", sum(x.nbytes for x in jax.tree.leaves(batch)))
     if not self.multi_process:
-      packed_rows, packed_batch = packing.pack(rows, by_record=False), packing.pack(batch, by_record=True)
+      packed_rows = p.packed_rows if p.packed_rows is not None else packing.pack(rows, by_record=False)
+      packed_batch = p.packed_batch if p.packed_batch is not None else packing.pack(batch, by_record=True)
       if packed_rows is not None and packed_batch is not None:  # two copies in all (training/packing.py)
         self.times.count("place_copies", 2)
         return p, self._put(packed_rows, self.replicated), self._put(packed_batch, self.data_sharding)

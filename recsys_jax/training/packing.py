@@ -83,6 +83,28 @@ def pack(tree, by_record: bool) -> Optional[Packed]:
   return Packed(words, Layout(treedef, tuple(spans), by_record))
 
 
+def empty(shapes, by_record: bool) -> Tuple[Packed, Any]:
+  """A word buffer laid out for a tree of ``jax.ShapeDtypeStruct`` (4-byte dtypes), and that tree's
+  arrays as numpy views into it: what is written into the views is packed, with no copy (the PS
+  writes a step's rows straight into them)."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  spans, at = [], 0
+  if by_record:
+    B = leaves[0].shape[0]
+    for x in leaves:
+      spans.append((at, tuple(x.shape), np.dtype(x.dtype).str))
+      at += int(np.prod(x.shape[1:], dtype=np.int64))
+    words = np.empty((B, at), _WORD)
+    views = [words[:, a : a + int(np.prod(sh[1:], dtype=np.int64))].view(dt).reshape(sh) for a, sh, dt in spans]
+  else:
+    for x in leaves:
+      spans.append((at, tuple(x.shape), np.dtype(x.dtype).str))
+      at += int(np.prod(x.shape, dtype=np.int64))
+    words = np.empty(at, _WORD)
+    views = [words[a : a + int(np.prod(sh, dtype=np.int64))].view(dt).reshape(sh) for a, sh, dt in spans]
+  return Packed(words, Layout(treedef, tuple(spans), by_record)), jax.tree.unflatten(treedef, views)
+
+
 def unpack(x):
   """The tree ``pack`` packed, from its words (jax, inside the jitted step); anything that is not
   a :class:`Packed` is returned as it is."""

@@ -48,7 +48,7 @@ def test_train_records_carry_stage_times_and_exact_row_counts(tiny_config, tmp_p
   )
   assert sum(6 * r["place_batch_bytes_per_step"] for r in recs) == sum(batch_bytes)
   # In two host-to-device copies a step: its inputs packed in two buffers (training/packing.py).
-  assert [r["place_copies_per_step"] for r in recs] == [2.0, 2.0]
+  assert sum(6 * r["place_copies_per_step"] for r in recs) == 2 * c.num_steps  # (records split it as steps ran)
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
   assert summary["steps_this_run"] == 12 and math.isfinite(summary["auc"])
 
