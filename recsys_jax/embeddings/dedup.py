@@ -26,6 +26,7 @@ import numpy as np
 from recsys_jax.embeddings.gathered import Gathered
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.prefetch import prefetch
+from recsys_jax.sorting import radix_sort
 
 MIN_BUCKET = 64
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -39,37 +40,6 @@ def _home(x, mask):
   h ^= h >> np.uint64(27)
   h *= _MIX2
   return np.int64(h & mask)
-
-
-@numba.njit(nogil=True, cache=True)
-def radix_sort(x, tmp):
-  """Sorts uint64 ``x`` with ``tmp`` (as long) as scratch, by bytes from the lowest (LSD radix,
-  skipping bytes every key shares); returns whichever of the two holds the result. Four times
-  numba's ``np.sort`` on the distinct ids of a table at batch 65536, 2x numpy's own."""
-  n = x.shape[0]
-  counts = np.zeros((8, 256), np.int64)
-  for i in range(n):
-    v = x[i]
-    for d in range(8):
-      counts[d, np.int64((v >> np.uint64(8 * d)) & np.uint64(255))] += 1
-  src, dst = x, tmp
-  for d in range(8):
-    c = counts[d]
-    if c.max() == n:  # every key has the same byte here
-      continue
-    total = 0
-    for b in range(256):
-      here = c[b]
-      c[b] = total
-      total += here
-    shift = np.uint64(8 * d)
-    for i in range(n):
-      v = src[i]
-      b = np.int64((v >> shift) & np.uint64(255))
-      dst[c[b]] = v
-      c[b] += 1
-    src, dst = dst, src
-  return src
 
 
 @numba.njit(nogil=True, cache=True, inline="always")

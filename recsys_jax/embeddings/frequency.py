@@ -35,8 +35,8 @@ from typing import Dict, List, Sequence, Tuple
 import numba
 import numpy as np
 
-from recsys_jax.embeddings.dedup import radix_sort
 from recsys_jax.prefetch import prefetch
+from recsys_jax.sorting import radix_sort
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
