@@ -45,7 +45,8 @@ a field) through two paths, on the same synthetic batches (train batches 0 .. wa
    (``before_step`` less the re-choice), a lookup's wait for a re-choice (``before_lookup``; it is
    in ``lookup``, and so in ``ps_lookup``, as are the warm-up's synchronous waits), ``HotSet.split``
    alone (in ``hot_split``) and the per-step push times behind the old median-step rate.
-2. On-device baseline: ``EmbeddedDLRM`` with one ``nn.Embed`` of ``config.data.vocab_sizes[i]``
+2. On-device baseline (run in every round, beside the PS runs: hot, no hot, on-device, then
+   on-device, no hot, hot, ...; its figure is the median run's): ``EmbeddedDLRM`` with one ``nn.Embed`` of ``config.data.vocab_sizes[i]``
    rows and ``config.embeddings.dim`` columns per feature, and the same bottom/top MLP. Ids are
    mapped to table rows on the host with the hashing trick, row = id % vocab, as on-device
    baselines do (distinct ids may share a row; the PS path never conflates them). The dense
@@ -62,7 +63,9 @@ push), after the first choice.
 
 Prints a short table, then, last on stdout, one JSON line: samples_per_sec_ps (the config's
 runs, with hot rows), samples_per_sec_device, ratio (= ps / device; above 1 means the PS path
-is faster), batch_size, steps, warmup, device (device kind), embedding_rows (rows of the
+is faster) and ratio_nohot (the PS path without hot rows / device), the same per round
+(ratio_rounds, ratio_nohot_rounds: each round's runs against its own baseline) and their
+medians (ratio_paired_median, ratio_nohot_paired_median), batch_size, steps, warmup, device (device kind), embedding_rows (rows of the
 on-device tables = sum of vocab sizes), ps_rows (rows the PS created in the run), the
 parameter bytes of both, the floor's figures, and the hot / no-hot comparison:
 samples_per_sec_ps_hot and _nohot, hot_sps_ratio (hot / no hot), ps_rows_per_step_hot and
@@ -197,14 +200,27 @@ def run_ps(config, warmup: int, steps: int, workdir: str, log_every: int) -> Dic
   return s
 
 
-def run_ps_hot_and_not(config, warmup: int, steps: int, workdir: str, repeats: int, log_every: int):
-  """``repeats`` runs with the config's hot rows and as many with none, alternated A B B A A B ..."""
+def run_rounds(config, warmup: int, steps: int, workdir: str, repeats: int, log_every: int):
+  """``repeats`` rounds of three runs: the PS path with the config's hot rows, without, and the
+  on-device baseline, in the order A B C, C B A, A B C, ... so that a shared machine's drift falls
+  on all three; returns each variant's runs, in round order."""
   nohot = copy.deepcopy(config)
   nohot.hot_rows_bytes = 0
-  runs: Dict[str, List[Dict]] = {"hot": [], "nohot": []}
-  order = [("hot", "nohot") if i % 2 == 0 else ("nohot", "hot") for i in range(repeats)]
-  for i, pair in enumerate(order):
-    for name in pair:
+  runs: Dict[str, List[Dict]] = {"hot": [], "nohot": [], "device": []}
+  order = [("hot", "nohot", "device") if i % 2 == 0 else ("device", "nohot", "hot") for i in range(repeats)]
+  for i, names in enumerate(order):
+    for name in names:
+      if name == "device":
+        print(f"on-device baseline, run {i + 1} of {repeats}: {warmup} + {steps} steps ...", file=sys.stderr)
+        load0 = os.getloadavg()[0]
+        d = run_device(config, warmup, steps)
+        d["load_avg"] = [load0, os.getloadavg()[0]]
+        print(
+          f"  {d['samples_per_sec']:,.0f} samples/s, load {d['load_avg'][0]:.1f}-{d['load_avg'][1]:.1f}",
+          file=sys.stderr,
+        )
+        runs[name].append(d)
+        continue
       print(f"PS path, {name}, run {i + 1} of {repeats}: {warmup} + {steps} steps ...", file=sys.stderr)
       s = run_ps(config if name == "hot" else nohot, warmup, steps, workdir, log_every)
       print(
@@ -487,15 +503,16 @@ def main(argv):
     )
   try:
     log_every = _LOG_EVERY.value or max(1, int(config.hot_warmup_steps))
-    runs = run_ps_hot_and_not(config, warmup, steps, workdir, repeats, log_every)
+    runs = run_rounds(config, warmup, steps, workdir, repeats, log_every)
   finally:
     if own_workdir:
       shutil.rmtree(workdir, ignore_errors=True)
   if any(r["hot"] is None for r in runs["hot"]):
     raise app.UsageError(f"config.hot_rows_bytes = {config.hot_rows_bytes} buys no hot row: raise it")
   s = runs["hot"][0]  # sizes (rows, bytes) are the same in every run
-  print(f"on-device baseline: {warmup} + {steps} steps ...", file=sys.stderr)
-  d = run_device(config, warmup, steps)
+  devices = runs.pop("device")
+  # The median run (of an even count, the faster middle one).
+  d = sorted(devices, key=lambda r: r["samples_per_sec"])[len(devices) // 2]
 
   print("floor: device step and host stages alone, with hot rows and without ...", file=sys.stderr)
   f = measure_floor(config)
@@ -509,6 +526,10 @@ def main(argv):
   dev_param_bytes = d["table_bytes"] + d["dense_bytes"]
   sps = {v: _median(runs[v], "samples_per_sec") for v in runs}
   ratio = sps["hot"] / d["samples_per_sec"]
+  # Each round's PS runs against that round's baseline, run beside them: the ratios the load moves least.
+  rounds = {
+    v: [r["samples_per_sec"] / b["samples_per_sec"] for r, b in zip(runs[v], devices)] for v in ("hot", "nohot")
+  }
   hv = {v: {k: _median(runs[v], "figures." + k) for k in runs[v][0]["figures"] if k != "rechoose_at"} for v in runs}
   cmp = {
     "samples_per_sec_ps_hot": sps["hot"],
@@ -538,6 +559,13 @@ def main(argv):
     "samples_per_sec_ps": sps["hot"],
     "samples_per_sec_device": d["samples_per_sec"],
     "ratio": ratio,
+    "ratio_nohot": sps["nohot"] / d["samples_per_sec"],
+    "ratio_rounds": rounds["hot"],
+    "ratio_nohot_rounds": rounds["nohot"],
+    "ratio_paired_median": float(np.median(rounds["hot"])),
+    "ratio_nohot_paired_median": float(np.median(rounds["nohot"])),
+    "samples_per_sec_device_runs": [r["samples_per_sec"] for r in devices],
+    "device_load_avg": [r["load_avg"] for r in devices],
     "batch_size": B,
     "steps": steps,
     "warmup": warmup,
@@ -591,7 +619,11 @@ def main(argv):
   print(f"{'':22}{'PS path (hot rows)':>22}{'on-device (id % vocab)':>26}")
   for name, a, b in rows:
     print(f"{name:22}{a:>22}{b:>26}")
-  print(f"ratio PS / on-device: {ratio:.3f}\n")
+  print(
+    f"ratio PS / on-device: {ratio:.3f} with hot rows, {result['ratio_nohot']:.3f} without (medians of "
+    f"{repeats} runs each); paired by round: {', '.join(f'{x:.3f}' for x in rounds['hot'])} with, "
+    f"{', '.join(f'{x:.3f}' for x in rounds['nohot'])} without\n"
+  )
   print(
     f"floor: the jitted step alone takes {f['device_step_ms']:.1f} ms = {f['floor_samples_per_sec']:,.0f} samples/s "
     f"({f['step_flops'] / 1e9:.2f} GFLOP, {f['device_gflops']:.1f} GFLOP/s = {f['compute_fraction']:.0%} of this "
