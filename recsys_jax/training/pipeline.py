@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from recsys_jax.training.stage_times import thread_time
+
 
 class Aborted(RuntimeError):
   """Raised in a waiting thread when the pipeline has been stopped or has failed."""
@@ -191,12 +193,12 @@ class Prefetcher:
   def get(self, timeout: Optional[float] = None):
     """Returns (step, placed item) in step order; re-raises a failure of the thread; raises
     ``queue.Empty`` after ``timeout`` seconds without one."""
-    w, c = time.perf_counter(), time.thread_time()
+    w, c = time.perf_counter(), thread_time()
     try:
       t, item, err = self._queue.get(timeout=timeout)
     finally:  # a wait that timed out (a stream waiting for files) is waiting too
       if self._times is not None:
-        self._times.add("wait", time.perf_counter() - w, time.thread_time() - c)
+        self._times.add("wait", time.perf_counter() - w, thread_time() - c)
     if err is not None:
       raise err
     return t, item
