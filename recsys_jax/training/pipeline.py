@@ -25,10 +25,12 @@ class Aborted(RuntimeError):
 class StalenessGate:
   """Tracks the last step whose pushes are applied; lookups wait on it (and on a hold).
 
-  Resolving a step's ids ahead (``wait_resolve``) waits for neither the pushes nor the staleness
-  bound, only for the training loop to have decided whether that step's lookups are held (a
-  checkpoint or a publish after the step before it: ``decide``), so that no checkpoint's PS
-  snapshot holds rows a later step created.
+  Resolving a step's ids ahead of its lookup (``wait_resolve``) waits for no push the lookup
+  waits for, only for the training loop to have decided whether that step's lookups are held (a
+  checkpoint or a publish after the step before it: ``decide``), or for what would let its lookup
+  run: at k = 0 no checkpoint's PS snapshot holds rows a later step created, and at k >= 1 the
+  resolve and lookup run as far ahead of the loop as the bound lets the lookup alone (k + 1
+  steps ahead of the pushes: what hybrid training is for).
   """
 
   def __init__(self, last_applied: int):
@@ -63,12 +65,15 @@ class StalenessGate:
 
     self._wait(ready, timeout, f"the lookup of step {step} not allowed")
 
-  def wait_resolve(self, step: int, timeout: Optional[float] = None) -> None:
-    """Blocks until ``step``'s ids may be resolved ahead of its lookup: the loop has decided the
-    holds of ``step`` (``decide``) and none covers it. Counts as its lookup for ``hold``."""
+  def wait_resolve(self, step: int, staleness: int, timeout: Optional[float] = None) -> None:
+    """Blocks until ``step``'s ids may be resolved ahead of its lookup: no hold covers ``step``,
+    and the loop has decided its holds (``decide``) or its lookup could pass (``wait_lookup``; at
+    k = 0 that implies the decision, made before the step before is pushed). Counts as its lookup
+    for ``hold``."""
 
     def ready() -> bool:
-      ok = self._decided >= step and (self._held_from is None or step < self._held_from)
+      due = self._decided >= step or self.last_applied >= step - staleness - 1
+      ok = due and (self._held_from is None or step < self._held_from)
       if ok:
         self._passed = max(self._passed, step)
       return ok
@@ -121,8 +126,8 @@ class Prefetcher:
     prepare: step -> host batch (read + dedup); runs freely ahead.
     lookup: host batch -> batch with rows (PS lookup); runs once the gate allows.
     resolve: host batch -> host batch, the lookup's work that reads no row (``RowStore.resolve_many``),
-      run before the staleness gate, once the loop has decided the step's holds
-      (``StalenessGate.wait_resolve``); None: the lookup does it all.
+      run before the staleness gate, once the loop has decided the step's holds or the lookup
+      could run (``StalenessGate.wait_resolve``); None: the lookup does it all.
     place: batch with rows -> device arrays (e.g. ``jax.device_put``).
     gate: the staleness gate shared with the pusher.
     staleness: k; the lookup of step t waits for the pushes of steps <= t - k - 1.
@@ -167,7 +172,7 @@ class Prefetcher:
       for t in range(start, stop):
         host = prepare(t)
         if self._resolve is not None:
-          self._gate.wait_resolve(t)
+          self._gate.wait_resolve(t, self._k)
           if self._stop.is_set():
             return
           host = self._resolve(host)

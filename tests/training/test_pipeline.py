@@ -31,7 +31,7 @@ class _Log:
 class _Pipeline:
   """Builds a prefetcher and a pusher around fake stages that log what they saw."""
 
-  def __init__(self, k, n_steps, apply_sleep=0.0, fail=None, depth=2):
+  def __init__(self, k, n_steps, apply_sleep=0.0, fail=None, depth=2, resolve=False):
     self.gate = StalenessGate(-1)
     self.log = _Log(self.gate)
     self.applied = []
@@ -52,6 +52,10 @@ class _Pipeline:
       maybe_fail("lookup", t)
       return {**host, "rows": 10 * t}
 
+    def resolve_ids(host):
+      self.log.record("resolve", host["step"])
+      return {**host, "resolved": True}
+
     def place(b):
       self.log.record("place", b["step"])
       maybe_fail("place", b["step"])
@@ -66,7 +70,9 @@ class _Pipeline:
       self.applied.append(t)
 
     self.pusher = Pusher(apply, self.gate)
-    self.prefetcher = Prefetcher(0, n_steps, prepare, lookup, place, self.gate, k, depth)
+    self.prefetcher = Prefetcher(
+      0, n_steps, prepare, lookup, place, self.gate, k, depth, resolve=resolve_ids if resolve else None
+    )
 
   def close(self):
     # Unblock a prefetcher waiting on the gate, then stop both threads.
@@ -127,6 +133,46 @@ def test_lookups_run_ahead_of_pushes_when_stale():
   gaps = [t - la for t, la in p.log.of("lookup")]
   assert max(gaps) == k + 1
   assert min(gaps) >= 1
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_resolving_ahead_waits_for_the_loops_decision_or_for_what_the_lookup_waits_for(k):
+  """With a resolve stage and a loop as train.py's (it decides step t + 1's holds after step t,
+  then pushes it), a slow loop and a fast pusher: the resolve of step t runs once step t is
+  decided or once the pushes its lookup needs are applied; at k = 0 never before the decision
+  (no checkpoint's cut holds rows a later step created); at k >= 1 the resolves and lookups run
+  as far ahead of the loop as the queue lets them (a resolve gated on the decision alone stays
+  one step ahead of the loop: the hybrid run loses its lookahead and its staleness)."""
+  n_steps, depth = 16, 2
+  p = _Pipeline(k, n_steps, depth=depth, resolve=True)
+  try:
+    for expected in range(n_steps):
+      t, item = p.prefetcher.get(timeout=GET_TIMEOUT)
+      assert t == expected and item["resolved"]
+      p.log.record("got", t)
+      time.sleep(0.02)  # the step trains
+      p.gate.decide(t + 1)
+      p.log.record("decided", t + 1)
+      p.pusher.push(t, item)
+    p.pusher.flush(n_steps - 1)
+  finally:
+    p.close()
+  with p.log.lock:
+    order = [(e, t) for e, t, _ in p.log.events]
+  ahead = []
+  for t in range(1, n_steps):
+    r = order.index(("resolve", t))
+    assert r < order.index(("lookup", t)), t
+    before_decision = ("decided", t) not in order[:r]
+    assert not (k == 0 and before_decision), (t, order)
+    # how many steps the loop still had to get when step t was resolved
+    ahead.append(t - max([s for e, s in order[:r] if e == "got"], default=-1))
+  for t, la in p.log.of("lookup"):
+    assert la >= t - k - 1, (t, la, k)
+  if k == 0:
+    assert max(ahead) == 1, ahead
+  else:  # up to the queue's depth and the item in hand beyond the step the loop holds
+    assert max(ahead) >= 2, ahead
 
 
 def test_apply_failure_aborts_and_is_reraised():
