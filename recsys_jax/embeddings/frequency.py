@@ -72,6 +72,34 @@ def _column(x, seed, width):
   return np.int64(h % width)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _columns(sketch, seeds, ids):
+  """Each id's counter column in every row of the sketch, ``[len(ids), depth]``."""
+  depth, width = sketch.shape
+  w = np.uint64(width)
+  cols = np.empty((ids.shape[0], depth), np.int64)
+  for i in range(ids.shape[0]):
+    for d in range(depth):
+      cols[i, d] = _column(ids[i], seeds[d], w)
+  return cols
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _min_count(sketch, cols, i):
+  """The minimum of the counters of the id in row ``i`` of ``cols``, once the counters of the id
+  ``_AHEAD`` rows on are asked for (prefetched)."""
+  depth = sketch.shape[0]
+  if i + _AHEAD < cols.shape[0]:
+    for d in range(depth):
+      prefetch(sketch, d, cols[i + _AHEAD, d])
+  m = np.uint32(0xFFFFFFFF)
+  for d in range(depth):
+    v = sketch[d, cols[i, d]]
+    if v < m:
+      m = v
+  return m
+
+
 @numba.njit(nogil=True, cache=True)
 def _add(sketch, seeds, ids, conservative, threshold, pool):
   """Counts a step's sorted distinct ``ids`` once each in ``sketch`` [depth, width]; returns
@@ -84,13 +112,9 @@ def _add(sketch, seeds, ids, conservative, threshold, pool):
   bad = _first_unsorted(ids)
   if bad >= 0:
     return bad, np.empty(0, np.uint64)
-  depth, width = sketch.shape
-  w = np.uint64(width)
+  depth = sketch.shape[0]
   n = ids.shape[0]
-  cols = np.empty((n, depth), np.int64)
-  for i in range(n):
-    for d in range(depth):
-      cols[i, d] = _column(ids[i], seeds[d], w)
+  cols = _columns(sketch, seeds, ids)
   for i in range(min(n, _AHEAD)):
     for d in range(depth):
       prefetch(sketch, d, cols[i, d])
@@ -99,14 +123,7 @@ def _add(sketch, seeds, ids, conservative, threshold, pool):
   p = pool.shape[0]
   lo = 0  # ids ascend: each one's place in the pool is at or after the last one's
   for i in range(n):
-    if i + _AHEAD < n:
-      for d in range(depth):
-        prefetch(sketch, d, cols[i + _AHEAD, d])
-    m = np.uint32(0xFFFFFFFF)
-    for d in range(depth):
-      v = sketch[d, cols[i, d]]
-      if v < m:
-        m = v
+    m = _min_count(sketch, cols, i)
     # m >= the id's true count so far, so m + 1 bounds it after this step: conservative update
     # raises only the counters below m + 1; plain count-min adds 1 to all. Either way the new
     # minimum is m + 1 (counters saturate instead of wrapping).
@@ -187,23 +204,9 @@ def _keep_top(sketch, seeds, pool, capacity):
 @numba.njit(nogil=True, cache=True)
 def _estimate(sketch, seeds, ids, out):
   """``out[i]`` = the estimate of ``ids[i]``: its counters' minimum (prefetched ahead, as in ``_add``)."""
-  depth, width = sketch.shape
-  w = np.uint64(width)
-  n = ids.shape[0]
-  cols = np.empty((n, depth), np.int64)
-  for i in range(n):
-    for d in range(depth):
-      cols[i, d] = _column(ids[i], seeds[d], w)
-  for i in range(n):
-    if i + _AHEAD < n:
-      for d in range(depth):
-        prefetch(sketch, d, cols[i + _AHEAD, d])
-    m = np.uint32(0xFFFFFFFF)
-    for d in range(depth):
-      v = sketch[d, cols[i, d]]
-      if v < m:
-        m = v
-    out[i] = m
+  cols = _columns(sketch, seeds, ids)
+  for i in range(ids.shape[0]):
+    out[i] = _min_count(sketch, cols, i)
 
 
 @numba.njit(nogil=True, cache=True)
