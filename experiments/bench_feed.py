@@ -38,9 +38,24 @@ thread doing the stage), recorded by the pipeline itself (``recsys_jax/training/
 the train records' ``host_<stage>_ms``): ``read`` (the reader's iterator: with host workers, the
 feeder thread cutting files, gathering batches and waiting for parses; without, the parsing too),
 ``parse`` (the format's parse of a chunk, or its read from the cache), ``prepare`` (dedup),
-``lookup``, ``place``, ``get`` (the pull of the row gradients), ``push``, and ``wait`` (the
+``resolve`` (the cold ids' rows found or created before the staleness gate, and the batch part
+packed), ``lookup``, ``place``, ``get`` (the pull of the row gradients), ``push``, and ``wait`` (the
 training loop waiting for its next batch: the time a device would sit idle). Stages overlap (they
 run on different threads), so their sum exceeds the wall time per batch.
+
+What the process spends per sample, over the timed steps (``--gil``, on by default; py-spy must
+be able to attach, see ``experiments/gil_sampler.py``): ``gil_us_per_sample``, the microseconds
+per sample some thread held the interpreter lock (py-spy's ``--gil`` sampling at 1,000 a second:
+samples / rate / samples fed), the figure that bounds what more cores can give (at 0.3 us a
+sample the lock alone allows 3.3M samples/s on any number of cores); ``gil_top``, the innermost
+frames that held it most; ``process_cpu_us_per_sample``, the whole process's CPU (user + system,
+every thread, XLA's and numba's too); ``thread_cpu_us_per_sample``, the same by thread name
+(``host-worker``, ``prefetcher``, ``pusher``, ...); ``cpu_us_per_sample``, the stage threads' CPU
+as the pipeline records it (the sum of the ``*_cpu_ms`` stages); ``minor_faults_per_step`` and
+``gc_ms_per_step`` (page faults, and the cyclic collector's pauses, which hold the lock).
+``--gil_raw_dir`` keeps py-spy's raw stacks; with ``--cpu_profile`` they are every running
+thread's, native frames too (a CPU profile; ``gil_us_per_sample`` is then no lock figure).
+``--png_out`` plots samples/s and each stage's time against the worker counts.
 
 A setting that fails prints one line naming it and why (its whole output goes to a log file the
 line names); the others still run and print, and the script exits 1. ``--smoke`` is the test
@@ -70,7 +85,7 @@ this step's push.)
 
 Prints a table, then one JSON line per setting: ``feed_samples_per_s``, ``source``, ``batch``,
 ``workers``, ``cores``, ``step``, the per-stage ``*_ms`` (wall) and ``*_cpu_ms``,
-``floor_samples_per_s``, ``floor_ratio``, ``load_avg``.
+``floor_samples_per_s``, ``floor_ratio``, ``load_avg``, and the lock and CPU figures above.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ turn, ``--repeats`` rounds, the order reversed every other round, so that the dr
 machine falls on all of them; each window's figure is the median of its runs, and the ratio to
 window 0 is the cost. On a shared machine that ratio moves by more than the cost (runs of one
 window differ by 30% under load), so each run also gives the cost as the jobs time it themselves:
-``time_share``, the time of the progressive reports (``report_ms``, on the training loop every
-``log_every`` steps) and of adding each batch's events (``add_ms``, on the pusher thread, which a
+``time_share``, the time of the progressive reports (``report_ms``: every ``log_every`` steps, on
+the reporter thread since the loop hands them over; CPU taken from the cores the step runs on,
+no longer on its path) and of adding each batch's events (``add_ms``, on the pusher thread, which a
 step waits for at k = 0) over the run's training time: an upper bound of the share of samples/s
-they take, since both sit on the step's path at most.
+they take.
 
 Prints one line per run and, last, one JSON line: per window the median samples/s, its ratio to
 off, the median report time and the median ``time_share``.
