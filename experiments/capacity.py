@@ -112,10 +112,10 @@ def _disk_bytes(path: str) -> Dict[str, int]:
 
 def _ideal_row_bytes(opt: str, dtype: str, dim: int) -> int:
   from recsys_jax.async_ps.optim import optimizers
-  from recsys_jax.async_ps.store.table import STORAGE_DTYPES
+  from recsys_jax.embeddings.specs import storage_numpy_dtype
 
   slots = optimizers.make(opt, learning_rate=0.05).init(1, dim)
-  return dim * np.dtype(STORAGE_DTYPES[dtype]).itemsize + sum(v.nbytes for v in slots.values()) + 16
+  return dim * storage_numpy_dtype(dtype).itemsize + sum(v.nbytes for v in slots.values()) + 16
 
 
 # -- the worker: one table, one process ----------------------------------------------------

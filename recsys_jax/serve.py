@@ -155,7 +155,7 @@ def _start():
       config = run_config.load(FLAGS.workdir)
     except (OSError, ValueError) as e:
       raise _Usage(f"cannot read the run's config in {FLAGS.workdir}: {e}") from None
-    if FLAGS.publish_dir or float(config.get("publish_every_s", 0.0) or 0.0) > 0:
+    if FLAGS.publish_dir or float(config.publish_every_s or 0.0) > 0:
       publish_dir = FLAGS.publish_dir or publish.publish_dir(config, FLAGS.workdir)
   from recsys_jax.serving.reload import NoModel
   from recsys_jax.serving.server import Serving

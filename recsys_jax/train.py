@@ -26,7 +26,7 @@ from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
-from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, last_step
+from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, Push, last_step
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
@@ -81,7 +81,7 @@ def _last_cut(
   ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
   which the final evaluation reads; the last rows and dense parameters published for serving. Then
   raises ``data_error`` (a ``DataError``) if there is one."""
-  if done > start and config.get("final_checkpoint", True) and ckpts.last_saved != done:
+  if done > start and config.final_checkpoint and ckpts.last_saved != done:
     ckpts.save(done, state, ps, pusher, hot_rows)
   elif done > start:
     pusher.flush(done - 1)
@@ -132,14 +132,6 @@ def _hold_for_cut(gate: StalenessGate, done: int, save: bool, stop: Optional[thr
   if stopping:
     say(f"stop requested: stopping at step {done} (its checkpoint follows)")
   return stopping
-
-
-def _payload(p: Prepared, g_rows, metrics, scoring: bool):
-  """What the pusher gets for a step: ``(groups, row grads, metrics, source)``. A scoring step
-  (``device_step='score'``) pushes no row: a zero gradient still moves e.g. Adam rows. ``source``
-  is the stream file the batch ends in (its own progressive metrics), None for other data."""
-  source = p.position.get("file") if isinstance(p.position, dict) else None
-  return ({} if scoring else p.groups, g_rows, metrics, source)
 
 
 def _wind_down(progress: Progress, publisher: Publisher, hot, gate: StalenessGate, pre, pusher: Pusher, ckpts) -> None:
@@ -203,8 +195,8 @@ def train_and_evaluate(
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
-  pusher = Pusher(lambda t, pl: progress.record_step(t, host.push_step(t, pl[:3]), pl[2], pl[3]), gate)
-  scoring = config.get("device_step", "model") == "score"
+  pusher = Pusher(lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source), gate)
+  scoring = config.device_step == "score"
   done, data_error = start, None
   _settle_heap()
   try:
@@ -223,7 +215,7 @@ def train_and_evaluate(
       stopping = _hold_for_cut(gate, done, save, stop)
       publisher.step(p, done, gate, save or stopping)  # records the ids pushed; holds the lookups if it publishes
       gate.decide(done)  # step done's ids may now be resolved ahead, unless held
-      pusher.push(t, _payload(p, g_rows, m, scoring))
+      pusher.push(t, Push.of(p, g_rows, m, scoring))
       publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)
       if progress.log_due(done):

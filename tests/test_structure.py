@@ -39,7 +39,8 @@ ASYNC_PS_LAYERS = (
   ("", "factory", "protocol"),  # the package's public surface; building a PS from a config
   ("client", "server"),
   ("wire",),
-  ("store", "snapshot"),  # the in-process PS saves and loads itself through snapshot; snapshots restore stores
+  ("store",),  # the in-process PS saves and loads itself through snapshot
+  ("snapshot",),  # snapshots on disk and the state they carry: nothing of the store's
   ("optim",),
   ("kernels",),
 )
@@ -233,6 +234,43 @@ def test_the_private_name_finder_sees_each_form(tmp_path):
   finally:
     path.unlink()
   assert [u.split(" ", 1)[1] for u in uses] == ["from recsys_jax.async_ps.store.ps import _x", "s._spec"], uses
+
+
+_CONFIG_NAMES = ("config", "c")  # what the package and the experiments call a run's config
+
+
+def _config_defaults(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+  """``config.get(key, default)`` (or ``config.<section>.get(...)``, a default by keyword too) in a
+  file: a default written where a field is read, beside the one in ``configs/default.py``."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"):
+      continue
+    base = node.func.value
+    while isinstance(base, ast.Attribute):
+      base = base.value
+    if isinstance(base, ast.Name) and base.id in _CONFIG_NAMES and (len(node.args) >= 2 or node.keywords):
+      out.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+  return out
+
+
+def test_config_defaults_live_in_configs_default_only():
+  """A field's default is written once, in configs/default.py: the code reads ``config.field``, and
+  a config written by an older run gets the fields it lacks from there when it is loaded
+  (``run_config.load``). A default repeated at a read drifts from the real one (``hot_every`` read
+  0 where the config said 200, ``publish_dense_every_s`` 0.0 where it said 30)."""
+  files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "experiments").rglob("*.py"))
+  found = [use for path in files for use in _config_defaults(path)]
+  assert not found, "config defaults outside configs/default.py:\n" + "\n".join(found)
+
+
+def test_the_config_default_finder_sees_each_form(tmp_path):
+  f = tmp_path / "m.py"
+  f.write_text(
+    "config.get('a', 1)\nconfig.ps.get('b', default=2)\nc.data.get('c', 3)\nconfig.get('d')\nrows.get('e', 4)\n"
+  )
+  uses = [u.split(" ", 1)[1] for u in _config_defaults(f, tmp_path)]
+  assert uses == ["config.get('a', 1)", "config.ps.get('b', default=2)", "c.data.get('c', 3)"], uses
 
 
 def test_train_and_evaluate_fits_on_a_screen():

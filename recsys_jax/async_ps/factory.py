@@ -76,8 +76,8 @@ def build_ps(
       seed=config.seed,
       tier=parse_kvstore(p.tier, workdir),
       protect_steps=config.staleness + 1,
-      threads=None if p.get("threads", -1) == -1 else int(p.threads),
-      read_ahead_rows=int(p.get("read_ahead_rows", 0)),
+      threads=None if p.threads == -1 else int(p.threads),
+      read_ahead_rows=int(p.read_ahead_rows),
     )
   from recsys_jax.async_ps.client.remote import RemotePS  # grpc only where it is used
 

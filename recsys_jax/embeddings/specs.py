@@ -6,8 +6,23 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence, Tuple
 
-STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+import ml_dtypes
+import numpy as np
+
+_NUMPY_DTYPES = {
+  "float32": np.dtype(np.float32),
+  "bfloat16": np.dtype(ml_dtypes.bfloat16),
+  "float16": np.dtype(np.float16),
+}
+STORAGE_DTYPES = tuple(_NUMPY_DTYPES)
 """Row storage dtypes a table may use (optimizer state is always float32)."""
+
+
+def storage_numpy_dtype(name: str) -> np.dtype:
+  """The numpy dtype of the row storage dtype ``name`` (one of ``STORAGE_DTYPES``)."""
+  if name not in _NUMPY_DTYPES:
+    raise ValueError(f"row storage dtype {name!r}: use one of {STORAGE_DTYPES}")
+  return _NUMPY_DTYPES[name]
 
 
 class SpecError(ValueError):
@@ -84,6 +99,23 @@ class TableSpec:
       bad("admit_probability", "must be in (0, 1]")
     if self.admission_sketch_width < 1:
       bad("admission_sketch_width", "must be positive")
+
+  @property
+  def numpy_dtype(self) -> np.dtype:
+    """The rows' storage as a numpy dtype (``storage_dtype``)."""
+    return _NUMPY_DTYPES[self.storage_dtype]
+
+  @property
+  def admits_selectively(self) -> bool:
+    """Whether an unseen id may be refused a row: only after ``admit_after`` sightings, or with
+    ``admit_probability`` < 1."""
+    return self.admit_after > 1 or self.admit_probability < 1.0
+
+  @property
+  def bounded(self) -> bool:
+    """Whether the table has bounds: a capacity, an expiry, or selective admission. Its bounds
+    decide from every lookup of its rows (last-seen step, use count, the admission sketch)."""
+    return bool(self.capacity or self.expire_after or self.admits_selectively)
 
 
 COMBINERS = ("sum", "mean", "sqrtn")

@@ -26,9 +26,8 @@ from recsys_jax import metrics as metrics_lib
 
 
 def window_of(config) -> int:
-  """``config.progressive.window``: events in the window, 0 (off) where the config has none."""
-  section = config.get("progressive") if hasattr(config, "get") else None
-  return int(section.get("window", 0)) if section is not None else 0
+  """``config.progressive.window``: events in the window (0: off)."""
+  return int(config.progressive.window)
 
 
 _EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] for the logloss, as metrics.logloss does

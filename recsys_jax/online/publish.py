@@ -23,27 +23,44 @@ reaches the server with the next checkpoint, not with a delta.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import jax
-import ml_dtypes
 import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps.snapshot import published
 
 PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+  """A cut for the writing thread: its rows' delta (None: a cut published again, for its dense
+  parameters only) and its dense parameters' leaves (None: not this time)."""
+
+  step: int
+  arrays: Optional[Dict[str, Any]]
+  leaves: Optional[List[np.ndarray]]
+  times: Dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prune:
+  """For the writing thread: the deltas at or before ``covered_step`` may go (a checkpoint covers them)."""
+
+  covered_step: int
 
 
 def publish_dir(config, workdir: str) -> str:
   """Where ``config``'s run publishes: ``config.publish_dir``, or ``<workdir>/publish``; relative
   paths are under the workdir."""
-  d = str(config.get("publish_dir", "") or "")
+  d = str(config.publish_dir or "")
   return os.path.abspath(os.path.join(workdir, d or PUBLISH))
 
 
@@ -61,8 +78,8 @@ class Publisher:
   """
 
   def __init__(self, config, workdir: str, ps, hot=None, start: int = 0, clock=time.monotonic):
-    self.every_s = float(config.get("publish_every_s", 0.0) or 0.0)
-    self.dense_every_s = float(config.get("publish_dense_every_s", 0.0) or 0.0)
+    self.every_s = float(config.publish_every_s or 0.0)
+    self.dense_every_s = float(config.publish_dense_every_s or 0.0)
     self.enabled = self.every_s > 0
     self.ps, self.hot, self._clock = ps, hot, clock
     self.directory = publish_dir(config, workdir)
@@ -98,7 +115,7 @@ class Publisher:
     self._next, self._next_dense = now + self.every_s, now
     self._last_step = self._last_dense = None
     self._first_update: Optional[float] = None
-    self._queue: "queue.Queue" = queue.Queue(maxsize=2)
+    self._queue: "queue.Queue[Union[_Cut, _Prune, None]]" = queue.Queue(maxsize=2)
     self._thread = threading.Thread(target=self._write_loop, name="publisher", daemon=True)
     self._thread.start()
 
@@ -194,7 +211,7 @@ class Publisher:
     self._last_step = step
     times = {"first_update": self._first_update or time.time(), "cut": time.time()}
     self._first_update = None
-    self._queue.put((int(step), arrays, leaves, times))
+    self._queue.put(_Cut(int(step), arrays, leaves, times))
     self.seconds += time.perf_counter() - t0
 
   def _hot_touched(self) -> None:
@@ -228,15 +245,15 @@ class Publisher:
         if w is None:
           w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
         rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
-        dtype = _DTYPES[self.ps.specs[t].storage_dtype]
-        out[t] = (ids, rows if dtype is np.float32 else rows.astype(dtype).astype(np.float32))
+        dtype = self.ps.specs[t].numpy_dtype
+        out[t] = (ids, rows if dtype == np.float32 else rows.astype(dtype).astype(np.float32))
     return out
 
   def checkpointed(self, covered_step: Optional[int]) -> None:
     """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the
     two newest checkpoints: a server that polls keeps its line, one far behind starts again)."""
     if self.enabled and covered_step is not None:
-      self._queue.put(("prune", int(covered_step), None, None))
+      self._queue.put(_Prune(int(covered_step)))
 
   def check(self) -> None:
     """Re-raises the writing thread's failure (a full disk), naming the publish directory."""
@@ -262,12 +279,12 @@ class Publisher:
       if self._error is not None:
         continue  # reported by check(); what comes after a failure is not written
       try:
-        if item[0] == "prune":
-          gone = published.prune(self.directory, self._index, item[1])
+        if isinstance(item, _Prune):
+          gone = published.prune(self.directory, self._index, item.covered_step)
           published.write_index(self.directory, self._index)
           published.remove(gone)
           continue
-        step, arrays, leaves, times = item
+        step, arrays, leaves, times = item.step, item.arrays, item.leaves, item.times
         index = self._index
         if arrays is not None:
           seq = int(index["next_seq"])

@@ -41,13 +41,13 @@ import uuid
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store.initializers import init_rows
+from recsys_jax.embeddings.specs import storage_numpy_dtype
 from recsys_jax.hashing import name_seed
 from recsys_jax.serving.api import SnapshotGone
 
@@ -60,7 +60,6 @@ _DEFAULTS_KEY = (
   "storage_dtype",
   "admission",
 )  # what default rows depend on, but the seed
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int, table_seed: Any = None) -> np.ndarray:
@@ -73,7 +72,7 @@ def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int, table_see
   if table_seed is None:
     table_seed = name_seed(table["name"], seed)
   rows = init_rows(ids, table["dim"], table_seed, table["initializer"], table["init_scale"])
-  return rows.astype(_DTYPES[table["storage_dtype"]]).astype(np.float32)
+  return rows.astype(storage_numpy_dtype(table["storage_dtype"])).astype(np.float32)
 
 
 class RowCache:
@@ -429,5 +428,5 @@ def table_info(spec) -> Dict[str, Any]:
     "initializer": spec.initializer,
     "init_scale": float(spec.init_scale),
     "storage_dtype": spec.storage_dtype,
-    "admission": bool(spec.admit_after > 1 or spec.admit_probability < 1.0),
+    "admission": spec.admits_selectively,
   }

@@ -68,6 +68,28 @@ class Prepared:
   """Everything with a batch axis as one word buffer, packed before the staleness gate."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Push:
+  """What the training loop hands the pusher for one step (``HostPipeline.push_step``)."""
+
+  groups: Dict[int, Any]
+  """The step's dedup groups by row width: the rows its gradients are for ({}: push nothing,
+  a scoring step's, since a zero gradient still moves e.g. Adam rows)."""
+  row_grads: Any
+  """The cold rows' gradients by row width, on the devices (summed over each row's uses)."""
+  metrics: Dict[str, Any]
+  """The step's metrics, on the devices: ``loss``, and the batch's scores and labels with
+  progressive validation on."""
+  source: Optional[str] = None
+  """The stream file the batch ends in (its own progressive metrics); None for other data."""
+
+  @classmethod
+  def of(cls, p: "Prepared", row_grads, metrics, scoring: bool) -> "Push":
+    """Step ``p``'s push; ``scoring``: a step of ``device_step='score'``, which pushes no row."""
+    source = p.position.get("file") if isinstance(p.position, dict) else None
+    return cls({} if scoring else p.groups, row_grads, metrics, source)
+
+
 class HostPipeline:
   """The host half of a step: the functions the host workers and the prefetcher run.
 
@@ -246,12 +268,12 @@ class HostPipeline:
       words = jax.device_put(words, sharding.with_memory_kind("pinned_host"))
     return packing.Packed(jax.device_put(words, sharding), packed.layout)
 
-  def push_step(self, step: int, payload) -> float:
+  def push_step(self, step: int, payload: Push) -> float:
     """The pusher's work for one step: waits for its device step, pushes its row gradients.
 
     Args:
       step: the training step.
-      payload: ``(groups, row grads, metrics)`` as the training loop handed them over.
+      payload: what the training loop handed over.
 
     Returns:
       The step's loss.
@@ -259,7 +281,7 @@ class HostPipeline:
     Raises:
       NonFiniteLossError: if the loss is NaN or infinite (nothing is pushed).
     """
-    groups, g_rows, m = payload
+    groups, g_rows, m = payload.groups, payload.row_grads, payload.metrics
     with self.times.time("get"):
       if self.multi_process:  # this process's rows: the sum of its devices' gradients
         g_rows = {k: sum(np.asarray(sh.data) for sh in v.addressable_shards) for k, v in g_rows.items()}
@@ -294,7 +316,7 @@ class HostPipeline:
     # tier rows into RAM, so step t's lookup finds them there. A window, not the feed's own
     # queue: it is filled in step order on this thread, whatever the worker count, and the steps
     # whose rows are pinned at once are bounded by its length.
-    ahead = int(config.ps.get("read_ahead", 0)) if config.ps.get("tier", "") else 0
+    ahead = int(config.ps.read_ahead) if config.ps.tier else 0
     window: collections.deque = collections.deque()
     drawn = [start]  # the next step to draw from the feed
 

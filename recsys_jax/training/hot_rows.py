@@ -58,20 +58,6 @@ def row_bytes(opt, dim: int) -> int:
   return 4 * (dim + sum(dim if full else 1 for full in opt.slot_widths.values()))
 
 
-def bounded(spec: TableSpec) -> bool:
-  """Whether a table has bounds (a capacity, expiry or selective admission): such a table is never hot.
-
-  Its bounds decide from every lookup of its rows (last-seen step, use count, the admission
-  sketch), and a hot row is not looked up; a hot row is also a second copy, which a write-back
-  puts into the PS whatever it evicted meanwhile (so a checkpoint changed what the run did next,
-  and a table held more rows than its capacity: issue 24). Kept on the PS, a bounded table's
-  rows, evictions, expiries and admissions are those of a run without hot rows, and its capacity
-  bounds the rows in RAM. Today the bounds are the config's for every table (``embeddings.capacity``
-  etc.), so a bounded run has no hot rows; a row width without a bounded table would keep them.
-  """
-  return bool(spec.capacity or spec.expire_after or spec.admit_after > 1 or spec.admit_probability < 1.0)
-
-
 class HotRows:
   """The hot rows of a run (``enabled`` is False when the budget buys no slot).
 
@@ -92,7 +78,14 @@ class HotRows:
     lookups: Dict[int, int] = {}
     # A row width with a bounded table stays on the PS whole: a step splits a width's tables
     # together, and a bounded table's rows must not be hot (``bounded``).
-    kept_out = {tables_by_name[f.table].dim for f in features if bounded(tables_by_name[f.table])}
+    # A bounded table (``TableSpec.bounded``: a capacity, expiry or selective admission) is never
+    # hot: its bounds decide from every lookup of its rows (last-seen step, use count, the
+    # admission sketch), and a hot row is not looked up; a hot row is also a second copy, which a
+    # write-back would put into the PS whatever it evicted meanwhile (a checkpoint would change what
+    # the run did next, and the table hold more rows than its capacity). Kept on the PS, its rows,
+    # evictions, expiries and admissions are those of a run without hot rows. The bounds are the
+    # config's for every table, so a bounded run has no hot rows.
+    kept_out = {tables_by_name[f.table].dim for f in features if tables_by_name[f.table].bounded}
     for f in features:
       spec = tables_by_name[f.table]
       if spec.dim in kept_out:
@@ -101,7 +94,7 @@ class HotRows:
       if f.table not in groups.setdefault(spec.dim, []):
         groups[spec.dim].append(f.table)
     self.opts: Dict[int, Any] = {}
-    budget = int(config.get("hot_rows_bytes", 0))
+    budget = int(config.hot_rows_bytes)
     for dim, names in groups.items():
       kinds = {(tables_by_name[t].optimizer, tables_by_name[t].optimizer_kwargs) for t in names}
       if budget and len(kinds) > 1:
@@ -116,11 +109,11 @@ class HotRows:
     self.groups = {d: tuple(groups[d]) for d in cap}
     self.enabled = bool(self.groups)
     self.set = hot_lib.HotSet(self.groups, cap)
-    self.overrides = {str(k): int(v) for k, v in dict(config.get("hot_rows_per_table", {}) or {}).items()}
-    self.min_count = int(config.get("hot_min_count", 2))
-    self.every = int(config.get("hot_every", 0))
-    self.count_every = int(config.get("hot_count_every", 1))
-    self.warmup = int(config.get("hot_warmup_steps", 0))
+    self.overrides = {str(k): int(v) for k, v in dict(config.hot_rows_per_table).items()}
+    self.min_count = int(config.hot_min_count)
+    self.every = int(config.hot_every)
+    self.count_every = int(config.hot_count_every)
+    self.warmup = int(config.hot_warmup_steps)
     self._new_counter = lambda: FrequencyCounter(
       [t for ts in self.groups.values() for t in ts], capacity=max(cap.values(), default=1), seed=int(config.seed)
     )

@@ -90,7 +90,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
   # Several processes evaluate on their own devices, each its share of the eval set.
   eval_mesh = mesh_lib.make_mesh(-1, 1, jax.local_devices()) if multi else mesh
   workers = worker_count(config.host_workers)
-  pinned = bool(config.get("place_pinned_host", False))
+  pinned = bool(config.place_pinned_host)
   host = HostPipeline(reader, ps, features, tables_by_name, mesh, aliases, eval_mesh, workers, pinned_host=pinned)
   group_features = steps_lib.group_features(features, tables_by_name)
   traces: Dict[str, int] = {}
@@ -113,12 +113,12 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
       rows_per_device=multi,
       hot_opts=hot.device_opts(),
       predictions=progressive.window_of(config) > 0,  # progressive validation scores each batch
-      update=config.get("device_step", "model") != "score",
+      update=config.device_step != "score",
     ),
     donate_argnums=(0, 1),
     out_shardings=(state_shardings, repl, rows_out, repl),
   )
-  if config.get("device_step", "model") == "none":  # the host pipeline alone (configs/default.py)
+  if config.device_step == "none":  # the host pipeline alone (configs/default.py)
     train_step = jax.jit(
       steps_lib.no_train_step, donate_argnums=(0, 1), out_shardings=(state_shardings, repl, rows_out, repl)
     )

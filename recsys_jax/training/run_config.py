@@ -9,7 +9,9 @@ A resume with the same config leaves the file as it is. A resume with a differen
 (e.g. more ``num_steps``, another ``eval_every``) keeps the first run's file under
 ``config.json`` and writes the new one as ``config.<n>.json``, and ``save`` returns the
 top-level fields that differ so the trainer warns about them; ``load`` reads the newest one
-(the highest ``n``), which is the config the newest checkpoints were written with.
+(the highest ``n``), which is the config the newest checkpoints were written with, and fills in
+the fields it lacks (a run of an older version wrote it) from ``configs/default.py``, the one
+home of every default.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ml_collections
 
+from configs import default as default_config
 from recsys_jax import workdir as workdir_lib
 
 FILE = workdir_lib.CONFIG
@@ -52,6 +55,29 @@ def to_dict(config: ml_collections.ConfigDict) -> Dict[str, Any]:
 
 def from_dict(d: Dict[str, Any]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_frozen(d))
+
+
+# Sections whose keys are the config's own, never filled in from the defaults: the model's
+# constructor arguments (the defaults' are DLRM's), and maps of table or feature names.
+_OWN_KEYS = frozenset({("model", "kwargs"), ("hot_rows_per_table",), ("embeddings", "features")})
+
+
+def with_defaults(
+  d: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None, at: Tuple[str, ...] = ()
+) -> Dict[str, Any]:
+  """``d`` with every field it lacks taken from ``configs/default.py`` (``defaults``: that config
+  as a dict), section by section; the values ``d`` has are kept."""
+  if defaults is None:
+    defaults = to_dict(default_config.get_config())
+  if at in _OWN_KEYS:
+    return d
+  out = dict(d)
+  for k, v in defaults.items():
+    if k not in out:
+      out[k] = v
+    elif isinstance(v, dict) and isinstance(out[k], dict):
+      out[k] = with_defaults(out[k], v, at + (k,))
+  return out
 
 
 def _files(workdir: str) -> List[str]:
@@ -188,4 +214,4 @@ def load(workdir: str) -> ml_collections.ConfigDict:
       f"{os.path.join(workdir, FILE)} does not exist: the workdir was not written by a run of this trainer "
       f"(runs write their config there at their start)"
     )
-  return from_dict(_read(os.path.join(workdir, files[-1])))
+  return from_dict(with_defaults(_read(os.path.join(workdir, files[-1]))))

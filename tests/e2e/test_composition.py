@@ -292,7 +292,7 @@ def _run_case(case, tiny_config, tmp_path, servers):
       assert train.train_and_evaluate(c, d)["resumed_from"] == N
     want, got = _what_is_compared(c, [stop_dir, again_dir], 2 * N, 4)
   _assert_equal(want, got, _id(case))
-  # A bounded table is never hot (hot_rows.bounded), and the bounds are the config's, for every table.
+  # A bounded table is never hot (TableSpec.bounded), and the bounds are the config's, for every table.
   assert bool(want["hot"]) == (case["hot"] == "on" and case["bound"] == "none"), sorted(want["hot"])
   print(f"{_id(case)}: {time.perf_counter() - t0:.1f} s")
 
@@ -331,7 +331,7 @@ def test_each_bound_means_the_same_with_hot_rows_and_a_capacity_is_never_passed(
   admits exactly as without hot rows: at every checkpoint the same ids, each with the same
   last-seen step and use count, the same table step, expiry cadence and admission sketch, and
   (k = 0) the same values. A hot row's uses are uses because a bounded table is never hot
-  (``hot_rows.bounded``): its rows are looked up on the PS at every step."""
+  (``TableSpec.bounded``): its rows are looked up on the PS at every step."""
   base = _config(
     tiny_config, {"hot": "on", "bound": "none", "tier": "off", "ps": "local", "data": "synthetic", "k": 0}, tmp_path, []
   )

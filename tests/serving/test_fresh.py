@@ -224,9 +224,13 @@ def test_a_delta_applied_mid_stream_never_mixes_versions(run, tmp_path):
       np.testing.assert_array_equal(scores, ref[(r, d)], err_msg=f"{version}: scores of another version")
 
 
-class _Cfg(dict):
-  def get(self, k, default=None):
-    return dict.get(self, k, default)
+def _config(**fields):
+  """The default config with ``fields`` set."""
+  from configs import default
+
+  c = default.get_config()
+  c.update(fields)
+  return c
 
 
 def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
@@ -246,7 +250,7 @@ def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
     index["deltas"].append(e)
   index["next_seq"] = 6
   published.write_index(d, index)
-  p = Publisher(_Cfg(publish_every_s=1.0, publish_dir=d), str(tmp_path), ps=None, start=6)
+  p = Publisher(_config(publish_every_s=1.0, publish_dir=d), str(tmp_path), ps=None, start=6)
   p.close()
   after = published.read_index(d)
   assert [e["step"] for e in after["deltas"]] == [4, 5, 6] and after["next_seq"] == 6
@@ -290,7 +294,7 @@ def test_a_trainer_restart_never_moves_the_versions_back(run, tmp_path):
   h = _holder(w, reload_every_s=0)
   assert h.current().row_version == 9
   pub = os.path.join(w, "publish")
-  Publisher(_Cfg(publish_every_s=1.0, publish_dir=pub), w, ps=None, start=6).close()
+  Publisher(_config(publish_every_s=1.0, publish_dir=pub), w, ps=None, start=6).close()
   index = _index(w)
   assert index["deltas"] == []  # every delta was past 6
   rows = {"cat_00": {"ids": np.array([1], np.uint64), "weights": np.zeros((1, 8), np.float32)}}

@@ -73,3 +73,31 @@ def test_a_damaged_checkpoint_is_not_blamed_on_a_field_that_shapes_no_state(tiny
   c.optimizer.learning_rate, c.checkpoint_full_every = 1e-2, 3
   with pytest.raises(CheckpointError, match="hot_rows_p0.npz cannot be read"):
     train.train_and_evaluate(c, str(tmp_path))
+
+
+def test_a_config_written_before_a_field_existed_loads_with_that_fields_default(tmp_path):
+  """``run_config.load`` of a config.json that lacks fields (a run of an older version wrote it):
+  each missing field, at any depth, comes from configs/default.py, every written value is kept,
+  and the sections whose keys are the config's own (the model's arguments, per-table and
+  per-feature maps) get nothing added: a two-tower model's kwargs must not gain DLRM's."""
+  import json
+
+  from configs import default
+  from recsys_jax.training import run_config
+
+  want = default.get_config()
+  written = run_config.to_dict(tiny.get_config())
+  for gone in ("hot_count_every", "publish_dense_every_s", "progressive", "place_pinned_host"):
+    del written[gone]
+  del written["ps"]["read_ahead"], written["data"]["cache_dir"]
+  written["model"] = {"name": "two_tower", "kwargs": {"tower": [8]}}
+  written["hot_every"] = 7
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(written, f)
+  got = run_config.load(str(tmp_path))
+  assert got.hot_count_every == want.hot_count_every and got.publish_dense_every_s == want.publish_dense_every_s
+  assert got.progressive.window == want.progressive.window and got.place_pinned_host == want.place_pinned_host
+  assert got.ps.read_ahead == want.ps.read_ahead and got.data.cache_dir == want.data.cache_dir
+  assert got.hot_every == 7 and got.ps.num_shards == written["ps"]["num_shards"]
+  assert got.model.to_dict() == {"name": "two_tower", "kwargs": {"tower": (8,)}}
+  assert run_config.to_dict(run_config.from_dict(written)) != run_config.to_dict(got)  # something was filled

@@ -17,8 +17,8 @@ import os
 from typing import Any, Dict, List, Sequence
 
 from recsys_jax import hashing
+from recsys_jax.async_ps.snapshot import bounds_state
 from recsys_jax.async_ps.snapshot import directory as snapshot
-from recsys_jax.async_ps.store import bounds
 
 MANIFEST = "remote.json"
 FORMAT = "recsys_jax.remote_ps/1"
@@ -96,14 +96,14 @@ def bounds_for(link: Sequence[str], me: int = 0, num_servers: int = 1) -> Dict[s
 
   From as many parts as servers (``server-<i>``, or one in-process snapshot for one server),
   each server takes its own part's per-shard states, exact. Otherwise an id may have moved to
-  another server: every old shard's state is merged into one (``bounds.merge_states``).
+  another server: every old shard's state is merged into one (``bounds_state.merge_states``).
   """
   parts = [dict(snapshot.iter_bounds(d)) for d in link]
   names = [os.path.basename(os.path.normpath(d)) for d in link]
   if num_servers == len(link) and (num_servers == 1 or names == [f"server-{i}" for i in range(num_servers)]):
     return parts[me]
   tables = {t for p in parts for t in p}
-  return {t: [bounds.merge_states([st for p in parts for st in p.get(t, [])])] for t in tables}
+  return {t: [bounds_state.merge_states([st for p in parts for st in p.get(t, [])])] for t in tables}
 
 
 def check_links(links: Sequence[Sequence[str]]) -> None:

@@ -17,8 +17,6 @@ table holds them in another order): ties of the score go to the smaller hash of 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence
-
 import numpy as np
 
 from recsys_jax.hashing import splitmix64
@@ -43,19 +41,3 @@ def lowest(score: np.ndarray, ids: np.ndarray, k: int, salt: int) -> np.ndarray:
     keys = splitmix64(ids[tied] ^ np.uint64(salt) ^ _TIE_SALT)
     tied = tied[np.argpartition(keys, need - 1)[:need]]
   return np.concatenate([below, tied])
-
-
-def merge_states(states: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
-  """One bounds state from several shards' (``Bounds.bounds_state``): the latest step and
-  expiry check of any, and the sketches' maximum cell by cell (None if none has a sketch).
-
-  Every shard hashes an id into the same cells, and an id is counted in one shard only, so
-  the maximum never counts an id below its count (a count-min sketch may over-count, never
-  under-count), whichever shard it goes to now, and over-counts less than the sum would.
-  """
-  sketches = [np.asarray(st["sketch"], np.uint8) for st in states if st.get("sketch") is not None]
-  return {
-    "step": max((int(st.get("step", 0)) for st in states), default=0),
-    "last_expiry_check": max((int(st.get("last_expiry_check", 0)) for st in states), default=0),
-    "sketch": np.maximum.reduce(sketches) if sketches else None,
-  }

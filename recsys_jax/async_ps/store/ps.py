@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from recsys_jax.async_ps.optim import optimizers
-from recsys_jax.async_ps.store.bounds import merge_states
+from recsys_jax.async_ps.snapshot.bounds_state import merge_states
 from recsys_jax.async_ps.store.ids import as_ids, check_distinct, check_out, distinct_ids, route
 from recsys_jax.async_ps.store.table import Table
 from recsys_jax.async_ps.store.workers import MIN_ROWS, Workers
@@ -459,7 +459,7 @@ class ParameterServer:
 
     With as many shards as saved, shard s takes shard s's state: every id goes to the same
     shard as before, so this is exact. With another count, every shard takes their
-    ``bounds.merge_states``: the latest step and expiry check of any, and the sketches'
+    ``bounds_state.merge_states``: the latest step and expiry check of any, and the sketches'
     maximum cell by cell, which never counts an id below its count wherever it goes now (a
     count-min sketch may over-count, never under-count) and over-counts less than the sum
     would. Tables this PS does not declare are an error; tables absent from ``states`` keep theirs.

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 from absl import logging
 
@@ -58,7 +57,6 @@ AHEAD_THREADS = max(1, default_threads() // 4)
 the process: a quarter of the cores (one on this 2-core machine), as for the evictions."""
 
 
-STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
 
 
@@ -111,7 +109,7 @@ class Table:
     self._idle = threading.Event()  # cleared while an eviction is in flight
     self._idle.set()
     self._evict_error: Optional[BaseException] = None  # raised by the next call on the table
-    self._wdtype = STORAGE_DTYPES[spec.storage_dtype]
+    self._wdtype = spec.numpy_dtype.type
     self._init_bounds()
     self._clear(0)
     self._deleted: List[np.ndarray] = []  # ids dropped (eviction without tier, expiry) since the last snapshot
@@ -738,7 +736,7 @@ class Table:
   # Bounds: admission, eviction and expiry, and the state they keep (see the ``bounds`` module).
   def _init_bounds(self) -> None:
     s = self.spec
-    self._admission = s.admit_after > 1 or s.admit_probability < 1.0
+    self._admission = s.admits_selectively
     self._sketch = np.zeros((SKETCH_DEPTH, s.admission_sketch_width), np.uint8) if s.admit_after > 1 else None
     self._sketch_salts = splitmix64(np.arange(1, SKETCH_DEPTH + 1, dtype=np.uint64) ^ self.seed)
     self.step = 0

@@ -36,9 +36,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 import tensorstore as ts
 
-from recsys_jax.async_ps.store.table import STORAGE_DTYPES
-
-_STORAGE_DTYPES = {name: np.dtype(t) for name, t in STORAGE_DTYPES.items()}
+from recsys_jax.embeddings.specs import STORAGE_DTYPES, storage_numpy_dtype
 
 # Context defaults: no chunk cache (the PS table's RAM cache is the cache, and whole-chunk
 # appends never need to read a chunk back) and no fsync per chunk (the tier is a spill
@@ -83,9 +81,9 @@ def storage_dtype(dtype: Any) -> np.dtype:
       key = np.dtype(dtype).name
     except TypeError:
       key = repr(dtype)
-  if key not in _STORAGE_DTYPES:
-    raise ValueError(f"DiskTier: unsupported dtype {dtype!r}; use one of {sorted(_STORAGE_DTYPES)}")
-  return _STORAGE_DTYPES[key]
+  if key not in STORAGE_DTYPES:
+    raise ValueError(f"DiskTier: unsupported dtype {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")
+  return storage_numpy_dtype(key)
 
 
 def _nothing() -> None:
