@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sysconfig
 import tempfile
 import threading
 import time
@@ -112,7 +113,9 @@ class GilSampler:
 
   def start(self, attach_timeout_s: float = 20.0) -> "GilSampler":
     """Attaches py-spy; returns once it samples (py-spy announces it)."""
-    exe = shutil.which("py-spy")
+    # The environment's own scripts first: a venv's python run without activating it has py-spy
+    # beside it, not on PATH.
+    exe = shutil.which("py-spy", path=sysconfig.get_path("scripts")) or shutil.which("py-spy")
     if exe is None:
       raise GilSamplerError("py-spy is not installed (pip install -r requirements.txt): no interpreter-lock figure")
     fd, self._tmp = tempfile.mkstemp(prefix="gil_", suffix=".txt")
