@@ -53,12 +53,12 @@ def main():
   total = sum(sc.rows.num_rows().values())
   small = scorer.load_scorer(workdir, cache_rows=total // 4)
   rng = np.random.default_rng(0)
-  vocab = sc.config.data.vocab_sizes
+  vocab = sc.checkpoint.config.data.vocab_sizes
   names = [n for n, k in sc.fields().items() if k == "int"]
   dense = [n for n, k in sc.fields().items() if k == "float"]
   from recsys_jax.data import synthetic
 
-  data = synthetic.build({k: v for k, v in dict(sc.config.data).items() if k in synthetic.FIELDS})
+  data = synthetic.build({k: v for k, v in dict(sc.checkpoint.config.data).items() if k in synthetic.FIELDS})
 
   def records(n):
     out = []

@@ -61,8 +61,9 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
   if os.path.exists(out_dir):
     raise FileExistsError(f"{out_dir} exists; an artifact is never overwritten")
   sc = load_scorer(workdir, step, cache_rows=0, verify=False)
-  leaves, treedef = jax.tree.flatten(sc.params)
-  eval_step = sc.eval_step
+  ck = sc.checkpoint
+  leaves, treedef = jax.tree.flatten(ck.params)
+  eval_step = ck.eval_step
 
   def forward(flat, rows, batch):
     return eval_step(jax.tree.unflatten(treedef, flat), rows, batch)["logits"]
@@ -76,7 +77,7 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
   sds = jax.ShapeDtypeStruct
   rows_spec = {str(d): sds((u[d], d), np.float32) for d in dims}
   batch_spec = {
-    "dense": sds((b, sc.schema.num_dense), np.float32),
+    "dense": sds((b, ck.schema.num_dense), np.float32),
     "inverse": {str(d): sds((b, len(fs), max(f.max_len for f in fs)), np.int32) for d, fs in group_feats.items()},
     "weights": {
       str(d): sds((b, len(fs), max(f.max_len for f in fs)), np.float32)
@@ -93,14 +94,14 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
   manifest = {
     "format": FORMAT,
     "version": sc.version,
-    "step": sc.step,
-    "data": sc.encoder_data,
-    "schema": schema_to_json(sc.schema),
+    "step": ck.step,
+    "data": ck.encoder_data,
+    "schema": schema_to_json(ck.schema),
     "features": [dataclasses.asdict(f) for f in sc.features],
     "aliases": sc.aliases,
-    "tables": {t.name: rows_lib.table_info(t) for t in sc.tables_specs},
-    "ps_chain": list(sc.chain),
-    "seed": int(sc.config.seed),
+    "tables": {t.name: rows_lib.table_info(t) for t in ck.table_specs},
+    "ps_chain": list(ck.chain),
+    "seed": int(ck.config.seed),
     "max_batch": sc.max_batch,
     "files": {
       FORWARD: {"bytes": len(blob), "crc32": _crc(blob)},
@@ -194,6 +195,7 @@ def load_artifact(
     snap,
     forward,
     int(max_batch or m["max_batch"]),
+    chain=snap.chain,
+    traces=traces,
   )
-  sc.chain, sc.traces = snap.chain, traces
   return sc

@@ -16,13 +16,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from recsys_jax.data import base
 from recsys_jax.embeddings import dedup as dedup_lib
-from recsys_jax.embeddings.specs import FeatureSpec
+from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.serving.api import RequestError
 from recsys_jax.serving.encode import Encoder
 
@@ -39,6 +39,38 @@ def pow2(n: int, least: int = 1) -> int:
 class _Dim:
   dim: int
   weighted: bool  # some feature of the group has more than one id: pooling weights are always passed
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+  """A checkpoint of a training run, loaded for serving (``scorer.load_scorer``): what the
+  :class:`BatchScorer` built from it receives, for what comes after the load (exporting an
+  artifact, following published deltas, reporting)."""
+
+  workdir: str
+  """The run's directory (absolute)."""
+  step: int
+  """The checkpoint's step: the version of its rows and of its dense parameters."""
+  chain: Tuple[str, ...]
+  """The PS snapshot chain its rows come from, oldest first, in the workdir."""
+  params: Any
+  """The dense parameters (host arrays)."""
+  config: Any
+  """The run's config (``run_config.load``: an older run's lacks nothing)."""
+  schema: Any
+  """The reader's schema (the records' fields)."""
+  table_specs: Tuple[TableSpec, ...]
+  """The tables, as the trainer built them."""
+  model: Any
+  """The flax model."""
+  eval_step: Callable[..., Dict[str, Any]]
+  """``(params, rows, batch) -> {"logits", ...}``, the trainer's evaluation step (not jitted)."""
+  step_fn: Callable[..., Dict[str, Any]]
+  """``eval_step`` jitted: what the scorer's forward calls."""
+  encoder_data: Dict[str, Any]
+  """The config's data section as plain JSON types (what an artifact's encoder is built from)."""
+  load_s: float
+  """Seconds the load took."""
 
 
 @dataclasses.dataclass
@@ -63,6 +95,15 @@ class BatchScorer:
     rows: a :class:`recsys_jax.serving.rows.SnapshotRows` (``lookup_many``).
     forward: ``(rows: {str(dim): [U, dim]}, batch: {"dense", "inverse", "weights"}) -> logits [B]``.
     max_batch: the most records one ``predict`` call pads to (a power of two); more are split.
+    checkpoint: the training checkpoint it was loaded from (``scorer.load_scorer``); None for an
+      exported artifact's.
+    params: the dense parameters ``forward`` scores with (None: not known here).
+    chain: the PS snapshot chain its rows come from.
+    traces: compilations of its forward so far, by kind (``"eval"``), a dict the forward updates.
+
+  A version derived from it (``derive``) may change these and what the fresh-rows follower keeps
+  (:mod:`recsys_jax.serving.fresh`): ``base``, the checkpoint's scorer its rows build on, and
+  ``last_seq``, the last delta applied.
   """
 
   def __init__(
@@ -75,6 +116,10 @@ class BatchScorer:
     rows,
     forward: Callable[[Dict[str, Any], Dict[str, Any]], Any],
     max_batch: int = 512,
+    checkpoint: Optional[LoadedCheckpoint] = None,
+    params: Any = None,
+    chain: Sequence[str] = (),
+    traces: Optional[Dict[str, int]] = None,
   ):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch = {max_batch} must be a power of two")
@@ -89,6 +134,12 @@ class BatchScorer:
     self.rows = rows
     self.forward = forward
     self.max_batch = int(max_batch)
+    self.checkpoint = checkpoint
+    self.params = params
+    self.chain = tuple(chain)
+    self.traces: Dict[str, int] = {} if traces is None else traces
+    self.base: Optional["BatchScorer"] = None
+    self.last_seq: Optional[int] = None
     groups: Dict[int, _Dim] = {}
     for f in self.features:
       d = self.table_dims[f.table]
@@ -97,7 +148,11 @@ class BatchScorer:
 
   def derive(self, version: str, rows=None, forward=None, **attrs) -> "BatchScorer":
     """A new version that shares everything with this one but ``rows`` and ``forward`` (when given)
-    and the attributes ``attrs``: this one is not changed (a batch scoring with it goes on)."""
+    and the attributes ``attrs`` (declared ones only: a misspelt name is an error, not a new
+    attribute): this one is not changed (a batch scoring with it goes on)."""
+    unknown = sorted(k for k in attrs if not hasattr(self, k) or k.startswith("_"))
+    if unknown:
+      raise AttributeError(f"BatchScorer.derive: no attribute {unknown} to set")
     new = copy.copy(self)
     new.version = version
     if rows is not None:

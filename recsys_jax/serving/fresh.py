@@ -142,26 +142,29 @@ class FreshModelHolder(ModelHolder):
     self.bad: Dict[str, str] = {}  # what could not be applied (a delta, a dense file, the index) -> why
     self.deltas_applied = self.dense_applied = self.catch_ups = 0
     base = self._scorer
-    if not hasattr(base, "step_fn"):
-      raise TypeError(f"{type(base).__name__} has no step_fn: fresh rows need a scorer of serving.scorer.load_scorer")
+    if getattr(base, "checkpoint", None) is None:
+      raise TypeError(
+        f"{type(base).__name__} was not loaded from a checkpoint: fresh rows need a scorer of serving.scorer.load_scorer"
+      )
     self._tried = self.step  # the newest checkpoint loaded: a catch-up loads only a newer one
     self._next_reload = clock() + self.reload_every_s
     sc = self._fresh(base)
     self._scorer = self._advance(sc, self._index(), None)[0]
     self._scorer = self._apply_dense(self._scorer, self._index())
-    self.step = self._scorer.base.step
+    self.step = self._scorer.base.checkpoint.step
 
   # -- building versions ----------------------------------------------------------------
   @staticmethod
   def _fresh(base):
     """``base`` (a checkpoint's scorer) as a fresh version with no delta over it."""
+    step = int(base.checkpoint.step)
     return base.derive(
-      f"step-{base.step}",
+      f"step-{step}",
       rows=OverlayRows(base.rows),
       base=base,
       last_seq=None,
-      row_version=int(base.step),
-      dense_version=int(base.step),
+      row_version=step,
+      dense_version=step,
     )
 
   @staticmethod
@@ -169,7 +172,7 @@ class FreshModelHolder(ModelHolder):
     r, d = attrs.get("row_version", sc.row_version), attrs.get("dense_version", sc.dense_version)
     version = f"step-{r}" if r == d else f"rows-{r}.dense-{d}"
     if params is not None:
-      attrs.update(params=params, forward=_forward(sc.step_fn, params))
+      attrs.update(params=params, forward=_forward(sc.checkpoint.step_fn, params))
     return sc.derive(version, rows=rows, **attrs)
 
   def _index(self) -> Optional[Dict[str, Any]]:
@@ -293,7 +296,7 @@ class FreshModelHolder(ModelHolder):
             f"checkpoint {newer[0]} is newer than the rows served (step {new.row_version}) and no delta reaches it"
           )
         elif new.rows.num_overlay_rows() > self.max_overlay_rows and self._candidates(self._tried):
-          behind = f"{new.rows.num_overlay_rows()} delta rows over checkpoint {new.base.step}: rebuilt on a newer one"
+          behind = f"{new.rows.num_overlay_rows()} delta rows over checkpoint {new.base.checkpoint.step}: rebuilt on a newer one"
       if behind is not None:
         cand = self._catch_up(index, behind)
         if cand is not None and cand.row_version >= new.row_version:
@@ -307,7 +310,7 @@ class FreshModelHolder(ModelHolder):
           logging.warning(
             "checkpoint %d with its deltas reaches step %d only, behind the rows served (step %d): waiting for a "
             "newer checkpoint",
-            cand.base.step,
+            cand.base.checkpoint.step,
             cand.row_version,
             new.row_version,
           )
@@ -316,14 +319,14 @@ class FreshModelHolder(ModelHolder):
       new = self._apply_dense(new, index)
       if new is old:
         return False
-      self._scorer, self.step = new, new.base.step
+      self._scorer, self.step = new, new.base.checkpoint.step
       return True
 
   def model_info(self) -> Dict[str, Any]:
     """What ``/v1/model`` adds for a fresh server."""
     sc = self._scorer
     return {
-      "base_step": sc.base.step,
+      "base_step": sc.base.checkpoint.step,
       "overlay_rows": sc.rows.num_overlay_rows(),
       "deltas_applied": self.deltas_applied,
       "dense_applied": self.dense_applied,

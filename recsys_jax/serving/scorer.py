@@ -30,7 +30,7 @@ from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.serving import rows as rows_lib
-from recsys_jax.serving.batching import BatchScorer
+from recsys_jax.serving.batching import BatchScorer, LoadedCheckpoint
 from recsys_jax.serving.encode import Encoder
 from recsys_jax.training import run_config
 
@@ -181,8 +181,9 @@ def load_scorer(
     verify: check every snapshot array's CRC32 at load (one pass over the chain, one part in RAM).
 
   Returns:
-    A :class:`recsys_jax.serving.batching.BatchScorer` (``version`` ``"step-<step>"``), plus
-    ``load_s`` (seconds the load took) and ``traces`` (forward compilations so far).
+    A :class:`recsys_jax.serving.batching.BatchScorer` (``version`` ``"step-<step>"``) whose
+    ``checkpoint`` (:class:`recsys_jax.serving.batching.LoadedCheckpoint`) says what it was loaded
+    from, and ``traces`` its forward compilations so far.
 
   Raises:
     FileNotFoundError: the workdir has no config or no checkpoint.
@@ -248,6 +249,21 @@ def load_scorer(
   def forward(rows, batch):
     return step_fn(params, rows, batch)["logits"]
 
+  chain = tuple(chain_paths(workdir, {"ps_chain": names}))
+  loaded = LoadedCheckpoint(
+    workdir=workdir,
+    step=s,
+    chain=chain,
+    params=params,
+    config=config,
+    schema=built.schema,
+    table_specs=tuple(built.tables),
+    model=built.model,
+    eval_step=built.eval_step,
+    step_fn=step_fn,
+    encoder_data=run_config.to_dict(config.data),
+    load_s=time.perf_counter() - t0,
+  )
   scorer = BatchScorer(
     f"step-{s}",
     built.encoder,
@@ -257,17 +273,10 @@ def load_scorer(
     snap,
     forward,
     max_batch,
+    checkpoint=loaded,
+    params=params,
+    chain=chain,
+    traces=built.traces,
   )
   scorer.dense_version = scorer.row_version = s
-  scorer.step_fn = step_fn
-  scorer.step, scorer.workdir, scorer.chain, scorer.params = (
-    s,
-    workdir,
-    chain_paths(workdir, {"ps_chain": names}),
-    params,
-  )
-  scorer.model, scorer.eval_step, scorer.traces = built.model, built.eval_step, built.traces
-  scorer.config, scorer.tables_specs, scorer.schema = config, built.tables, built.schema
-  scorer.encoder_data = run_config.to_dict(config.data)
-  scorer.load_s = time.perf_counter() - t0
   return scorer

@@ -94,7 +94,7 @@ def test_late_server_catches_up_to_the_trainers_rows_and_scores(run, tmp_path):
   w = _late_copy(run, tmp_path / "w")
   h = _holder(w)
   sc = h.current()
-  assert (sc.row_version, sc.dense_version, sc.base.step, sc.version) == (9, 9, 6, "step-9")
+  assert (sc.row_version, sc.dense_version, sc.base.checkpoint.step, sc.version) == (9, 9, 6, "step-9")
   ref, old = scorer_lib.load_scorer(run, STEPS), scorer_lib.load_scorer(run, 6)
   recs = _records(sc, run)
   want = ref.predict(recs)
@@ -154,7 +154,7 @@ def test_damaged_delta_is_named_and_the_server_catches_up_from_the_chain(run, tm
   shutil.move(os.path.join(tmp_path, "aside"), os.path.join(w, "checkpoints", str(STEPS)))
   assert h.check()
   sc = h.current()
-  assert (sc.row_version, sc.base.step, h.catch_ups) == (9, 9, 1)
+  assert (sc.row_version, sc.base.checkpoint.step, h.catch_ups) == (9, 9, 1)
   recs = _records(sc, run)
   np.testing.assert_array_equal(sc.predict(recs), scorer_lib.load_scorer(run, STEPS).predict(recs))
 
@@ -163,12 +163,12 @@ def test_delta_rows_in_ram_are_bounded_by_a_rebuild_on_a_newer_checkpoint(run, t
   w = _late_copy(run, tmp_path / "w")
   h = _holder(w, max_overlay_rows=100, reload_every_s=0)
   sc = h.current()
-  assert (sc.row_version, sc.base.step) == (9, 6) and sc.rows.num_overlay_rows() > 100
+  assert (sc.row_version, sc.base.checkpoint.step) == (9, 6) and sc.rows.num_overlay_rows() > 100
   assert not h.check()  # no checkpoint newer than its base: it keeps the rows it has
   shutil.move(os.path.join(tmp_path, "aside"), os.path.join(w, "checkpoints", str(STEPS)))
   assert h.check()
   sc = h.current()
-  assert (sc.row_version, sc.base.step, sc.rows.num_overlay_rows(), sc.version) == (9, 9, 0, "step-9")
+  assert (sc.row_version, sc.base.checkpoint.step, sc.rows.num_overlay_rows(), sc.version) == (9, 9, 0, "step-9")
   recs = _records(sc, run)
   np.testing.assert_array_equal(sc.predict(recs), scorer_lib.load_scorer(run, STEPS).predict(recs))
 

@@ -168,6 +168,11 @@ def test_scores_equal_the_trainers_evaluation(runs, refs, name, tmp_path):
   sc = scorer.load_scorer(runs[name]["workdir"])
   assert sc.version == f"step-{ref.step}" == f"step-{runs[name]['config'].num_steps}"
   assert len(sc.chain) == 3 and sc.chain[0].endswith("-full") and sc.chain[2].endswith("-incr")  # full + 2 incrementals
+  ck = sc.checkpoint  # what it was loaded from, declared (LoadedCheckpoint)
+  assert (ck.step, ck.workdir, ck.chain) == (ref.step, os.path.abspath(runs[name]["workdir"]), sc.chain)
+  assert ck.config.num_steps == runs[name]["config"].num_steps and ck.load_s > 0 and sc.params is ck.params
+  with pytest.raises(AttributeError, match="stpe"):  # a version derived from it takes declared attributes only
+    sc.derive("v2", stpe=3)
   got = sc.predict(sc.concat([sc.encode(recs[a : a + 100]) for a in range(0, len(recs), 100)]))
   np.testing.assert_allclose(got, _sigmoid(want), rtol=0, atol=1e-6)
   artifact.export_artifact(runs[name]["workdir"], str(tmp_path / "art"))

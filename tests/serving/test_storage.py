@@ -62,7 +62,7 @@ def test_deleting_the_served_snapshots_changes_no_score(run, tmp_path):
   sc = scorer.load_scorer(w, cache_bytes=10 << 10)  # 10 KiB: most rows are read from disk at each batch
   recs = _records(sc, 512)
   before = sc.predict(sc.encode(recs))
-  for name in scorer.read_meta(w, sc.step)["ps_chain"]:
+  for name in scorer.read_meta(w, sc.checkpoint.step)["ps_chain"]:
     shutil.rmtree(os.path.join(w, "ps_snapshots", name))
   after = sc.predict(sc.encode(recs))
   np.testing.assert_array_equal(after, before)
@@ -92,9 +92,9 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
   sc = scorer.load_scorer(w)
   held = sc.rows.held_dir
   assert os.path.isdir(held)
-  names = scorer.read_meta(w, sc.step)["ps_chain"]
+  names = scorer.read_meta(w, sc.checkpoint.step)["ps_chain"]
   assert sorted(os.listdir(os.path.join(held, "ps_snapshots"))) == sorted(names)
-  assert os.listdir(os.path.join(held, "checkpoints")) == [str(sc.step)]
+  assert os.listdir(os.path.join(held, "checkpoints")) == [str(sc.checkpoint.step)]
   del sc
   gc.collect()
   assert not os.path.exists(held)
