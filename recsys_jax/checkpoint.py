@@ -34,6 +34,7 @@ from absl import logging
 
 from recsys_jax import checkpoint_files
 from recsys_jax import workdir as workdir_lib
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.parallel import distributed
 
 
@@ -138,7 +139,7 @@ class Checkpointer:
     self,
     step: int,
     state: Any,
-    ps,
+    ps: RowStore,
     meta: Dict[str, Any],
     parts: Optional[Mapping[str, checkpoint_files.PartWriter]] = None,
   ) -> None:
@@ -164,7 +165,7 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {where} could not be written: {checkpoint_files.cause(e)}") from e
 
   def _save(
-    self, step: int, state: Any, ps, meta: Dict[str, Any], parts: Dict[str, checkpoint_files.PartWriter]
+    self, step: int, state: Any, ps: RowStore, meta: Dict[str, Any], parts: Dict[str, checkpoint_files.PartWriter]
   ) -> None:
     full = not self._chain or self._since_full + 1 >= self.full_every
     name = f"{step:010d}-{'full' if full else 'incr'}"
@@ -336,7 +337,7 @@ class Checkpointer:
   def all_steps(self) -> List[int]:
     return sorted(self._mgr.all_steps())
 
-  def restore(self, step: int, state_template: Any, ps) -> Tuple[Any, Dict[str, Any]]:
+  def restore(self, step: int, state_template: Any, ps: RowStore) -> Tuple[Any, Dict[str, Any]]:
     """Loads checkpoint ``step`` into ``ps`` and returns (dense state, meta).
 
     Raises:
@@ -369,7 +370,7 @@ class Checkpointer:
     return state, meta
 
   def restore_newest_intact(
-    self, state_template: Any, ps, warn: Callable[[str], None]
+    self, state_template: Any, ps: RowStore, warn: Callable[[str], None]
   ) -> Optional[Tuple[int, Any, Dict[str, Any]]]:
     """Restores the newest checkpoint that reads back intact.
 
@@ -389,8 +390,8 @@ class Checkpointer:
       except CheckpointError as e:
         damaged.append((step, e))
         continue
-      for s, e in damaged:
-        warn(f"{e}; moved to {self._set_aside(s)}, resuming from checkpoint {step}")
+      for s, why in damaged:
+        warn(f"{why}; moved to {self._set_aside(s)}, resuming from checkpoint {step}")
       if damaged:
         distributed.barrier(f"damaged checkpoints set aside before step {step}")
         self._mgr.close()

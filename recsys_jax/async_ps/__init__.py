@@ -19,9 +19,11 @@ trainer without the server's).
 
 from __future__ import annotations
 
+from typing import Dict
+
 from recsys_jax import lazy
 
-_PUBLIC = {
+_PUBLIC: Dict[str, lazy.Where] = {
   "RowReader": "recsys_jax.async_ps.protocol",
   "RowStore": "recsys_jax.async_ps.protocol",
   "ParameterServer": "recsys_jax.async_ps.store.ps",

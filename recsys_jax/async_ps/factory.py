@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Sequence
 
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 
@@ -54,7 +55,7 @@ def build_ps(
   *,
   process_index: int = 0,
   process_count: int = 1,
-):
+) -> RowStore:
   """The in-process PS, or a client of the remote PS servers, as ``config.ps.kind`` says.
 
   Args:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -113,7 +113,9 @@ def encode(fields: Optional[Mapping[str, Any]] = None, arrays: Optional[Mapping[
     WireError: an array with a dtype outside the allow-list.
   """
   names = {v: k for k, v in DTYPES.items()}
-  entries, buffers, offset = [], [], 0
+  entries: List[Dict[str, Any]] = []
+  buffers: List[Any] = []  # bytes and uint8 arrays (numpy's stubs make ndarray a Buffer only on Python 3.12+)
+  offset = 0
   for name, arr in (arrays or {}).items():
     arr = np.asarray(arr)
     dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
@@ -187,8 +189,8 @@ def decode(data: bytes) -> Message:
     header = json.loads(bytes(view[_PREFIX.size : start]).decode("utf-8"))
   # ValueError covers UnicodeDecodeError, JSONDecodeError and an integer of more digits than
   # int() converts (4300 by default), which json raises as a plain ValueError.
-  except (ValueError, RecursionError) as e:
-    raise WireError(f"header is not valid UTF-8 JSON ({e})") from None
+  except (ValueError, RecursionError) as err:
+    raise WireError(f"header is not valid UTF-8 JSON ({err})") from None
   if not isinstance(header, dict):
     raise WireError("header must be a JSON object")
   if header.get("v") != VERSION:

@@ -21,7 +21,7 @@ import dataclasses
 import gzip
 import io
 import zlib
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 from absl import logging
@@ -360,7 +360,7 @@ def take_records(cols: Columns, index: np.ndarray) -> Columns:
   return out
 
 
-def take_columns(cols: Columns, index: np.ndarray) -> Columns:
+def take_columns(cols: Columns, index: Union[np.ndarray, slice]) -> Columns:
   """Selects records ``index`` (an int array or slice) of every column."""
   if isinstance(index, slice):
     take = lambda v: v[index]  # noqa: E731 - views

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.async_ps.snapshot import published
 
 PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
@@ -77,7 +78,7 @@ class Publisher:
     clock: seconds, monotonic (tests pass their own).
   """
 
-  def __init__(self, config, workdir: str, ps, hot=None, start: int = 0, clock=time.monotonic):
+  def __init__(self, config, workdir: str, ps: Optional[RowStore], hot=None, start: int = 0, clock=time.monotonic):
     self.every_s = float(config.publish_every_s or 0.0)
     self.dense_every_s = float(config.publish_dense_every_s or 0.0)
     self.enabled = self.every_s > 0
@@ -113,7 +114,8 @@ class Publisher:
     self._parent_step = int(start)
     now = clock()
     self._next, self._next_dense = now + self.every_s, now
-    self._last_step = self._last_dense = None
+    self._last_step: Optional[int] = None
+    self._last_dense: Optional[int] = None
     self._first_update: Optional[float] = None
     self._queue: "queue.Queue[Union[_Cut, _Prune, None]]" = queue.Queue(maxsize=2)
     self._thread = threading.Thread(target=self._write_loop, name="publisher", daemon=True)
@@ -190,6 +192,7 @@ class Publisher:
     for t, (ids, _) in hot.items():
       wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
     wanted = {t: ids for t, ids in wanted.items() if ids.shape[0]}
+    assert self.ps is not None, "a publishing run has a PS"
     rows = self.ps.lookup_many(wanted, create=False) if wanted else {}
     arrays = {t: {"ids": wanted[t], "weights": rows[t]} for t in wanted}
     for t, (ids, w) in hot.items():
@@ -206,12 +209,12 @@ class Publisher:
     self.times["read"] += t3 - t2
     self.times["dense"] += time.perf_counter() - t3
     self._next = now + self.every_s
-    if step == self._last_step:
-      arrays = None  # a cut published again (for its dense parameters) has no row to add: no delta
+    # A cut published again (for its dense parameters) has no row to add: no delta.
+    delta = None if step == self._last_step else arrays
     self._last_step = step
     times = {"first_update": self._first_update or time.time(), "cut": time.time()}
     self._first_update = None
-    self._queue.put(_Cut(int(step), arrays, leaves, times))
+    self._queue.put(_Cut(int(step), delta, leaves, times))
     self.seconds += time.perf_counter() - t0
 
   def _hot_touched(self) -> None:
@@ -245,6 +248,7 @@ class Publisher:
         if w is None:
           w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
         rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
+        assert self.ps is not None, "a publishing run has a PS"
         dtype = self.ps.specs[t].numpy_dtype
         out[t] = (ids, rows if dtype == np.float32 else rows.astype(dtype).astype(np.float32))
     return out

@@ -62,6 +62,7 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
     raise FileExistsError(f"{out_dir} exists; an artifact is never overwritten")
   sc = load_scorer(workdir, step, cache_rows=0, verify=False)
   ck = sc.checkpoint
+  assert ck is not None  # load_scorer's scorers carry their checkpoint
   leaves, treedef = jax.tree.flatten(ck.params)
   eval_step = ck.eval_step
 
@@ -89,7 +90,7 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
   exported = jax.export.export(jax.jit(forward))(params_spec, rows_spec, batch_spec)
   blob = bytes(exported.serialize())
   buf = io.BytesIO()
-  np.savez(buf, **{f"p{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+  np.savez(buf, **{f"p{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})  # type: ignore[arg-type]  # numpy's stub
   pbytes = buf.getvalue()
   manifest = {
     "format": FORMAT,
@@ -111,10 +112,10 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
   tmp = out_dir + ".tmp"
   os.makedirs(tmp, exist_ok=True)
   for name, data in ((FORWARD, blob), (PARAMS, pbytes)):
-    with open(os.path.join(tmp, name), "wb") as f:
-      f.write(data)
-  with open(os.path.join(tmp, MANIFEST), "w") as f:
-    json.dump(manifest, f, indent=1)
+    with open(os.path.join(tmp, name), "wb") as out:
+      out.write(data)
+  with open(os.path.join(tmp, MANIFEST), "w") as text:
+    json.dump(manifest, text, indent=1)
   os.rename(tmp, out_dir)
   return manifest
 

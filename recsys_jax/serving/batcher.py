@@ -79,7 +79,7 @@ class Batcher:
     self._cond = threading.Condition()
     self._closed = False
     self._take = threading.Lock()  # one worker gathers a batch at a time, so batches keep arrival order
-    self._stats = collections.Counter()
+    self._stats: collections.Counter = collections.Counter()
     self._sizes: List[int] = []  # records per batch, the last 10000 (for tests and the bench)
     self._sample: List[Mapping[str, Any]] = []  # records of recent batches, to warm a new version with
     self._threads = [threading.Thread(target=self._work, name=f"serve-batch-{i}", daemon=True) for i in range(workers)]

@@ -129,7 +129,7 @@ class BatchScorer:
     self.encoder = encoder
     self.features = tuple(features)
     self.table_dims = dict(table_dims)
-    self._tables = {t: types.SimpleNamespace(dim=d) for t, d in self.table_dims.items()}  # what dedup reads
+    self._tables: Dict[str, Any] = {t: types.SimpleNamespace(dim=d) for t, d in self.table_dims.items()}  # for dedup
     self.aliases = dict(aliases)
     self.rows = rows
     self.forward = forward
@@ -208,7 +208,7 @@ class BatchScorer:
         wanted[name], into[name] = ids, r[off : off + ids.shape[0]]
       rows[str(dim)] = r
     self.rows.lookup_many(wanted, out=into)
-    batch = {
+    batch: Dict[str, Any] = {
       "dense": np.asarray(cols["dense"], np.float32),
       "inverse": {str(d): g.inverse for d, g in groups.items()},
       "weights": {},

@@ -38,6 +38,7 @@ class HttpClient:
   """
 
   def __init__(self, host: str, port: int, token: Optional[str] = None, timeout: float = 60.0, tls_ca=None):
+    self._conn: http.client.HTTPConnection
     if tls_ca is not None:
       ctx = ssl.create_default_context(cafile=tls_ca)
       self._conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ctx)

@@ -94,6 +94,7 @@ class Encoder:
       )
     if self.name not in FORMATS:
       raise ValueError(f"data {self.name!r} cannot be served; choose one of {FORMATS}")
+    self.fmt: Any  # the format that parses a request (criteo, avazu, tabular); synthetic has none
     if self.name == "synthetic":
       if schema is None:
         n = len(data["vocab_sizes"])

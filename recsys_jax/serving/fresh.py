@@ -25,12 +25,13 @@ served is loaded as ``ModelHolder`` would.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, cast
 
 import numpy as np
 from absl import logging
 
 from recsys_jax.async_ps.snapshot import published
+from recsys_jax.serving.batching import BatchScorer
 from recsys_jax.serving.reload import ModelHolder
 
 
@@ -71,7 +72,8 @@ class OverlayRows:
       raise ValueError("OverlayRows is read-only: lookup_many(create=True) cannot create rows")
     if out is None:
       out = {t: np.empty((np.shape(v)[0], self.base.tables[t].dim), np.float32) for t, v in wanted.items()}
-    rest, where = {}, {}
+    rest: Dict[str, np.ndarray] = {}
+    where: Dict[str, Any] = {}
     for t, ids in wanted.items():
       ids = np.asarray(ids, np.uint64)
       ov = self.overlay.get(t)
@@ -151,9 +153,14 @@ class FreshModelHolder(ModelHolder):
     sc = self._fresh(base)
     self._scorer = self._advance(sc, self._index(), None)[0]
     self._scorer = self._apply_dense(self._scorer, self._index())
-    self.step = self._scorer.base.checkpoint.step
+    self.step = self._base_step(self._scorer)
 
   # -- building versions ----------------------------------------------------------------
+  @staticmethod
+  def _base_step(sc) -> int:
+    """The checkpoint step of the scorer a fresh version ``sc`` builds on."""
+    return int(sc.base.checkpoint.step)
+
   @staticmethod
   def _fresh(base):
     """``base`` (a checkpoint's scorer) as a fresh version with no delta over it."""
@@ -319,14 +326,14 @@ class FreshModelHolder(ModelHolder):
       new = self._apply_dense(new, index)
       if new is old:
         return False
-      self._scorer, self.step = new, new.base.checkpoint.step
+      self._scorer, self.step = new, self._base_step(new)
       return True
 
   def model_info(self) -> Dict[str, Any]:
     """What ``/v1/model`` adds for a fresh server."""
-    sc = self._scorer
+    sc = cast(BatchScorer, self._scorer)
     return {
-      "base_step": sc.base.checkpoint.step,
+      "base_step": self._base_step(sc),
       "overlay_rows": sc.rows.num_overlay_rows(),
       "deltas_applied": self.deltas_applied,
       "dense_applied": self.dense_applied,

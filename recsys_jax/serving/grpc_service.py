@@ -47,6 +47,7 @@ def _handler(front: Front) -> grpc.GenericRpcHandler:
         if meta:
           context.set_trailing_metadata(tuple(meta))
         context.abort(grpc.StatusCode[e.grpc_code], e.message)
+        raise AssertionError("context.abort raises") from e  # never reached
 
     return grpc.unary_unary_rpc_method_handler(behavior)
 

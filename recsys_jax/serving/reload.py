@@ -137,6 +137,8 @@ class ModelHolder:
     return out
 
   def _sig(self, step: int) -> Any:
+    if self._signature is None:
+      return None
     try:
       return self._signature(self.workdir, step)
     except Exception:  # noqa: BLE001 - gone or unreadable: a value unlike the one recorded

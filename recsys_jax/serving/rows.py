@@ -133,7 +133,8 @@ class _Part:
   __slots__ = ("directory", "path", "info", "store", "all_chunks")
 
   def __init__(self, directory: str, path: str, info: Dict[str, Any], all_chunks: bool = False):
-    self.directory, self.path, self.info, self.store = directory, path, info, None
+    self.directory, self.path, self.info = directory, path, info
+    self.store: Any = None  # the weights' tensorstore array, opened by the first read
     self.all_chunks = all_chunks  # every chunk is stored: a missing one is an error, not zeros
 
 

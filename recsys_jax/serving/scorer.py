@@ -140,6 +140,7 @@ class _Model:
     self.group_features = group_features(self.features, by_name)
     self.traces: Dict[str, int] = {}
     self.eval_step = make_eval_step(self.model, self.group_features, self.traces)
+    self.step_fn = jax.jit(self.eval_step)
 
 
 _BUILT: Dict[str, Any] = {}  # workdir -> ((config as JSON, max_batch), _Model): the newest load's, for the next
@@ -156,7 +157,6 @@ def _built(workdir: str, config, max_batch: int) -> "_Model":
     if got is not None and got[0] == key:
       return got[1]
   built = _Model(config)
-  built.step_fn = jax.jit(built.eval_step)
   with _BUILT_LOCK:
     _BUILT[workdir] = (key, built)
   return built

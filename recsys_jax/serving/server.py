@@ -68,6 +68,7 @@ class Serving:
   ):
     if (tls_cert is None) != (tls_key is None):
       raise ValueError("TLS needs both --tls_cert and --tls_key")
+    self.holder: ModelHolder
     if publish_dir is not None and step is None:
       self.holder = FreshModelHolder(
         workdir, load, newest, publish_dir, steps=steps, signature=signature, reload_every_s=reload_every_s or 5.0
@@ -88,6 +89,7 @@ class Serving:
       if grpc_port is not None:
         cert = key = None
         if tls_cert is not None:
+          assert tls_key is not None  # both or neither, checked above
           with open(tls_cert, "rb") as f:
             cert = f.read()
           with open(tls_key, "rb") as f:

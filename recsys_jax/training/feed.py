@@ -92,9 +92,11 @@ class Feed:
     return False
 
   def _feed(self) -> None:
+    items, pool, prepare = self._items, self.pool, self._prepare
+    assert items is not None and pool is not None and prepare is not None  # started with workers
     try:
-      for item in self._items:
-        if not self._put(self.pool.submit(self._prepare, item)):
+      for item in items:
+        if not self._put(pool.submit(prepare, item)):
           return
       self._put(_END)
     except BaseException as e:  # noqa: BLE001 - handed to the consumer in order, not swallowed
@@ -108,6 +110,7 @@ class Feed:
     if self._ended:
       raise StopIteration
     if self.pool is None:
+      assert self._items is not None and self._prepare is not None, "Feed.start first"
       return self._prepare(next(self._items))
     while True:
       if self._stop.is_set():

@@ -11,17 +11,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import jax
 import numpy as np
 
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.parallel import mesh as mesh_lib
 from recsys_jax.training import packing
 from recsys_jax.training.feed import Feed
 from recsys_jax.training.pipeline import Prefetcher, StalenessGate
 from recsys_jax.training.stage_times import StageTimes
+
+if TYPE_CHECKING:
+  from recsys_jax.training.hot_rows import HotRows
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -98,7 +102,16 @@ class HostPipeline:
   """
 
   def __init__(
-    self, reader, ps, features, tables_by_name, mesh, aliases=None, eval_mesh=None, workers: int = 0, pinned_host=False
+    self,
+    reader,
+    ps: RowStore,
+    features,
+    tables_by_name,
+    mesh,
+    aliases=None,
+    eval_mesh=None,
+    workers: int = 0,
+    pinned_host=False,
   ):
     self.reader, self.ps, self.features, self.tables = reader, ps, features, tables_by_name
     self.workers = int(workers)
@@ -120,7 +133,7 @@ class HostPipeline:
     # devices have such memory; a CPU's "devices" are host memory already.
     kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
     self.pinned_host = bool(pinned_host) and "pinned_host" in kinds and jax.default_backend() != "cpu"
-    self.hot = None
+    self.hot: Optional[HotRows] = None
     """The run's :class:`recsys_jax.training.hot_rows.HotRows`, if it keeps hot rows on the device."""
     self.times = StageTimes()
     """Where a training step's host time goes (stage_times.py): recorded here, written with each train record."""
@@ -233,7 +246,8 @@ class HostPipeline:
     true probabilities if the data has them.
     """
     batch = self._batch_tree(p)
-    rows = {str(d): r for d, r in p.rows.items()}
+    assert p.rows is not None, "place after lookup"
+    rows: Dict[str, Any] = {str(d): r for d, r in p.rows.items()}
     if p.n_valid is not None:
       batch["valid"] = np.arange(batch["label"].shape[0]) < p.n_valid
       if "prob" in p.batch:

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.embeddings import dedup as dedup_lib
 from recsys_jax.embeddings import device_optimizers
 from recsys_jax.embeddings import hot as hot_lib
@@ -127,8 +128,8 @@ class HotRows:
     # Steps' ids waiting to be counted, in step order (bounded: the prefetcher waits if counting
     # falls behind), the counting thread (started by the first split) and its failure, if any.
     self._to_count: "queue.Queue" = queue.Queue(maxsize=8)
-    self._counting = None
-    self._count_error = None
+    self._counting: Optional[threading.Thread] = None
+    self._count_error: Optional[BaseException] = None
     # Per row width, the (cold, hot) bucket lengths of the steps since the last choice: a step
     # pads to at least these. The step compiles once per shape it sees, and the counts of a
     # width hover around a bucket edge (e.g. 4,082-4,430 cold rows around 4,096 at
@@ -163,7 +164,7 @@ class HotRows:
       arrays[f"hot_ids_{i}"], arrays[f"hot_slots_{i}"] = self.set.hot(t)
     arrays["capacity"] = np.array([[d, c] for d, c in sorted(self.set.capacity.items())], np.int64)
     arrays["steps"] = np.array([step, self._next, self.min_count], np.int64)
-    np.savez(f, **arrays)
+    np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as the allow_pickle flag
 
   def _fresh(self, start: int, hot_state):
     """An empty hot set at ``start``: the first choice a warm-up later, the warm-up synchronous."""
@@ -171,7 +172,7 @@ class HotRows:
     self._publish(start + self.warmup)
     return hot_state
 
-  def resume(self, start: int, path: Optional[str], ps, hot_state) -> Dict[str, Any]:
+  def resume(self, start: int, path: Optional[str], ps: RowStore, hot_state) -> Dict[str, Any]:
     """Starts the run at ``start``: from the hot set in ``path`` (saved with the checkpoint the run
     resumes from; its rows read from the PS into their slots), so a resumed run goes on exactly as
     the one that saved it; or, without a checkpoint or with one of another budget, empty, its first
@@ -322,7 +323,7 @@ class HotRows:
     """Whether the hot set is re-chosen before ``step``."""
     return self.enabled and step == self._next
 
-  def before_step(self, step: int, hot_state, ps, pusher) -> Dict[str, Any]:
+  def before_step(self, step: int, hot_state, ps: RowStore, pusher) -> Dict[str, Any]:
     """The training loop's call before it takes ``step``: at a boundary, waits for the pushes of
     the earlier steps and re-chooses (the lookups of ``step`` wait meanwhile); else nothing."""
     if not self.boundary(step):
@@ -330,7 +331,7 @@ class HotRows:
     pusher.flush(step - 1)
     return self.rechoose(step, hot_state, ps)
 
-  def rechoose(self, step: int, hot_state, ps) -> Dict[str, Any]:
+  def rechoose(self, step: int, hot_state, ps: RowStore) -> Dict[str, Any]:
     """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.
 
     Returns the new device tables (``hot_state`` is donated) and lets the lookups of ``step`` go.
@@ -375,7 +376,7 @@ class HotRows:
     if step < self._sync_before:
       gate.wait_applied(step - 1)
 
-  def write_back(self, hot_state, ps) -> None:
+  def write_back(self, hot_state, ps: RowStore) -> None:
     """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
     if self.enabled:
       self._write_rows(hot_state, ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
@@ -393,7 +394,7 @@ class HotRows:
         out[t] = (ids, est.reshape(jax.process_count(), ids.shape[0]).sum(0))
     return out
 
-  def _write_rows(self, hot_state, ps, which: Mapping[str, tuple]) -> None:
+  def _write_rows(self, hot_state, ps: RowStore, which: Mapping[str, tuple]) -> None:
     """Device rows ``which`` (table -> (ids, slots)) into the PS: by process 0, then a barrier."""
     which = {t: v for t, v in which.items() if v[0].shape[0]}
     if which:

@@ -14,7 +14,7 @@ from flax.training import train_state
 from recsys_jax import models
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps import factory
-from recsys_jax.async_ps.store.ps import ParameterServer
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.data import readers
 from recsys_jax.embeddings.specs import FeatureSpec, TableSpec
 from recsys_jax.online import progressive
@@ -38,7 +38,7 @@ class Job:
   features: List[FeatureSpec]
   mesh: jax.sharding.Mesh
   model: Any
-  ps: ParameterServer
+  ps: RowStore
   host: HostPipeline
   train_step: Callable
   """jitted (state, hot, rows, batch) -> (state, hot, row grads, metrics); donates the state and hot."""
@@ -48,7 +48,7 @@ class Job:
   """The initial dense train state, replicated over the mesh."""
   traces: Dict[str, int]
   """How many times each step function has been traced."""
-  hot: Optional[HotRows] = None
+  hot: HotRows
   """The hot rows kept on the device (``hot.enabled`` False: ``config.hot_rows_bytes`` buys none)."""
   hot_state: Any = dataclasses.field(default_factory=dict)
   """The initial device tables of the hot rows (empty: none), replicated over the mesh."""
@@ -56,7 +56,7 @@ class Job:
   """The step the state and PS rows are at: 0 for a fresh job, else the checkpoint's restored by ``build_job``."""
 
 
-def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None):
+def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None) -> RowStore:
   """The PS ``config.ps`` asks for, for this trainer process (:func:`recsys_jax.async_ps.factory.build_ps`)."""
   return factory.build_ps(config, tables, workdir, process_index=jax.process_index(), process_count=jax.process_count())
 
@@ -130,8 +130,9 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
   return job
 
 
-def _restore(job: Job, config: ml_collections.ConfigDict, workdir: str) -> None:
+def _restore(job: Job, config: ml_collections.ConfigDict, workdir: Optional[str]) -> None:
   """Loads the newest intact checkpoint of ``workdir`` into ``job`` (as a resumed run starts)."""
+  assert workdir is not None
   ckpts = RunCheckpoints(workdir, config)
   try:
     state, start, _ = ckpts.restore_latest(job.state, job.ps, announce=False)

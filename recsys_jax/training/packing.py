@@ -68,7 +68,7 @@ def pack(tree, by_record: bool) -> Optional[Packed]:
     if any(a.ndim == 0 or a.shape[0] != B for a in arrays):
       return None
     widths = [int(np.prod(a.shape[1:], dtype=np.int64)) for a in arrays]
-    words = np.empty((B, sum(widths)), _WORD)
+    words: np.ndarray = np.empty((B, sum(widths)), _WORD)
     for a, w in zip(arrays, widths):
       words[:, at : at + w] = a.reshape(B, w).view(_WORD)
       spans.append((at, tuple(a.shape), a.dtype.str))

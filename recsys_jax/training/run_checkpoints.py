@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import jax
 
 from recsys_jax import checkpoint as checkpoint_lib
+from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.writers import say
@@ -45,7 +46,7 @@ class RunCheckpoints:
     self.after_save: Optional[Callable[[Optional[int]], None]] = None
     """Called with ``covered()`` after each save (the publisher prunes the deltas it covers)."""
 
-  def restore_latest(self, state, ps, announce: bool = True) -> Tuple[Any, int, Any]:
+  def restore_latest(self, state, ps: RowStore, announce: bool = True) -> Tuple[Any, int, Any]:
     """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
     aside, each named in one line: :meth:`recsys_jax.checkpoint.Checkpointer.restore_newest_intact`).
     ``announce``: say "resumed from ..." (a run resuming; ``build_job`` says its own line).
@@ -103,7 +104,7 @@ class RunCheckpoints:
     self.positions = {start - 1: position}
     return state, start, position
 
-  def save(self, step: int, state, ps, pusher, hot_rows=None) -> None:
+  def save(self, step: int, state, ps: RowStore, pusher, hot_rows=None) -> None:
     """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made).
 
     ``hot_rows``: ``(HotRows, device tables)``: once the pushes are in, the hot rows go back into

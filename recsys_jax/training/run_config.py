@@ -185,7 +185,7 @@ def differences_from_written(workdir: str, config: ml_collections.ConfigDict) ->
     return []
   new = to_dict(config)
 
-  def value(d: Dict[str, Any], dotted: str) -> Any:
+  def value(d: Any, dotted: str) -> Any:
     for part in dotted.split("."):
       d = d.get(part) if isinstance(d, dict) else None
     return _frozen(d)

@@ -55,7 +55,9 @@ def build_specs(config, schema: Schema, linear_terms: bool = False) -> Tuple[Lis
       ok, what = _OVERRIDE_TYPES[k]
       if not ok(v):
         raise ValueError(f"config.embeddings.features.{name}.{k} = {v!r}: must be {what}")
-  features, dims, aliases = [], {}, {}
+  features: List[FeatureSpec] = []
+  dims: Dict[str, Tuple[int, str]] = {}
+  aliases: Dict[str, str] = {}
   # The specs validate their fields (named as in config.embeddings); errors name the config field.
   try:
     for info in schema.features:

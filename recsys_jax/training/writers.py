@@ -155,12 +155,14 @@ class Writers:
     """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
     if not self.enabled:
       return
-    keys = ("rows", "tier_rows", "bytes", "evictions", "expirations", "admitted", "rejected", "dropped_grads")
+    keys: Tuple[str, ...] = ("rows", "tier_rows", "bytes", "evictions", "expirations", "admitted", "rejected")
+    keys += ("dropped_grads",)
     # The disk tier's: rows read back (by lookups and read-aheads), rows read ahead, lookups
     # that found rows a read-ahead pinned, ids not read ahead (over the budget, or too late), the
     # seconds lookups spent on tier reads and evictions spent (all since the start), read-aheads
     # queued now, rows pinned for later steps now, rows not yet written.
-    tier_keys = ("tier_reads", "read_ahead_rows", "read_ahead_hits", "read_ahead_skipped", "read_ahead_late")
+    tier_keys: Tuple[str, ...] = ("tier_reads", "read_ahead_rows", "read_ahead_hits", "read_ahead_skipped")
+    tier_keys += ("read_ahead_late",)
     tier_keys += ("tier_wait_s", "evict_s", "reads_in_flight", "read_ahead_pinned", "write_behind_rows")
     keys += tier_keys if any(t.get("tier_rows", 0) or t.get("tier_reads", 0) for t in stats.values()) else ()
     total = {k: sum(t.get(k, 0) for t in stats.values()) for k in keys}
@@ -258,6 +260,7 @@ class Progress:
     reporter thread: the loop only copies what they cover (``ProgressiveValidation.take``), so a
     report (a sort of a million keys) never holds a step back (at k = 0 the next step waits for the
     loop). ``report_ms``: what computing them took the reporter. ``flush_reports`` waits for them."""
+    assert self.progressive is not None, "progressive validation is off"
     taken = self.progressive.take()
 
     def report() -> None:

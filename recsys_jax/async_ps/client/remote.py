@@ -47,7 +47,7 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -91,17 +91,16 @@ def save_remote_snapshot(
   os.makedirs(directory, exist_ok=True)
   parts = [f"server-{i}" for i in range(num_servers)]
   fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
-  got = servers.fan(
-    "control",
-    {
-      i: (
-        lambda i=i: servers.call(
-          i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
-        )
+  # Callable[..., Any]: a lambda with a default argument (each its own i) is no Callable[[], Any] to mypy.
+  work: Dict[int, Callable[..., Any]] = {
+    i: (
+      lambda i=i: servers.call(
+        i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
       )
-      for i in range(num_servers)
-    },
-  )
+    )
+    for i in range(num_servers)
+  }
+  got = servers.fan("control", work)
   rows: Dict[str, int] = {}
   for i in range(num_servers):
     for t, n in got[i].fields.get("rows", {}).items():
@@ -226,13 +225,11 @@ class RemotePS:
     if self.tier is not None:  # absent, not null, without one: a server of before tiers takes the call
       fields["tier"] = self.tier
     until = time.monotonic() + self.timeout_s
-    got = self._servers.fan(
-      "control",
-      {
-        i: (lambda i=i: self._servers.call(i, "Configure", {**fields, "shard_index": i}, until=until))
-        for i in range(self.num_shards)
-      },
-    )
+    work: Dict[int, Callable[..., Any]] = {
+      i: (lambda i=i: self._servers.call(i, "Configure", {**fields, "shard_index": i}, until=until))
+      for i in range(self.num_shards)
+    }
+    got = self._servers.fan("control", work)
     # The largest message of each server (its --max_message_mb; an older server does not say).
     limits = [got[i].fields.get("max_message_bytes") or _DEFAULT_LIMIT for i in range(self.num_shards)]
     self.message_limits = [min(m, self._max_request or m) for m in limits]
@@ -307,7 +304,7 @@ class RemotePS:
         work[s] = functools.partial(send, s, part, chunks)
     if work:
       self._servers.fan("lookup", work)
-    return out
+    return cast(Dict[str, np.ndarray], out)  # the caller's ``out`` as given, or the fresh dict
 
   def _checked_ids(self, ids: Mapping[str, Any]) -> Dict[str, np.ndarray]:
     """{table: 1-D uint64 ids} of known tables; KeyError or ValueError naming the table."""
@@ -493,9 +490,10 @@ class RemotePS:
     Returns:
       One dict per server, in address order.
     """
-    got = self._servers.fan(
-      "control", {i: (lambda i=i: self._servers.call(i, "Stats", {})) for i in range(self.num_shards)}
-    )
+    work: Dict[int, Callable[..., Any]] = {
+      i: (lambda i=i: self._servers.call(i, "Stats", {})) for i in range(self.num_shards)
+    }
+    got = self._servers.fan("control", work)
     return [got[i].fields for i in range(self.num_shards)]
 
   def stats(self) -> Dict[str, Dict[str, float]]:
@@ -558,13 +556,11 @@ class RemotePS:
     """
     links = snapshot_parts(chain)
     fields = {"chain": links, "step": None if step is None else int(step)}
-    self._servers.fan(
-      "control",
-      {
-        i: (lambda i=i: self._servers.call(i, "Restore", fields, timeout=self.snapshot_timeout_s))
-        for i in range(self.num_shards)
-      },
-    )
+    work: Dict[int, Callable[..., Any]] = {
+      i: (lambda i=i: self._servers.call(i, "Restore", fields, timeout=self.snapshot_timeout_s))
+      for i in range(self.num_shards)
+    }
+    self._servers.fan("control", work)
 
   def health(self) -> List[Dict[str, Any]]:
     """Each server's ``Health`` answer (ok, configured, applied_step, ...), in address order.
@@ -572,9 +568,10 @@ class RemotePS:
     Returns:
       One dict per server.
     """
-    got = self._servers.fan(
-      "control", {i: (lambda i=i: self._servers.call(i, "Health", {})) for i in range(self.num_shards)}
-    )
+    work: Dict[int, Callable[..., Any]] = {
+      i: (lambda i=i: self._servers.call(i, "Health", {})) for i in range(self.num_shards)
+    }
+    got = self._servers.fan("control", work)
     return [got[i].fields for i in range(self.num_shards)]
 
   def close(self) -> None:
@@ -593,6 +590,7 @@ class RemotePS:
     kinds = {t: wire.row_arrays(self.specs[t]) for t in part}
     every = sorted({k for v in kinds.values() for k in v})  # the header's names: a bound for every table
     row = {t: sum(k.values()) * _F32.itemsize for t, k in kinds.items()}
+    names: Tuple[List[str], List[str]]
     if request:  # an import: ids and rows in the request, nothing in the answer
       sizes, names = ({t: 8 + row[t] for t in part}, {t: 0 for t in part}), (["ids", *every], [])
     else:  # an export: ids in the request, rows in the answer

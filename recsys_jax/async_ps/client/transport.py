@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -62,7 +62,10 @@ class Transport:
     self.timeout_s = float(timeout_s)
     self._metadata = (("authorization", f"Bearer {token}"),) if token else None
     # The servers enforce the message size limit; the client takes whatever they send.
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    options: List[Tuple[str, Union[int, str]]] = [
+      ("grpc.max_send_message_length", -1),
+      ("grpc.max_receive_message_length", -1),
+    ]
     if tls_ca is not None:
       if isinstance(tls_ca, str):
         with open(tls_ca, "rb") as f:
@@ -173,8 +176,10 @@ class Transport:
     futures = {i: self._pools[kind].submit(w) for i, w in work.items()}
     done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
     for i in sorted(futures):
-      if futures[i] in done and futures[i].exception() is not None:
-        raise futures[i].exception()
+      if futures[i] in done:
+        exc = futures[i].exception()
+        if exc is not None:
+          raise exc
     return {i: f.result() for i, f in futures.items()}
 
   def close(self) -> None:

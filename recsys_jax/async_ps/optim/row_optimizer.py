@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 
@@ -170,8 +170,9 @@ def clipped(opt: RowOptimizer, clip: Optional[float]) -> RowOptimizer:
     new_w, new_slots = opt.update(w, slots, g)
     return np.clip(new_w, -bound, bound), new_slots
 
+  fused: Optional[Callable[[np.ndarray, Slots, np.ndarray, np.ndarray], None]]
   if isinstance(opt.fused, FusedUpdate):
-    fused = opt.fused.with_clip(bound)
+    fused = opt.fused.with_clip(cast(float, bound))  # np.float32: with_clip takes any real
   elif opt.fused is not None:
     inner = opt.fused
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from absl import app, flags, logging
 
@@ -87,6 +87,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   fl = flags.FLAGS
+  token: Optional[Union[bytes, str]]  # the file's bytes, then the token
   token = _read(fl.token_file, "--token_file")
   if token is not None:
     token = token.decode("utf-8").strip()

@@ -17,7 +17,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from recsys_jax.async_ps.server.errors import ServiceError
 
@@ -96,7 +96,7 @@ class ByteBudget:
     """
     with self._cond:
       self.used += n
-    done = []
+    done: List[bool] = []
 
     def release() -> None:
       with self._cond:

@@ -113,7 +113,7 @@ class ShardServer:
     self.budget = None if max_inflight_bytes is None else ByteBudget(max_inflight_bytes, slots, wait)
     self._token = None if token is None else f"Bearer {token}".encode("utf-8")
     self._root = None if not snapshot_root else os.path.realpath(snapshot_root)
-    self._counts = collections.Counter()  # refused calls by (method, status)
+    self._counts: "collections.Counter[str]" = collections.Counter()  # refused calls by (method, status)
     self._counts_lock = threading.Lock()
 
   @property
@@ -159,7 +159,7 @@ class ShardServer:
         self._counts[f"{method}:{code.name}"] += 1
       if code not in (_C.DEADLINE_EXCEEDED, _C.CANCELLED):
         logging.warning("%s refused: %s: %s", method, code.name, text)
-      context.abort(code, f"{method}: {text}")
+      return context.abort(code, f"{method}: {text}")  # it raises, ending the call with this status
 
     return behavior
 
@@ -238,12 +238,14 @@ class ShardServer:
 
   def _arrays_by_table(self, msg: wire.Message, kinds: Sequence[str]) -> Dict[str, Dict[str, np.ndarray]]:
     out: Dict[str, Dict[str, np.ndarray]] = {}
+    ps = self.service.ps
+    assert ps is not None  # _wrap refuses every call but Configure and Health until the server is configured
     for name, arr in msg.arrays.items():
       kind, table = wire.split_name(name)
       if kind not in kinds:
         raise wire.WireError(f"unexpected array {name!r}: this RPC takes {list(kinds)} per table")
-      if table not in self.service.ps.specs:
-        raise wire.WireError(f"unknown table {table!r}; this server holds {sorted(self.service.ps.specs)}")
+      if table not in ps.specs:
+        raise wire.WireError(f"unknown table {table!r}; this server holds {sorted(ps.specs)}")
       out.setdefault(table, {})[kind] = arr
     return out
 
@@ -255,7 +257,9 @@ class ShardServer:
     return ids
 
   def _check_grads(self, table: str, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
-    dim = self.service.ps.specs[table].dim
+    ps = self.service.ps
+    assert ps is not None  # configured (see _arrays_by_table)
+    dim = ps.specs[table].dim
     if grads.dtype.name not in wire.FLOAT_DTYPES:
       raise wire.WireError(f"table {table!r}: grads must be one of {sorted(wire.FLOAT_DTYPES)}, got {grads.dtype}")
     if grads.shape != (ids.shape[0], dim):
@@ -299,7 +303,9 @@ class ShardServer:
     for t, arrs in self._arrays_by_table(msg, ("ids",)).items():
       ids[t] = self._check_ids(t, arrs["ids"])
     size = wire.DTYPES[wire_dtype].itemsize
-    answer = sum(v.shape[0] * self.service.ps.specs[t].dim * size for t, v in ids.items())
+    ps = self.service.ps
+    assert ps is not None  # configured (see _arrays_by_table)
+    answer = sum(v.shape[0] * ps.specs[t].dim * size for t, v in ids.items())
     answer += wire.header_bound({}, [f"rows/{t}" for t in ids])
     n = sum(v.shape[0] for v in ids.values())
     admit = self._room_for_answer(context, msg, answer, f"a lookup of {n} ids", "look up fewer ids per call")
@@ -383,7 +389,9 @@ class ShardServer:
     return wire.encode(self.service.restore(links, step))
 
   def _rpc_stats(self, msg: wire.Message, context) -> bytes:
-    tables = {t: {k: _json_number(v) for k, v in s.items()} for t, s in self.service.ps.stats().items()}
+    ps = self.service.ps
+    assert ps is not None  # configured (see _arrays_by_table)
+    tables = {t: {k: _json_number(v) for k, v in s.items()} for t, s in ps.stats().items()}
     return wire.encode({"tables": tables, "server": self._state()})
 
   def _rpc_health(self, msg: wire.Message, context) -> bytes:
@@ -398,7 +406,9 @@ class ShardServer:
   # Rows with their optimizer slots: the ExportRows and ImportRows handlers.
   def _rpc_exportrows(self, msg: wire.Message, context) -> bytes:
     step = self._step(msg.fields)
-    specs = self.service.ps.specs
+    ps = self.service.ps
+    assert ps is not None  # configured (see _arrays_by_table)
+    specs = ps.specs
     ids = {t: self._check_ids(t, arrs["ids"]) for t, arrs in self._arrays_by_table(msg, ("ids",)).items()}
     kinds = {t: wire.row_arrays(specs[t]) for t in ids}
     answer = sum(v.shape[0] * sum(kinds[t].values()) * _F32.itemsize for t, v in ids.items())
@@ -414,6 +424,7 @@ class ShardServer:
 
   def _rpc_importrows(self, msg: wire.Message, context) -> bytes:
     ps = self.service.ps
+    assert ps is not None  # configured (see _arrays_by_table)
     every = sorted({"ids", *(k for s in ps.specs.values() for k in wire.row_arrays(s))})
     rows = {}
     for t, arrs in self._arrays_by_table(msg, every).items():

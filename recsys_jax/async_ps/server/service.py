@@ -116,7 +116,7 @@ class ShardService:
   ):
     if (shard_index is None) != (num_shards is None):
       raise ValueError("--shard_index and --num_shards go together")
-    if num_shards is not None and not 0 <= shard_index < num_shards:
+    if shard_index is not None and num_shards is not None and not 0 <= shard_index < num_shards:
       raise ValueError(f"--shard_index={shard_index} must be in [0, --num_shards={num_shards})")
     if local_shards < 1:
       raise ValueError(f"--local_shards must be >= 1, got {local_shards}")
@@ -246,6 +246,7 @@ class ShardService:
         self._config = dict(cfg)
         logging.info("configured: shard %d of %d, tables %s", place[0], place[1], names)
       else:
+        assert self.ps is not None  # not created: configured before
         have = self.ps.specs
         if set(names) != set(have):
           raise ServiceError(
@@ -291,7 +292,9 @@ class ShardService:
         raise ServiceError("FAILED_PRECONDITION", self._broken)
     if admit is not None:
       admit()
-    return self.ps.lookup_many(ids, create, step)
+    ps = self.ps
+    assert ps is not None  # every call but Configure and Health comes after Configure (rpc refuses it before)
+    return ps.lookup_many(ids, create, step)
 
   def read_ahead(self, ids: Mapping[str, np.ndarray], step: int) -> int:
     """Starts bringing into RAM the tier rows that the lookup of ``ids`` at ``step`` would read;
@@ -308,7 +311,9 @@ class ShardService:
       if self._broken is not None:
         raise ServiceError("FAILED_PRECONDITION", self._broken)
       self._check_step(step, f"the read-ahead of step {step}")
-    return self.ps.read_ahead_many(ids, step)
+    ps = self.ps
+    assert ps is not None  # configured (see lookup)
+    return ps.read_ahead_many(ids, step)
 
   def _refuse_push(self, worker: int, step: Optional[int], request_id: str) -> bool:
     """Checks a push (holding ``_cond``) and refuses it if it cannot be taken; True: a repeat."""
@@ -352,7 +357,9 @@ class ShardService:
     """
     nw = self._config["num_workers"]
     ready: List[Tuple[Optional[int], Dict[int, List[Grads]]]] = []
+    parts: Optional[List[Grads]]
     parts, bad = [grads], None
+    s: Optional[int]  # a step (None: a push without one)
     if chunks > 1:
       with self._cond:
         if self._refuse_push(worker, step, request_id):
@@ -395,18 +402,18 @@ class ShardService:
         self._apply_lock.acquire()  # in step order: taken before _cond is released
     if not ready:
       return {"duplicate": False, "applied_step": self._applied, "chunks_missing": 0}
-    dims = {t: s.dim for t, s in self.ps.specs.items()}
+    ps = self.ps
+    assert ps is not None  # configured (see lookup)
+    dims = {t: s.dim for t, s in ps.specs.items()}
     error = None
     try:
       for s, pushes in ready:
         try:
           if len(pushes) == 1:  # its chunks hold distinct ids: one by one they are one push, uncopied
             for part in next(iter(pushes.values())):
-              self.ps.apply_many(part, s)
+              ps.apply_many(part, s)
           else:  # each chunk as its own worker, in (worker, chunk) order: the sum of the workers
-            self.ps.apply_many(
-              sum_pushes({(w, k): p for w, parts in pushes.items() for k, p in enumerate(parts)}, dims), s
-            )
+            ps.apply_many(sum_pushes({(w, k): p for w, parts in pushes.items() for k, p in enumerate(parts)}, dims), s)
         except (KeyError, ValueError) as e:
           # The step is consumed either way: the server must not wedge on one bad step.
           error = error or ServiceError("FAILED_PRECONDITION", f"applying step {s}: {e}")
@@ -536,7 +543,9 @@ class ShardService:
       admit()
     with self._apply_lock:
       self._refuse_broken()
-      return self.ps.export_rows_many(ids)
+      ps = self.ps
+      assert ps is not None  # configured (see lookup)
+      return ps.export_rows_many(ids)
 
   def import_rows(self, rows: Mapping[str, Tuple[np.ndarray, np.ndarray, Mapping[str, np.ndarray]]]) -> Dict[str, Any]:
     """Sets rows and their optimizer slots (``ParameterServer.import_rows_many``; ``rows`` as
@@ -547,5 +556,7 @@ class ShardService:
     """
     with self._apply_lock:
       self._refuse_broken()
-      self.ps.import_rows_many(rows, checked=True)
+      ps = self.ps
+      assert ps is not None  # configured (see lookup)
+      ps.import_rows_many(rows, checked=True)
     return {"rows": {t: int(r[0].shape[0]) for t, r in rows.items()}}

@@ -131,7 +131,7 @@ def restore_server(ps, links: Sequence[Sequence[str]], seed: int, me: int, num_s
   Raises:
     ValueError: a part holds a table the PS does not declare (the PS is then partial).
   """
-  rows = collections.Counter()
+  rows: collections.Counter[str] = collections.Counter()
   ps.restore({})  # empty every table, then merge the parts in order
   for link in links:
     for d in link:

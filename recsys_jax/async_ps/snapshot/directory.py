@@ -32,14 +32,18 @@ _CHUNK_BYTES = 16 << 20
 
 def _crc32(arr: np.ndarray) -> int:
   """CRC32 of an array's bytes (0 for an empty one), as a manifest records it."""
-  return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)) if arr.size else 0
+  return (
+    zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))  # type: ignore[arg-type]  # ndarray is a buffer
+    if arr.size
+    else 0
+  )
 
 
 def _spec(path: str) -> Dict[str, Any]:
   return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
 
 
-def _write_array(path: str, arr: np.ndarray) -> "ts.Future":
+def _write_array(path: str, arr: np.ndarray) -> "ts.WriteFutures":
   row_bytes = max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64)))
   chunk = [max(1, min(arr.shape[0], _CHUNK_BYTES // row_bytes))] + list(arr.shape[1:])
   chunk = [max(1, c) for c in chunk]
@@ -74,7 +78,7 @@ class _Writer:
     self.bounds: Dict[str, List[Dict[str, Any]]] = {}
     self.rows: Dict[str, int] = {}
 
-  def _write(self, path: str, arr: np.ndarray) -> Tuple["ts.Future", Dict[str, Any]]:
+  def _write(self, path: str, arr: np.ndarray) -> Tuple["ts.WriteFutures", Dict[str, Any]]:
     arr = np.ascontiguousarray(arr)
     # zarr reads a missing chunk as zeros and has no checksum: the manifest keeps one.
     info = {"shape": list(arr.shape), "crc32": _crc32(arr)}
@@ -96,7 +100,11 @@ class _Writer:
     """Writes each shard's ``Table.bounds_state`` of ``table`` (in shard order)."""
     entries = []
     for s, st in enumerate(states):
-      entry = {"step": int(st["step"]), "last_expiry_check": int(st["last_expiry_check"]), "sketch": None}
+      entry: Dict[str, Any] = {
+        "step": int(st["step"]),
+        "last_expiry_check": int(st["last_expiry_check"]),
+        "sketch": None,
+      }
       if st.get("sketch") is not None:
         f, entry["sketch"] = self._write(os.path.join(table, "bounds", str(s), "sketch"), st["sketch"])
         f.result()
@@ -265,7 +273,7 @@ def iter_bounds(directory: str) -> Iterator[Tuple[str, List[Dict[str, Any]]]]:
   for table, entries in _manifest(directory).get("bounds", {}).items():
     states = []
     for s, e in enumerate(entries):
-      st = {"step": int(e["step"]), "last_expiry_check": int(e["last_expiry_check"]), "sketch": None}
+      st: Dict[str, Any] = {"step": int(e["step"]), "last_expiry_check": int(e["last_expiry_check"]), "sketch": None}
       if e.get("sketch") is not None:
         label = f"{table}/bounds/{s}/sketch"
         st["sketch"] = _read_checked(directory, {label: (label, e["sketch"])})[label]

@@ -98,7 +98,7 @@ def delta_name(seq: int, step: int) -> str:
 
 def _npz(arrays: Mapping[str, np.ndarray]) -> bytes:
   buf = io.BytesIO()
-  np.savez(buf, **arrays)
+  np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
   return buf.getvalue()
 
 

@@ -147,7 +147,7 @@ class IdMap:
     while need > _MAX_LOAD * cap:
       cap *= 2
     # The ids are placed again from _row_keys: the old slots go first, not after the new exist.
-    self._slot_keys = self._slot_rows = None
+    self._slot_keys = self._slot_rows = None  # type: ignore[assignment]  # freed here; _alloc sets them next
     self._alloc(cap)
     if self.size:
       self._place(self._row_keys[: self.size], np.arange(self.size, dtype=np.int64))

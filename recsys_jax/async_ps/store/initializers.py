@@ -7,6 +7,8 @@ lookup that does not create it at all.
 
 from __future__ import annotations
 
+from typing import Union
+
 import numpy as np
 
 from recsys_jax.async_ps import kernels
@@ -18,7 +20,7 @@ _COL = np.uint64(0xD1B54A32D192ED03)
 _BLOCK_VALUES = 1 << 18
 
 
-def _uniforms(ids: np.ndarray, dim: int, table_seed: np.uint64) -> np.ndarray:
+def _uniforms(ids: np.ndarray, dim: int, table_seed: Union[np.uint64, np.ndarray]) -> np.ndarray:
   """Uniforms in [0, 1) per (id, column): what the 'normal' rows are made from (and, in one
   compiled pass, ``kernels.init_uniform``'s)."""
   base = splitmix64(np.asarray(ids, np.uint64) ^ table_seed)
@@ -27,7 +29,7 @@ def _uniforms(ids: np.ndarray, dim: int, table_seed: np.uint64) -> np.ndarray:
 
 
 def init_rows(
-  ids: np.ndarray, dim: int, table_seed: np.uint64, kind: str = "uniform", scale: float = 0.05
+  ids: np.ndarray, dim: int, table_seed: Union[np.uint64, np.ndarray], kind: str = "uniform", scale: float = 0.05
 ) -> np.ndarray:
   """Returns float32 rows [len(ids), dim] for the ids.
 

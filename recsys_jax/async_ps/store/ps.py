@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -86,7 +86,8 @@ class ParameterServer:
     if len(self.specs) != len(tables):
       raise ValueError("table names must be distinct")
     self.num_shards = num_shards
-    self._route_salt = {t.name: splitmix64(name_seed(t.name, seed) ^ _ROUTE_SALT) for t in tables}
+    # A uint64 scalar hashes as a 0-d array.
+    self._route_salt = {t.name: splitmix64(cast(np.ndarray, name_seed(t.name, seed) ^ _ROUTE_SALT)) for t in tables}
     self.shards: List[Dict[str, Table]] = []
     for i in range(num_shards):
       shard = {}
@@ -407,6 +408,7 @@ class ParameterServer:
     unknown = set(snap) - set(self.specs)
     if unknown:
       raise ValueError(f"snapshot has tables {sorted(unknown)} that this PS does not declare")
+    part: Optional[Mapping[str, np.ndarray]]
     for t, part in snap.items():  # validate everything before any shard or table changes
       self.shards[0][t].validate_snapshot(part)
     for t, spec in self.specs.items():

@@ -20,7 +20,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 from absl import logging
@@ -81,6 +81,8 @@ class Table:
       half the capacity, so that evictions always find rows to take); a read-ahead that would
       pass it is not made.
   """
+
+  step: int  # the latest training step seen (``_init_bounds`` sets it)
 
   def __init__(
     self,
@@ -480,7 +482,7 @@ class Table:
     lookup only finds or creates rows, and rows never move. Such tables are worked several at a
     time, with only their kernels per table (``lookup_plain``, ``apply_plain``)."""
     return not (self.capacity or self.spec.expire_after or self._admission or self.tier is not None) and (
-      self._wdtype is np.float32 and self.opt.fused is not None
+      self._wdtype is np.float32 and isinstance(self.opt.fused, optimizers.FusedUpdate)
     )
 
   @staticmethod
@@ -568,6 +570,7 @@ class Table:
         rows[rest] = self._insert(ids[rest], None, None, absent=True)
         self.counters["created"] += rest.shape[0]
       else:  # rounded as a created row would be
+        assert out is not None  # a lookup that does not create passes its out
         out[rest] = self._init(ids[rest]).astype(self._wdtype, copy=False)
     if create:
       c = self.counters
@@ -600,7 +603,7 @@ class Table:
       if g.shape != (i.shape[0], t.spec.dim):
         raise ValueError(f"table {t.spec.name!r}: gradient shape {g.shape} does not match ({i.shape[0]}, {t.spec.dim})")
     with Table._all_locked(tables):
-      rows = []
+      rows: List[np.ndarray] = []
       for t, i in zip(tables, ids):
         r = t._recall(step, i)
         if r is None:
@@ -612,7 +615,7 @@ class Table:
             raise KeyError(f"table {t.spec.name!r}: gradient for ids never looked up, e.g. {bad}")
         rows.append(r)
       for t, r, g in zip(tables, rows, grads):
-        t.opt.fused.apply_owned(t._weights, t._slots, r, g)
+        t.opt.fused.apply_owned(t._weights, t._slots, r, g)  # type: ignore[union-attr]  # plain tables: FusedUpdate
         t._dirty[r] = True
         t.counters["applied_rows"] += r.shape[0]
     share = (time.perf_counter() - t0) / max(1, len(tables))
@@ -649,6 +652,7 @@ class Table:
     """``_resolved``, forgotten then (the push of ``step`` is its last use)."""
     rows = self._resolved(step, ids)
     if rows is not None:
+      assert step is not None  # _resolved finds rows for a step only
       del self._looked_up[int(step)]
     return rows
 
@@ -805,7 +809,7 @@ class Table:
       score = self._freq[candidates].astype(np.int64) * (2**40) + self._last_seen[candidates]
     else:
       score = self._last_seen[candidates]
-    victims = np.sort(candidates[lowest(score, self._ids.keys()[candidates], k, self.seed)])
+    victims = np.sort(candidates[lowest(score, self._ids.keys()[candidates], k, cast(int, self.seed))])
     ids = self._ids.keys()[victims].copy()
     if self.tier is not None:
       self.tier.write(ids, self._weights[victims], {k2: v[victims] for k2, v in self._slots.items()})

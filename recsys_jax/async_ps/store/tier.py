@@ -21,7 +21,7 @@ rows of an earlier one. It is a spill area for one process's cache, not a checkp
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, cast
 
 import numpy as np
 import tensorstore as ts
@@ -158,7 +158,7 @@ class DiskTier:
     }
     self.backend, kv = _backend(spec, backend)
     if self.backend == "file":
-      self._store = FileRowStore(kv["path"], self._fields, self._counters)
+      self._store: Union[FileRowStore, TierStore] = FileRowStore(kv["path"], self._fields, self._counters)
     else:
       self._store = TierStore(
         spec, self._fields, self.chunk_rows, initial_rows, read_method, int(max_pending_bytes), context, self._counters
@@ -314,7 +314,8 @@ class DiskTier:
     """The file backend's file and the bytes of a row in it (``[]`` with tensorstore)."""
     if self.backend != "file":
       return []
-    return [(self._store.file(), self._store.row_bytes)]
+    store = cast(FileRowStore, self._store)  # the file backend's
+    return [(store.file(), store.row_bytes)]
 
   def remove(self, ids: Any) -> int:
     """Forgets ids (e.g. after they were read back into the cache); their rows become garbage.

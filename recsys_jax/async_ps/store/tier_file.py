@@ -106,7 +106,7 @@ class FileRowStore:
 
   def _write(self, records: np.ndarray, at: int) -> None:
     """Writes records [n, row_bytes] (uint8, C order) from disk row ``at`` on."""
-    data = memoryview(records).cast("B")
+    data = memoryview(records).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
     pos, off = 0, at * self.row_bytes
     try:
       while pos < len(data):  # a write may be short (a signal); the rest follows

@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 MIN_ROWS = 4096
 """Rows below which a call stays on the caller's thread. experiments/bench_ps_threads.py measured
@@ -101,7 +101,8 @@ class Workers:
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other tasks
           errors[i] = e
 
-    futures = [self._pool.submit(work) for _ in range(helpers)]
+    pool = cast(concurrent.futures.ThreadPoolExecutor, self._pool)  # not None when helpers > 0
+    futures = [pool.submit(work) for _ in range(helpers)]
     work()
     for f in futures:
       if not f.cancel():  # started: it finishes the task it took (work() catches everything)
