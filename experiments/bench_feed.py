@@ -329,7 +329,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
       _, (_, rows_in, batch) = pre.get()
     finally:
       pre.close()
-    state, hot = fresh.state, fresh.hot_state
+    state, hot = fresh.state, fresh.hot.tables
     alone = []
     for _ in range(13):
       t0 = time.perf_counter()

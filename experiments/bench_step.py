@@ -88,7 +88,7 @@ def main(_):
     dlrm.dot_interaction, pooling.embed_features = interaction, embed  # read while tracing
     fresh = job_lib.build_job(c, tempfile.mkdtemp(prefix="bench_step_"))  # its own jit, traced now
     states[name], _, g, m = fresh.train_step(
-      fresh.state, fresh.hot_state, rows, placed
+      fresh.state, fresh.hot.tables, rows, placed
     )  # the same seed: the same initial state
     outs[name] = jax.tree.map(np.asarray, (states[name].params, g, m))
     fresh.ps.close()

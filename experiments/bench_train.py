@@ -336,7 +336,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
   B = config.batch_size
   skip = max(2, int(config.hot_warmup_steps) + 2) if hot_rows.enabled else 2
   t = {"read_dedup": 0.0, "resolve": 0.0, "lookup": 0.0, "place": 0.0, "push": 0.0}
-  hot_state = hot_rows.resume(0, None, job.ps, job.hot_state)  # a fresh set: its first choice after the warm-up
+  hot_rows.resume(0, None, job.ps)  # a fresh set: its first choice after the warm-up
   placed, split0, hot0 = None, {}, {}
   for i in range(n + skip):
     if i == skip:  # what the pipeline and the hot rows recorded so far is the warm-up's: left out
@@ -344,7 +344,7 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
       host.times.take(1)
       split0, hot0 = dict(hot_rows.seconds), dict(hot_rows.totals)
     if hot_rows.boundary(i):
-      hot_state = hot_rows.rechoose(i, hot_state, job.ps)
+      hot_rows.rechoose(i, job.ps)
     t0 = time.perf_counter()
     p = host.prepare(i, job.reader.data.batch(synthetic.TRAIN, i, B))
     t1 = time.perf_counter()
@@ -372,11 +372,11 @@ def measure_floor(config, n: int = 20) -> Dict[str, float]:
     "hot_rows_per_step": (hot_rows.totals["hot_rows"] - hot0.get("hot_rows", 0)) / n,
   }
   _, rows, batch = placed
-  compiled = train_step.lower(job.state, hot_state, rows, batch).compile()
+  compiled = train_step.lower(job.state, hot_rows.tables, rows, batch).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", float("nan")))
-  state, hot = job.state, hot_state
+  state, hot = job.state, hot_rows.tables  # the loop below donates them: hot_rows is not used after it
   for _ in range(3):
     state, hot, g, _m = train_step(state, hot, rows, batch)
   jax.block_until_ready(g)

@@ -27,6 +27,7 @@ from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, Push, last_step
+from recsys_jax.training.hot_rows import HotRows
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
@@ -75,19 +76,28 @@ def _due(every: int, done: int, last: int) -> bool:
 
 
 def _last_cut(
-  config, ckpts: RunCheckpoints, start, done, state, ps, pusher: Pusher, hot_rows, publisher: Publisher, data_error=None
+  config,
+  ckpts: RunCheckpoints,
+  start,
+  done,
+  state,
+  ps,
+  pusher: Pusher,
+  hot: HotRows,
+  publisher: Publisher,
+  data_error=None,
 ) -> None:
   """After the last step (``done`` steps in all; none if ``done`` is ``start``): its checkpoint, or with
   ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
   which the final evaluation reads; the last rows and dense parameters published for serving. Then
   raises ``data_error`` (a ``DataError``) if there is one."""
   if done > start and config.final_checkpoint and ckpts.last_saved != done:
-    ckpts.save(done, state, ps, pusher, hot_rows)
+    ckpts.save(done, state, ps, pusher, hot)
   elif done > start:
     pusher.flush(done - 1)
-    hot_rows[0].write_back(hot_rows[1], ps)
+    hot.write_back(ps)
   if done > start:
-    publisher.publish(done, state, hot_rows[1], pusher, dense=True)
+    publisher.publish(done, state, pusher, dense=True)
   publisher.close()
   if data_error is not None:
     saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
@@ -157,19 +167,20 @@ def _resume(config, workdir: str, job: Job):
       f"{ckpts.latest_dir()} is at step {start}, at or past num_steps={config.num_steps}: no step to train, the "
       "checkpoint is evaluated as it is (a new --workdir trains from the start; a larger --config.num_steps goes on)"
     )
-  hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
+  job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps)
   publisher = Publisher(config, workdir, job.ps, job.hot, start)
   ckpts.after_save = publisher.checkpointed  # deltas two checkpoints cover are pruned
-  return ckpts, state, start, position, hot_state, publisher
+  return ckpts, state, start, position, publisher
 
 
-def _train_step(job: Job, progress: Progress, t: int, state, hot_state, rows, batch):
-  """The jitted step of step ``t``; a call that compiled is timed apart (the throughput leaves it out)."""
+def _train_step(job: Job, progress: Progress, t: int, state, rows, batch):
+  """The jitted step of step ``t`` (the hot rows' device tables go in and come back updated);
+  a call that compiled is timed apart (the throughput leaves it out)."""
   traced, t_call = job.traces.get("train", 0), time.perf_counter()
-  out = job.train_step(state, hot_state, rows, batch)
+  state, job.hot.tables, g_rows, m = job.train_step(state, job.hot.tables, rows, batch)
   if job.traces.get("train", 0) > traced:
     progress.stats.compiled(t, t_call, time.perf_counter())
-  return out
+  return state, g_rows, m
 
 
 def train_and_evaluate(
@@ -191,7 +202,7 @@ def train_and_evaluate(
   os.makedirs(workdir, exist_ok=True)
   job = build_job(config, workdir, restore=False)  # restored below, where a resume checks the data position
   host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
-  ckpts, state, start, position, hot_state, publisher = _resume(config, workdir, job)
+  ckpts, state, start, position, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
@@ -201,13 +212,13 @@ def train_and_evaluate(
   _settle_heap()
   try:
     for t in range(start, last_step(n)):
-      hot_state = hot.before_step(t, hot_state, ps, pusher)  # re-chooses the hot rows at a boundary
+      hot.before_step(t, ps, pusher)  # re-chooses the hot rows at a boundary
       placed, data_error = _next_batch(pre, gate, pusher, t, stop)
       if placed is None:
         break
       p, rows, batch = placed
       ckpts.positions[t] = p.position
-      state, hot_state, g_rows, m = _train_step(job, progress, t, state, hot_state, rows, batch)
+      state, g_rows, m = _train_step(job, progress, t, state, rows, batch)
       if t == start:
         _settle_heap()  # and what compiling the step made
       done = t + 1
@@ -216,24 +227,24 @@ def train_and_evaluate(
       publisher.step(p, done, gate, save or stopping)  # records the ids pushed; holds the lookups if it publishes
       gate.decide(done)  # step done's ids may now be resolved ahead, unless held
       pusher.push(t, Push.of(p, g_rows, m, scoring))
-      publisher.cut(done, state, hot_state, pusher)  # if due: this cut's rows for serving, then the lookups go on
+      publisher.cut(done, state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)
       if progress.log_due(done):
         pusher.flush(t)
         progress.log_train(done, pre, ps, hot, host.times)
       if _due(config.eval_every, done, n):
         pusher.flush(t)
-        hot.write_back(hot_state, ps)  # evaluation reads the PS: the hot rows' current values go there
+        hot.write_back(ps)  # evaluation reads the PS: the hot rows' current values go there
         distributed.barrier(f"eval at {done}")  # every trainer's pushes are in: the PS is one cut
         progress.log_eval(done, functools.partial(evaluate, state, job.eval_step, host, config))
       if save:
         try:
-          ckpts.save(done, state, ps, pusher, (hot, hot_state))
+          ckpts.save(done, state, ps, pusher, hot)
         finally:
           gate.release()  # a stop's hold too: its cut is this checkpoint
       if stopping:
         break
-    _last_cut(config, ckpts, start, done, state, ps, pusher, (hot, hot_state), publisher, data_error)
+    _last_cut(config, ckpts, start, done, state, ps, pusher, hot, publisher, data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:

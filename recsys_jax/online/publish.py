@@ -155,14 +155,14 @@ class Publisher:
     self._due = (step, None if save else gate)
     return True
 
-  def cut(self, step: int, state, hot_state, pusher) -> None:
+  def cut(self, step: int, state, pusher) -> None:
     """Publishes the cut after ``step`` steps if ``step`` said so (after the step's push), then
     releases the lookups it held."""
     if self._due is not None and self._due[0] == step:
       gate, self._due = self._due[1], None
-      self.publish(step, state, hot_state, pusher, gate)
+      self.publish(step, state, pusher, gate)
 
-  def publish(self, step: int, state, hot_state, pusher, gate=None, dense: Optional[bool] = None) -> None:
+  def publish(self, step: int, state, pusher, gate=None, dense: Optional[bool] = None) -> None:
     """Publishes the cut after ``step`` steps: lookups of step ``step`` on must be held until the
     rows are read; then ``gate`` (if given) is released.
 
@@ -170,12 +170,12 @@ class Publisher:
     if not self.enabled:
       return
     try:
-      self._publish(step, state, hot_state, pusher, dense)
+      self._publish(step, state, pusher, dense)
     finally:
       if gate is not None:
         gate.release()
 
-  def _publish(self, step: int, state, hot_state, pusher, dense: Optional[bool]) -> None:
+  def _publish(self, step: int, state, pusher, dense: Optional[bool]) -> None:
     self.check()
     now = self._clock()
     dense = bool(dense or (dense is None and now >= self._next_dense and self.dense_every_s > 0))
@@ -187,7 +187,8 @@ class Publisher:
     self._hot_touched()
     wanted = {t: np.unique(np.concatenate(v)) for t, v in self._touched.items()}
     self._touched = {}
-    hot = self._hot_rows(hot_state, wanted)  # a hot row's value is the device's; the PS holds an older one
+    # A hot row's value is the device's (the PS holds an older one): read there, not written back.
+    hot = self.hot.current_rows(wanted) if self.hot is not None else {}
     t2 = time.perf_counter()
     for t, (ids, _) in hot.items():
       wanted[t] = wanted[t][~np.isin(wanted[t], ids)]
@@ -227,31 +228,6 @@ class Publisher:
         if ids is not None and ids.shape[0]:
           self._touched.setdefault(t, []).append(ids[np.isin(at, slots)])
     self._hot_slots = {}
-
-  def _hot_rows(self, hot_state, wanted: Dict[str, np.ndarray]) -> Dict[str, tuple]:
-    """Table -> (ids, rows) of the ``wanted`` ids hot now, from the device tables (not written back
-    into the PS: that imports every hot row with its slots, most of a publish's cost), rounded to
-    the table's storage dtype as the write-back would round them: the rows the trainer's evaluation
-    reads."""
-    out: Dict[str, tuple] = {}
-    if self.hot is None or not self.hot.enabled:
-      return out
-    for dim, tables in self.hot.groups.items():
-      w = None
-      for t in tables:
-        hot_ids, slots = self.hot.set.hot(t)
-        if t not in wanted or not hot_ids.shape[0]:
-          continue
-        ids = wanted[t][np.isin(wanted[t], hot_ids)]
-        if not ids.shape[0]:
-          continue
-        if w is None:
-          w = np.asarray(jax.device_get(hot_state[str(dim)]["w"]), np.float32)
-        rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
-        assert self.ps is not None, "a publishing run has a PS"
-        dtype = self.ps.specs[t].numpy_dtype
-        out[t] = (ids, rows if dtype == np.float32 else rows.astype(dtype).astype(np.float32))
-    return out
 
   def checkpointed(self, covered_step: Optional[int]) -> None:
     """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the

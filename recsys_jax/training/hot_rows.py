@@ -78,7 +78,7 @@ class HotRows:
     groups: Dict[int, list] = {}
     lookups: Dict[int, int] = {}
     # A row width with a bounded table stays on the PS whole: a step splits a width's tables
-    # together, and a bounded table's rows must not be hot (``bounded``).
+    # together, and a bounded table's rows must not be hot.
     # A bounded table (``TableSpec.bounded``: a capacity, expiry or selective admission) is never
     # hot: its bounds decide from every lookup of its rows (last-seen step, use count, the
     # admission sketch), and a hot row is not looked up; a hot row is also a second copy, which a
@@ -141,6 +141,11 @@ class HotRows:
     self.seconds = {"split": 0.0, "count": 0.0, "rechoose": 0.0}
     self.choices: list = []
     """One dict per re-choice: step, rows held, rows moved in and out, and its seconds."""
+    self.tables: Dict[str, Any] = {}
+    """The device tables of the hot rows by row width (``{"w", "slots"}``, replicated over the
+    mesh; empty without hot rows): what the train step reads and returns updated (it donates
+    them: the loop puts its result back here). Re-choices, resumes and write-backs use them."""
+    self._dtypes = {t: tables_by_name[t].numpy_dtype for ts in self.groups.values() for t in ts}
 
   def _publish(self, next_boundary: int) -> None:
     """The hot set of the steps before ``next_boundary`` is in place: their lookups may go."""
@@ -166,13 +171,12 @@ class HotRows:
     arrays["steps"] = np.array([step, self._next, self.min_count], np.int64)
     np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as the allow_pickle flag
 
-  def _fresh(self, start: int, hot_state):
+  def _fresh(self, start: int) -> None:
     """An empty hot set at ``start``: the first choice a warm-up later, the warm-up synchronous."""
     self._sync_before = start + self.warmup
     self._publish(start + self.warmup)
-    return hot_state
 
-  def resume(self, start: int, path: Optional[str], ps: RowStore, hot_state) -> Dict[str, Any]:
+  def resume(self, start: int, path: Optional[str], ps: RowStore) -> None:
     """Starts the run at ``start``: from the hot set in ``path`` (saved with the checkpoint the run
     resumes from; its rows read from the PS into their slots), so a resumed run goes on exactly as
     the one that saved it; or, without a checkpoint or with one of another budget, empty, its first
@@ -181,16 +185,16 @@ class HotRows:
     they were) is named in a warning and the hot set starts empty (its rows are in the PS
     snapshot: nothing is lost)."""
     if not self.enabled:
-      return hot_state
+      return
     if path is None or not os.path.exists(path):
-      return self._fresh(start, hot_state)
+      return self._fresh(start)
     try:
       with np.load(path) as z:
         saved = {k: z[k] for k in z.files}
       cap = {int(d): int(c) for d, c in saved["capacity"].tolist()}
       if cap != self.set.capacity or saved["steps"].tolist()[0] != start:
         say(f"hot rows: {path} is for another budget or step; the hot set starts empty")
-        return self._fresh(start, hot_state)
+        return self._fresh(start)
       self.counter.load_state({k[len("counter_") :]: v for k, v in saved.items() if k.startswith("counter_")})
       self.set.load({t: (saved[f"hot_ids_{i}"], saved[f"hot_slots_{i}"]) for i, t in enumerate(self.counter.tables)})
       nxt = int(saved["steps"][1])
@@ -198,17 +202,16 @@ class HotRows:
       say(f"warning: hot rows: {path} cannot be read ({type(e).__name__}: {e}); the hot set starts empty")
       self.set = hot_lib.HotSet(self.groups, self.set.capacity)
       self.counter = self._new_counter()
-      return self._fresh(start, hot_state)
+      return self._fresh(start)
     every = {t: self.set.hot(t) for ts in self.groups.values() for t in ts}
     coming = {t: ids for t, (ids, _) in every.items() if ids.shape[0]}
     if coming:
-      hot_state = self._scatter(hot_state, every, ps.export_rows_many(coming))
+      self._scatter(every, ps.export_rows_many(coming))
     self._publish(nxt)
-    return hot_state
 
   # -- the device tables --------------------------------------------------------------
   def init_state(self) -> Dict[str, Any]:
-    """The device tables, empty (all slots free), replicated over the mesh."""
+    """Makes the device tables (``tables``) empty, all slots free, replicated over the mesh; returns them."""
     state = {}
     for dim, opt in self.opts.items():
       if dim not in self.groups:
@@ -216,6 +219,7 @@ class HotRows:
       n = self.set.capacity[dim]
       host = {"w": np.zeros((n, dim), np.float32), "slots": jax.tree.map(np.asarray, opt.init(n, dim))}
       state[str(dim)] = self._put(host)
+    self.tables = state
     return state
 
   def _put(self, tree):
@@ -323,18 +327,19 @@ class HotRows:
     """Whether the hot set is re-chosen before ``step``."""
     return self.enabled and step == self._next
 
-  def before_step(self, step: int, hot_state, ps: RowStore, pusher) -> Dict[str, Any]:
+  def before_step(self, step: int, ps: RowStore, pusher) -> None:
     """The training loop's call before it takes ``step``: at a boundary, waits for the pushes of
     the earlier steps and re-chooses (the lookups of ``step`` wait meanwhile); else nothing."""
     if not self.boundary(step):
-      return hot_state
+      return
     pusher.flush(step - 1)
-    return self.rechoose(step, hot_state, ps)
+    self.rechoose(step, ps)
 
-  def rechoose(self, step: int, hot_state, ps: RowStore) -> Dict[str, Any]:
+  def rechoose(self, step: int, ps: RowStore) -> None:
     """Re-chooses the hot set before ``step``; every push of the steps before it must be applied.
 
-    Returns the new device tables (``hot_state`` is donated) and lets the lookups of ``step`` go.
+    Moves the rows in and out of the device tables (``tables``, replaced: the old ones are
+    donated) and lets the lookups of ``step`` go.
     """
     t0 = time.perf_counter()
     self.counted()
@@ -342,11 +347,10 @@ class HotRows:
     counts = self._counts()
     chosen = hot_lib.choose(counts, self.groups, self.set.capacity, self.overrides, self.min_count)
     swap = self.set.plan(chosen)
-    self._write_rows(hot_state, ps, swap.demote)
+    self._write_rows(ps, swap.demote)
     coming = {t: ids for t, (ids, _) in swap.promote.items() if ids.shape[0]}
     if coming:
-      rows = ps.export_rows_many(coming)
-      hot_state = self._scatter(hot_state, swap.promote, rows)
+      self._scatter(swap.promote, ps.export_rows_many(coming))
     self.set.apply(swap)
     secs = time.perf_counter() - t0
     self.seconds["rechoose"] += secs
@@ -360,7 +364,6 @@ class HotRows:
       }
     )
     self._publish(self._after_choice(step))
-    return hot_state
 
   def _after_choice(self, step: int) -> int:
     """The boundary after a choice at ``step``: ``hot_every`` later, or a tenth of that while slots
@@ -376,10 +379,33 @@ class HotRows:
     if step < self._sync_before:
       gate.wait_applied(step - 1)
 
-  def write_back(self, hot_state, ps: RowStore) -> None:
+  def write_back(self, ps: RowStore) -> None:
     """Writes every hot row and its slots into the PS (before a snapshot or an evaluation)."""
     if self.enabled:
-      self._write_rows(hot_state, ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
+      self._write_rows(ps, {t: self.set.hot(t) for ts in self.groups.values() for t in ts})
+
+  def current_rows(self, wanted: Mapping[str, np.ndarray]) -> Dict[str, tuple]:
+    """Table -> (ids, rows) of the ``wanted`` ids that are hot now, read from the device tables
+    (not written back into the PS: that imports every hot row with its slots), rounded to the
+    table's storage dtype as a write-back would round them: the rows an evaluation would read."""
+    out: Dict[str, tuple] = {}
+    if not self.enabled:
+      return out
+    for dim, tables in self.groups.items():
+      w = None
+      for t in tables:
+        hot_ids, slots = self.set.hot(t)
+        if t not in wanted or not hot_ids.shape[0]:
+          continue
+        ids = wanted[t][np.isin(wanted[t], hot_ids)]
+        if not ids.shape[0]:
+          continue
+        if w is None:
+          w = np.asarray(jax.device_get(self.tables[str(dim)]["w"]), np.float32)
+        rows = w[slots[np.searchsorted(hot_ids, ids)]]  # hot ids are sorted
+        dtype = self._dtypes[t]
+        out[t] = (ids, rows if dtype == np.float32 else rows.astype(dtype).astype(np.float32))
+    return out
 
   def _counts(self) -> Dict[str, tuple]:
     """table -> (candidate ids, counts), summed over every trainer process."""
@@ -394,30 +420,30 @@ class HotRows:
         out[t] = (ids, est.reshape(jax.process_count(), ids.shape[0]).sum(0))
     return out
 
-  def _write_rows(self, hot_state, ps: RowStore, which: Mapping[str, tuple]) -> None:
+  def _write_rows(self, ps: RowStore, which: Mapping[str, tuple]) -> None:
     """Device rows ``which`` (table -> (ids, slots)) into the PS: by process 0, then a barrier."""
     which = {t: v for t, v in which.items() if v[0].shape[0]}
     if which:
-      gathered = self._gather(hot_state, which)
+      gathered = self._gather(which)
       if jax.process_index() == 0:
         ps.import_rows_many({t: (which[t][0], *gathered[t]) for t in which})
     self._moves += 1
     distributed.barrier(f"hot rows written back {self._moves}")
 
-  def _gather(self, hot_state, which: Mapping[str, tuple]) -> Dict[str, tuple]:
+  def _gather(self, which: Mapping[str, tuple]) -> Dict[str, tuple]:
     """table -> (weights, slots) of the given slots, on the host."""
     out = {}
     for t, (_, slots) in which.items():
       dim = self.set.group_of[t]
       idx = _padded(slots, self.set.capacity[dim])
-      got = self._fetch(_take(hot_state[str(dim)], self._put(idx)))
+      got = self._fetch(_take(self.tables[str(dim)], self._put(idx)))
       n = slots.shape[0]
       out[t] = (np.asarray(got["w"])[:n], {k: np.asarray(v)[:n] for k, v in got["slots"].items()})
     return out
 
-  def _scatter(self, hot_state, promote: Mapping[str, tuple], rows: Mapping[str, tuple]) -> Dict[str, Any]:
-    """Writes rows from the PS (table -> (weights, slots)) into their slots; returns the new tables."""
-    hot_state = dict(hot_state)
+  def _scatter(self, promote: Mapping[str, tuple], rows: Mapping[str, tuple]) -> None:
+    """Writes rows from the PS (table -> (weights, slots)) into their slots of ``tables``."""
+    tables = dict(self.tables)
     for t, (ids, slots) in promote.items():
       if not ids.shape[0]:
         continue
@@ -427,8 +453,8 @@ class HotRows:
       idx = _padded(slots, cap)
       pad = idx.shape[0] - slots.shape[0]
       vals = {"w": _pad_rows(w, pad), "slots": {k: _pad_rows(np.asarray(v, np.float32), pad) for k, v in sl.items()}}
-      hot_state[str(dim)] = _set(hot_state[str(dim)], self._put(idx), self._put(vals))
-    return hot_state
+      tables[str(dim)] = _set(tables[str(dim)], self._put(idx), self._put(vals))
+    self.tables = tables
 
   def metrics(self) -> Dict[str, float]:
     """Hot hit rate, rows per step on each side, host -> device row bytes per step, since the start;

@@ -49,9 +49,8 @@ class Job:
   traces: Dict[str, int]
   """How many times each step function has been traced."""
   hot: HotRows
-  """The hot rows kept on the device (``hot.enabled`` False: ``config.hot_rows_bytes`` buys none)."""
-  hot_state: Any = dataclasses.field(default_factory=dict)
-  """The initial device tables of the hot rows (empty: none), replicated over the mesh."""
+  """The hot rows kept on the device, with their device tables (``hot.tables``; ``hot.enabled``
+  False: ``config.hot_rows_bytes`` buys none)."""
   step: int = 0
   """The step the state and PS rows are at: 0 for a fresh job, else the checkpoint's restored by ``build_job``."""
 
@@ -99,7 +98,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
   host.hot = hot if hot.enabled else None
   with jax.transfer_guard("allow"):  # one-off setup; the step loop itself moves data explicitly
     state, state_shardings, on_device = init_state(config, model, reader.schema, features, tables_by_name, mesh)
-    hot_state = hot.init_state()
+    hot.init_state()
   rows_out = mesh_lib.data_sharding(mesh) if multi else repl
   train_step = jax.jit(
     make_train_step(
@@ -123,7 +122,7 @@ def build_job(config: ml_collections.ConfigDict, workdir: Optional[str] = None, 
       steps_lib.no_train_step, donate_argnums=(0, 1), out_shardings=(state_shardings, repl, rows_out, repl)
     )
   eval_step = jax.jit(make_eval_step(model, group_features, traces), out_shardings=mesh_lib.replicated(eval_mesh))
-  job = Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot, hot_state)
+  job = Job(reader, tables, features, mesh, model, ps, host, train_step, eval_step, state, traces, hot)
   ckpt_dir = None if workdir is None else workdir_lib.checkpoints(workdir)
   if restore and ckpt_dir is not None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     _restore(job, config, workdir)
@@ -139,7 +138,7 @@ def _restore(job: Job, config: ml_collections.ConfigDict, workdir: Optional[str]
     if ckpts.latest is None:
       return
     job.state, job.step = state, start
-    job.hot_state = job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps, job.hot_state)
+    job.hot.resume(start, ckpts.latest_part(job.hot.state_name()), job.ps)
     say(
       f"build_job: restored {ckpts.latest_dir()} (step {start}): dense state and PS rows; restore=False for a fresh job"
     )

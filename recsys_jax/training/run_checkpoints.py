@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import jax
 
@@ -19,6 +19,9 @@ from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.writers import say
+
+if TYPE_CHECKING:
+  from recsys_jax.training.hot_rows import HotRows
 
 
 class RunCheckpoints:
@@ -104,10 +107,10 @@ class RunCheckpoints:
     self.positions = {start - 1: position}
     return state, start, position
 
-  def save(self, step: int, state, ps: RowStore, pusher, hot_rows=None) -> None:
+  def save(self, step: int, state, ps: RowStore, pusher, hot: Optional[HotRows] = None) -> None:
     """Saves the cut after ``step - 1``: waits for the pushes of steps < step (none later is made).
 
-    ``hot_rows``: ``(HotRows, device tables)``: once the pushes are in, the hot rows go back into
+    ``hot``: the run's hot rows: once the pushes are in, the hot rows go back into
     the PS before its snapshot (so it has every row), and the hot set is a part of the checkpoint,
     written before its commit (a checkpoint is never committed without it).
 
@@ -116,8 +119,8 @@ class RunCheckpoints:
         good checkpoint, which is left as it was).
     """
     pusher.flush(step - 1)
-    if hot_rows is not None:
-      hot_rows[0].write_back(hot_rows[1], ps)
+    if hot is not None:
+      hot.write_back(ps)
     meta = {"data_position": step, "batch_size": self.config.batch_size, "data": self.config.data.name}
     meta["reader_position"] = self.positions[step - 1]
     if jax.process_count() > 1:  # every process's own position, in process order
@@ -125,8 +128,8 @@ class RunCheckpoints:
     for k in [k for k in self.positions if k < step - 1]:
       del self.positions[k]
     parts = {}
-    if hot_rows is not None and hot_rows[0].enabled:
-      parts[hot_rows[0].state_name()] = functools.partial(hot_rows[0].save_state, step=step)
+    if hot is not None and hot.enabled:
+      parts[hot.state_name()] = functools.partial(hot.save_state, step=step)
     try:
       self.ckpt.save(step, state, ps, meta, parts)
     except checkpoint_lib.CheckpointError as e:

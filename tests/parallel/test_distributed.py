@@ -37,7 +37,7 @@ assert jax.device_count() == 8 and jax.local_device_count() == 8 // nproc
 if nproc > 1:  # each fsdp group (mesh row) lives on one process
   for row in job.mesh.devices:
     assert len({d.process_index for d in row}) == 1
-state, hot = job.state, job.hot_state
+state, hot = job.state, job.hot.tables
 batches = job.reader.train()  # this process's half of every global batch
 init = distributed.to_host(state.params)
 for t in range(int(sys.argv[5])):

@@ -57,7 +57,7 @@ for r, p in [(1, 8), (2, 4), (4, 2), (8, 1)]:
     # The trainer's compiled step: bytes per device inside and across groups.
     placed = job.host.place(job.host.lookup(job.host.prepare(0, job.reader.data.batch(synthetic.TRAIN, 0, c.batch_size)), create=True))
     with jax.transfer_guard("allow"):
-      hlo = job.train_step.lower(job.state, job.hot_state, placed[1], placed[2]).compile().as_text()
+      hlo = job.train_step.lower(job.state, job.hot.tables, placed[1], placed[2]).compile().as_text()
     vol = mics.comm_volume(hlo, job.mesh)
     report[f"{r}x{p}x{s}"] = {"last_spec": list(last.sharding.spec), "spec": list(k.sharding.spec),
                               "shard": list(k.addressable_shards[0].data.shape), "full": list(k.shape),

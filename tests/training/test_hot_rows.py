@@ -192,7 +192,7 @@ def test_buckets_shrink_rarely(tiny_config):
 
   for step in range(3):  # counted and created on the PS; nothing is hot yet
     host.lookup(groups(step, 1024), create=True)
-  hot_state = hot.rechoose(3, job.hot_state, job.ps)
+  hot.rechoose(3, job.ps)
   assert hot.set.size() > 100
   big, medium, small = groups(4, 1024).groups, groups(5, 900).groups, groups(6, 64).groups
   hot.split(big, dedup_lib.MIN_BUCKET)
@@ -209,7 +209,7 @@ def test_buckets_shrink_rarely(tiny_config):
   a = alone.group.inverse
   np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
   # Far fewer cold rows (half the bucket or less): the cold bucket shrinks to its own; the hot one never.
-  hot.rechoose(7, hot_state, job.ps)
+  hot.rechoose(7, job.ps)
   alone = hot.set.split(small[8])
   assert 2 * alone.group.bucket <= bucket and alone.hot_idx.shape[0] < bucket_h
   cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
@@ -242,7 +242,7 @@ def test_a_choice_counts_every_earlier_step_though_counting_lags(tiny_config):
     for name, ids, _ in p.groups[8].tables:
       ref.add(name, ids)
     host.lookup(p, create=True)
-  hot.rechoose(6, job.hot_state, job.ps)
+  hot.rechoose(6, job.ps)
   cap = hot.set.capacity
   want = hot_lib.choose({t: ref.top(t, cap[8]) for t in ref.tables}, hot.groups, cap, hot.overrides, hot.min_count)
   for t in ref.tables:
@@ -296,6 +296,6 @@ def test_a_counting_failure_stops_the_next_choice_and_never_a_lookup(tiny_config
   for step in range(12):  # more steps than the queue holds: a failed count must not block a split
     host.lookup(host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 64)), create=True)
   with pytest.raises(RuntimeError, match="hot rows: counting ids failed: ValueError.'cannot count cat_"):
-    hot.rechoose(12, job.hot_state, job.ps)
+    hot.rechoose(12, job.ps)
   hot.close()
   job.ps.close()

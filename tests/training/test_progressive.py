@@ -137,7 +137,7 @@ def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_s
   for t, (p, rows, batch) in enumerate(_first_batches(job, c, 3)):
     before = jax.tree.map(jnp.copy, state.params)  # the step donates the state
     logits_ref = job.eval_step(before, packing.unpack(rows)["cold"], packing.unpack(batch))["logits"]
-    state, _, g, m = job.train_step(state, job.hot_state, rows, batch)
+    state, _, g, m = job.train_step(state, job.hot.tables, rows, batch)
     np.testing.assert_allclose(np.asarray(m["logits"]), np.asarray(logits_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(m["label"]), packing.unpack(batch)["label"])
     assert float(m["loss"]) == pytest.approx(
@@ -153,7 +153,7 @@ def test_step_logits_are_the_forward_pass_before_the_update(tiny_config, micro_s
   scorer = train.build_job(c, restore=False)
   ((p, rows, batch),) = _first_batches(scorer, c, 1)
   params0 = jax.device_get(scorer.state.params)
-  st, _, g, m = scorer.train_step(scorer.state, scorer.hot_state, rows, batch)
+  st, _, g, m = scorer.train_step(scorer.state, scorer.hot.tables, rows, batch)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(st.params), params0)
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(g))
   ref = scorer.eval_step(st.params, packing.unpack(rows)["cold"], packing.unpack(batch))["logits"]
@@ -175,7 +175,7 @@ for t, (b, _) in zip(range(3), job.reader.train()):
   p = job.host.lookup(job.host.prepare(t, b), create=True)
   _, rows, batch = job.host.place(p)
   ref = np.asarray(job.eval_step(jax.tree.map(jnp.copy, state.params), packing.unpack(rows)["cold"], packing.unpack(batch))["logits"])
-  state, _, g, m = job.train_step(state, job.hot_state, rows, batch)
+  state, _, g, m = job.train_step(state, job.hot.tables, rows, batch)
   assert np.array_equal(np.asarray(m["label"]), b["label"])
   worst = max(worst, float(np.abs(np.asarray(m["logits"]) - ref).max()))
   job.host.push(p.groups, jax.device_get(g), t)
