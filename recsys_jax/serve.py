@@ -158,13 +158,10 @@ def _start():
     if FLAGS.publish_dir or float(config.publish_every_s or 0.0) > 0:
       publish_dir = FLAGS.publish_dir or publish.publish_dir(config, FLAGS.workdir)
   from recsys_jax.serving.reload import NoModel
-  from recsys_jax.serving.server import Serving
+  from recsys_jax.serving.server import ServerOptions, Serving
 
-  try:
-    return Serving(
-      FLAGS.workdir,
-      load_scorer,
-      newest_step,
+  try:  # a bad combination of flags (TLS with a certificate but no key) is a usage error
+    options = ServerOptions(
       host=FLAGS.host,
       http_port=http_port,
       grpc_port=grpc_port,
@@ -179,12 +176,14 @@ def _start():
       step=FLAGS.step,
       threads=FLAGS.threads,
       max_body_bytes=int(FLAGS.max_body_mb * (1 << 20)),
-      steps=steps,
-      signature=signature,
       backlog=FLAGS.listen_backlog,
       publish_dir=publish_dir,
       deltas_every_s=FLAGS.deltas_every_s,
     )
+  except ValueError as e:
+    raise _Usage(str(e)) from None
+  try:
+    return Serving(FLAGS.workdir, load_scorer, newest_step, options, steps=steps, signature=signature)
   except (NoModel, RuntimeError) as e:  # no checkpoint; a port taken
     raise _Usage(str(e)) from None
   except Exception as e:  # noqa: BLE001 - the first load failed (a damaged checkpoint, a --step not there)

@@ -263,16 +263,15 @@ def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
 
 def test_http_and_grpc_answers_name_the_dense_and_row_versions(run, tmp_path):
   from recsys_jax.serving.client import GrpcClient, HttpClient
-  from recsys_jax.serving.server import Serving
+  from recsys_jax.serving.server import ServerOptions, Serving
 
   w = _late_copy(run, tmp_path / "w")
   s = Serving(
     w,
     scorer_lib.load_scorer,
     scorer_lib.newest_step,
+    ServerOptions(publish_dir=os.path.join(w, "publish"), deltas_every_s=0.05),
     steps=scorer_lib.complete_steps,
-    publish_dir=os.path.join(w, "publish"),
-    deltas_every_s=0.05,
   )
   try:
     recs = _records(s.holder.current(), run, n=5)

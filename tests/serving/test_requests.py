@@ -16,7 +16,7 @@ import pytest
 
 from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
 from recsys_jax.serving.grpc_service import SERVICE
-from recsys_jax.serving.server import Serving
+from recsys_jax.serving.server import ServerOptions, Serving
 from tests.helpers import serve_fakes as F
 
 GOOD = {"i1": 1.5, "i2": -2, "i3": 0.25, "c1": "a", "c2": "b"}
@@ -26,7 +26,9 @@ GOOD = {"i1": 1.5, "i2": -2, "i3": 0.25, "c1": "a", "c2": "b"}
 def server(tmp_path_factory):
   w = str(tmp_path_factory.mktemp("w"))
   F.publish(w, 100)
-  s = Serving(w, F.load_scorer, F.newest_step, max_batch=8, max_wait_s=0.001, reload_every_s=0, max_body_bytes=4096)
+  s = Serving(
+    w, F.load_scorer, F.newest_step, ServerOptions(max_batch=8, max_wait_s=0.001, reload_every_s=0, max_body_bytes=4096)
+  )
   yield s
   s.stop()
 
@@ -135,7 +137,7 @@ def test_grpc_message_over_the_limit(server):
 
 def test_token_is_required_when_set(tmp_path):
   F.publish(str(tmp_path), 100)
-  s = Serving(str(tmp_path), F.load_scorer, F.newest_step, token="s3cret", reload_every_s=0)
+  s = Serving(str(tmp_path), F.load_scorer, F.newest_step, ServerOptions(token="s3cret", reload_every_s=0))
   try:
     for token in (None, "wrong", "s3cret "):
       h, g = HttpClient("127.0.0.1", s.http_port, token=token), GrpcClient(f"127.0.0.1:{s.grpc_port}", token=token)
@@ -182,7 +184,9 @@ def test_tls_on_both_sides(tmp_path, self_signed_cert):
   w = tmp_path / "w"
   w.mkdir()
   F.publish(str(w), 100)
-  s = Serving(str(w), F.load_scorer, F.newest_step, tls_cert=str(cert), tls_key=str(key), reload_every_s=0)
+  s = Serving(
+    str(w), F.load_scorer, F.newest_step, ServerOptions(tls_cert=str(cert), tls_key=str(key), reload_every_s=0)
+  )
   try:
     _good_answered(HttpClient("127.0.0.1", s.http_port, tls_ca=str(cert)))
     _good_answered(GrpcClient(f"localhost:{s.grpc_port}", tls_ca=cert.read_bytes()))
@@ -201,7 +205,7 @@ def test_a_burst_of_idle_connections_does_not_delay_a_request(tmp_path):
   import time
 
   F.publish(str(tmp_path), 100)
-  s = Serving(str(tmp_path), F.load_scorer, F.newest_step, reload_every_s=0, grpc_port=None)
+  s = Serving(str(tmp_path), F.load_scorer, F.newest_step, ServerOptions(reload_every_s=0, grpc_port=None))
   socks = []
   try:
     for _ in range(300):
@@ -225,3 +229,11 @@ def test_a_burst_of_idle_connections_does_not_delay_a_request(tmp_path):
       so.close()
     s.stop()
   assert not pending and connect_s < 0.5 and request_s < 0.5, (len(pending), connect_s, request_s)
+
+
+def test_server_options_refuse_a_certificate_without_its_key():
+  with pytest.raises(ValueError, match="TLS needs both --tls_cert and --tls_key"):
+    ServerOptions(tls_cert="cert.pem")
+  with pytest.raises(ValueError, match="TLS needs both"):
+    ServerOptions(tls_key="key.pem")
+  assert ServerOptions(tls_cert="c", tls_key="k").tls_key == "k"

@@ -336,12 +336,14 @@ def test_http_and_grpc_answers_equal_the_trainers_evaluation(runs, refs, name):
   import concurrent.futures
 
   from recsys_jax.serving.client import GrpcClient, HttpClient
-  from recsys_jax.serving.server import Serving
+  from recsys_jax.serving.server import ServerOptions, Serving
 
   ref = refs[name]
   cols, want = ref.eval_set()
   recs = _records(name, runs, ref, cols)
-  srv = Serving(runs[name]["workdir"], scorer.load_scorer, scorer.newest_step, reload_every_s=0, max_wait_s=0.005)
+  srv = Serving(
+    runs[name]["workdir"], scorer.load_scorer, scorer.newest_step, ServerOptions(reload_every_s=0, max_wait_s=0.005)
+  )
   try:
     spans = [(a, min(a + 37, len(recs))) for a in range(0, len(recs), 37)]
 
@@ -404,10 +406,10 @@ _RECORD_LEVEL = {name for name, (_, _, field, record) in test_serve_requests.BAD
 @pytest.fixture(scope="module")
 def served(runs):
   """The synthetic DLRM run behind the serving front, and its scorer in this process."""
-  from recsys_jax.serving.server import Serving
+  from recsys_jax.serving.server import ServerOptions, Serving
 
   w = runs["dlrm"]["workdir"]
-  s = Serving(w, scorer.load_scorer, scorer.newest_step, max_batch=8, max_wait_s=0.001, reload_every_s=0)
+  s = Serving(w, scorer.load_scorer, scorer.newest_step, ServerOptions(max_batch=8, max_wait_s=0.001, reload_every_s=0))
   yield s, scorer.load_scorer(w)
   s.stop()
 
