@@ -112,11 +112,12 @@ def _last_cut(
 def _next_batch(pre, gate: StalenessGate, pusher: Pusher, t: int, stop: Optional[threading.Event]):
   """``(step t's placed batch, None)``, or ``(None, why)`` if the run is to end after step t - 1:
   ``why`` is the reader's error (``DataError``: the steps before are saved first), or None when the
-  data ended or a stop was requested (``stop`` set) before any lookup of step t (the lookups from t
-  on are then held, so the PS holds nothing of step t; a lookup already made is trained first).
+  data ended or a stop was requested (``stop`` set) before any lookup or resolve of step t (the
+  lookups from t on are then held, so the PS holds nothing of step t; a step already looked up or
+  resolved is trained first: ``StalenessGate.stop_before``).
   Waits as long as the data does."""
   while True:
-    if stop is not None and stop.is_set() and gate.hold(t):
+    if stop is not None and stop.is_set() and gate.stop_before(t):
       say(f"stop requested: stopping at step {t} (its checkpoint follows)")
       return None, None
     try:

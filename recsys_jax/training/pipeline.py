@@ -38,7 +38,8 @@ class StalenessGate:
     self.last_applied = last_applied
     self._error: Optional[BaseException] = None
     self._held_from: Optional[int] = None
-    self._passed = -1  # the last step whose lookup (or resolve) passed the gate
+    self._passed = -1  # the last step whose lookup passed the gate
+    self._resolved = -1  # the last step whose resolve passed the gate
     self._decided = last_applied + 1  # the last step whose holds the loop has decided (the first step's: none)
 
   def _wait(self, ready: Callable[[], bool], timeout: Optional[float], what: str) -> None:
@@ -68,14 +69,14 @@ class StalenessGate:
   def wait_resolve(self, step: int, staleness: int, timeout: Optional[float] = None) -> None:
     """Blocks until ``step``'s ids may be resolved ahead of its lookup: no hold covers ``step``,
     and the loop has decided its holds (``decide``) or its lookup could pass (``wait_lookup``; at
-    k = 0 that implies the decision, made before the step before is pushed). Counts as its lookup
-    for ``hold``."""
+    k = 0 that implies the decision, made before the step before is pushed). A resolved step has
+    rows in the PS: ``stop_before`` no longer stops before it."""
 
     def ready() -> bool:
       due = self._decided >= step or self.last_applied >= step - staleness - 1
       ok = due and (self._held_from is None or step < self._held_from)
       if ok:
-        self._passed = max(self._passed, step)
+        self._resolved = max(self._resolved, step)
       return ok
 
     self._wait(ready, timeout, f"the resolve of step {step} not allowed")
@@ -86,20 +87,28 @@ class StalenessGate:
       self._decided = max(self._decided, step)
       self._cond.notify_all()
 
-  def hold(self, step: int) -> bool:
+  def hold(self, step: int) -> None:
     """Until ``release``, lookups of steps >= ``step`` wait, however many pushes are applied.
 
     A checkpoint after step - 1 holds from ``step`` before that step's push is made, so no
     lookup of a later step runs into its PS snapshot: lookups change a bounded table (last
-    seen, counts, the admission sketch, evictions), and the resumed run makes them again.
-
-    Returns:
-      Whether no lookup of ``step`` or later had passed the gate (a run may end after step - 1
-      without one in its PS).
+    seen, counts, the admission sketch, evictions), and the resumed run makes them again. (At
+    k >= 1 lookups and resolves of later steps may have passed before it, as far ahead as the
+    bound lets them: their rows are in the snapshot, found again by the resumed run.)
     """
     with self._cond:
       self._held_from = step
-      return self._passed < step
+
+  def stop_before(self, step: int) -> bool:
+    """A stop requested while the loop waits for ``step``: holds the lookups of ``step`` on and
+    returns True if nothing of ``step`` has reached the PS (neither its lookup nor its resolve
+    passed), so the run may end after ``step - 1``; otherwise holds nothing and returns False:
+    ``step`` is trained first (a hold would keep its lookup, and so the loop, waiting forever)."""
+    with self._cond:
+      if self._passed >= step or self._resolved >= step:
+        return False
+      self._held_from = step
+      return True
 
   def release(self) -> None:
     with self._cond:

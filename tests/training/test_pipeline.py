@@ -268,3 +268,28 @@ def test_negative_staleness_rejected():
   gate = StalenessGate(-1)
   with pytest.raises(ValueError):
     Prefetcher(0, 1, lambda t: t, lambda h: h, lambda b: b, gate, -1)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_stop_never_holds_a_step_already_resolved(k):
+  """A stop requested while the loop waits for step t (``stop_before``): if step t's resolve has
+  passed (its rows are in the PS), the stop does not hold t, whose lookup then passes (a hold
+  there kept the lookup, and the loop, waiting forever: the stream restart test hung); a step not
+  yet resolved is held, and its lookup waits until the release."""
+  gate = StalenessGate(-1)
+  for t in range(4):
+    gate.decide(t + 1)
+    gate.mark_applied(t)
+  gate.wait_resolve(4, k, timeout=GET_TIMEOUT)  # step 4 resolved (decided), not yet looked up
+  assert gate.stop_before(4) is False
+  gate.wait_lookup(4, k, timeout=GET_TIMEOUT)  # not held: passes
+  assert gate.stop_before(5) is True  # nothing of step 5 in the PS: held
+  gate.mark_applied(4)
+  gate.decide(5)
+  with pytest.raises(TimeoutError):
+    gate.wait_lookup(5, k, timeout=0.2)
+  with pytest.raises(TimeoutError):
+    gate.wait_resolve(5, k, timeout=0.2)
+  gate.release()
+  gate.wait_resolve(5, k, timeout=GET_TIMEOUT)
+  gate.wait_lookup(5, k, timeout=GET_TIMEOUT)
