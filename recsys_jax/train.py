@@ -11,6 +11,7 @@ below are re-exported so ``from recsys_jax import train; train.build_job(...)`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -27,7 +28,6 @@ from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.evaluation import evaluate
 from recsys_jax.training.host import DataError, EndOfData, HostPipeline, NonFiniteLossError, Prepared, Push, last_step
-from recsys_jax.training.hot_rows import HotRows
 from recsys_jax.training.job import Job, build_job, build_ps
 from recsys_jax.training.pipeline import Aborted, Pusher, StalenessGate
 from recsys_jax.training.run_checkpoints import RunCheckpoints
@@ -75,32 +75,40 @@ def _due(every: int, done: int, last: int) -> bool:
   return bool(every) and done % every == 0 and done != last
 
 
-def _last_cut(
-  config,
-  ckpts: RunCheckpoints,
-  start,
-  done,
-  state,
-  ps,
-  pusher: Pusher,
-  hot: HotRows,
-  publisher: Publisher,
-  data_error=None,
-) -> None:
+@dataclasses.dataclass
+class _Run:
+  """The parts of one run around its loop, built once it resumes (``train_and_evaluate``): what the
+  helpers that end it take, instead of ten parameters each."""
+
+  config: ml_collections.ConfigDict
+  job: Job
+  ckpts: RunCheckpoints
+  publisher: Publisher
+  gate: StalenessGate
+  pre: Any
+  """The training prefetcher (``HostPipeline.train_prefetcher``)."""
+  progress: Progress
+  pusher: Pusher
+  start: int
+  """The step the run started at (its checkpoint's, 0 for a fresh run)."""
+
+
+def _last_cut(run: _Run, done: int, state, data_error=None) -> None:
   """After the last step (``done`` steps in all; none if ``done`` is ``start``): its checkpoint, or with
   ``config.final_checkpoint`` False none, but every push applied and the hot rows back in the PS,
   which the final evaluation reads; the last rows and dense parameters published for serving. Then
   raises ``data_error`` (a ``DataError``) if there is one."""
-  if done > start and config.final_checkpoint and ckpts.last_saved != done:
+  ckpts, ps, pusher, hot, publisher = run.ckpts, run.job.ps, run.pusher, run.job.hot, run.publisher
+  if done > run.start and run.config.final_checkpoint and ckpts.last_saved != done:
     ckpts.save(done, state, ps, pusher, hot)
-  elif done > start:
+  elif done > run.start:
     pusher.flush(done - 1)
     hot.write_back(ps)
-  if done > start:
+  if done > run.start:
     publisher.publish(done, state, pusher, dense=True)
   publisher.close()
   if data_error is not None:
-    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > start else "nothing trained this run"
+    saved = f"checkpoint at step {done}: {ckpts.last_good()}" if done > run.start else "nothing trained this run"
     msg = f"{data_error.error} (training stopped before step {done}; {saved})"
     try:
       error = type(data_error.error)(msg)
@@ -145,15 +153,15 @@ def _hold_for_cut(gate: StalenessGate, done: int, save: bool, stop: Optional[thr
   return stopping
 
 
-def _wind_down(progress: Progress, publisher: Publisher, hot, gate: StalenessGate, pre, pusher: Pusher, ckpts) -> None:
+def _wind_down(run: _Run) -> None:
   """Ends the loop's helpers, however the loop ended (its ``finally``), in this order."""
-  progress.bar.close()
-  publisher.close(quiet=True)
-  hot.close()
-  gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
-  pre.close()
-  pusher.close()
-  ckpts.close()
+  run.progress.bar.close()
+  run.publisher.close(quiet=True)
+  run.job.hot.close()
+  run.gate.abort(Aborted("training ended"))  # a prefetcher held at the last step stops waiting
+  run.pre.close()
+  run.pusher.close()
+  run.ckpts.close()
 
 
 def _resume(config, workdir: str, job: Job):
@@ -208,7 +216,7 @@ def train_and_evaluate(
   pre = host.train_prefetcher(start, config, gate, position)
   progress = Progress(workdir, config, start, t_start, on_metrics)
   pusher = Pusher(lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source), gate)
-  scoring = config.device_step == "score"
+  run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None
   _settle_heap()
   try:
@@ -227,7 +235,7 @@ def train_and_evaluate(
       stopping = _hold_for_cut(gate, done, save, stop)
       publisher.step(p, done, gate, save or stopping)  # records the ids pushed; holds the lookups if it publishes
       gate.decide(done)  # step done's ids may now be resolved ahead, unless held
-      pusher.push(t, Push.of(p, g_rows, m, scoring))
+      pusher.push(t, Push.of(p, g_rows, m, scoring=config.device_step == "score"))
       publisher.cut(done, state, pusher)  # if due: this cut's rows for serving, then the lookups go on
       progress.bar.update(1)
       if progress.log_due(done):
@@ -245,7 +253,7 @@ def train_and_evaluate(
           gate.release()  # a stop's hold too: its cut is this checkpoint
       if stopping:
         break
-    _last_cut(config, ckpts, start, done, state, ps, pusher, hot, publisher, data_error)
+    _last_cut(run, done, state, data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
   except ConnectionError as e:
@@ -255,7 +263,7 @@ def train_and_evaluate(
     ps.close()
     raise
   finally:
-    _wind_down(progress, publisher, hot, gate, pre, pusher, ckpts)
+    _wind_down(run)
   train_end = time.perf_counter()
 
   distributed.barrier("final eval")
