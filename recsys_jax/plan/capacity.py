@@ -52,7 +52,7 @@ PERSIA: dict[str, Any] = {
   "ps_host_ram_gb": 12_000,  # blog: 12 TB each, 360 TB total (GCP's exact size is ~11.8 TB)
   "gpus": 64,  # blog: 8 A2 VMs "adding a total of 64 A100" GPUs
   "trainer_hosts": 8,
-  "samples_per_sec": 1.9e6,  # approximate: the figure our issue 7 quotes for Persia; not checked against the paper here
+  "samples_per_sec": 1.9e6,  # approximate: the figure quoted for Persia's largest benchmark; not checked against the paper here
 }
 
 # Stated uncertainty of each figure, printed next to the comparison.

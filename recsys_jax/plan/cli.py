@@ -236,7 +236,7 @@ flags.DEFINE_float("key_bytes", _D.key_bytes, "Bytes per id on the wire (u64 = 8
 flags.DEFINE_float(
   "samples_per_sec",
   _D.samples_per_sec,
-  "Target training samples/s. Default ~1.9M: Persia's largest-benchmark throughput as our issue 7 quotes it"
+  "Target training samples/s. Default ~1.9M: Persia's largest-benchmark throughput, approximately"
   " (approximate; not verified against the paper).",
 )
 flags.DEFINE_float(

@@ -49,12 +49,12 @@ _INIT_BLOCK_ROWS = 1 << 14  # rows created per block (their initial values and s
 
 EVICT_THREADS = max(1, default_threads() // 4)
 """Threads that run tiered tables' evictions after their lookups (write-behind), shared by every
-table of the process: a quarter of the cores (one on this 2-core machine), so that they leave
+table of the process: a quarter of the cores (one on 2 cores), so that they leave
 the lookups most of them; an eviction costs about what its lookup's misses cost."""
 
 AHEAD_THREADS = max(1, default_threads() // 4)
 """Threads that run tiered tables' read-aheads (``Table.read_ahead``), shared by every table of
-the process: a quarter of the cores (one on this 2-core machine), as for the evictions."""
+the process: a quarter of the cores (one on 2 cores), as for the evictions."""
 
 
 """``TableSpec.storage_dtype`` names -> numpy dtypes (the names are validated by ``TableSpec``)."""
