@@ -77,10 +77,9 @@ class HotRows:
   def __init__(self, config, tables_by_name: Mapping[str, TableSpec], features: Sequence[FeatureSpec], mesh):
     groups: Dict[int, list] = {}
     lookups: Dict[int, int] = {}
-    # A row width with a bounded table stays on the PS whole: a step splits a width's tables
-    # together, and a bounded table's rows must not be hot.
-    # A bounded table (``TableSpec.bounded``: a capacity, expiry or selective admission) is never
-    # hot: its bounds decide from every lookup of its rows (last-seen step, use count, the
+    # A row width with a bounded table stays on the PS whole (a step splits a width's tables
+    # together). A bounded table (``TableSpec.bounded``: a capacity, expiry or selective admission)
+    # is never hot: its bounds decide from every lookup of its rows (last-seen step, use count, the
     # admission sketch), and a hot row is not looked up; a hot row is also a second copy, which a
     # write-back would put into the PS whatever it evicted meanwhile (a checkpoint would change what
     # the run did next, and the table hold more rows than its capacity). Kept on the PS, its rows,
@@ -210,8 +209,8 @@ class HotRows:
     self._publish(nxt)
 
   # -- the device tables --------------------------------------------------------------
-  def init_state(self) -> Dict[str, Any]:
-    """Makes the device tables (``tables``) empty, all slots free, replicated over the mesh; returns them."""
+  def init_state(self) -> None:
+    """Makes the device tables (``tables``) empty, all slots free, replicated over the mesh."""
     state = {}
     for dim, opt in self.opts.items():
       if dim not in self.groups:
@@ -220,7 +219,6 @@ class HotRows:
       host = {"w": np.zeros((n, dim), np.float32), "slots": jax.tree.map(np.asarray, opt.init(n, dim))}
       state[str(dim)] = self._put(host)
     self.tables = state
-    return state
 
   def _put(self, tree):
     """Host arrays -> replicated device arrays (on every process, from its identical copy): an
