@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = flags.DEFINE_string("config", "configs/dlrm.py", "The config every run uses.")

@@ -103,10 +103,10 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 from bench_ps import memcpy_bandwidth  # experiments/bench_ps.py (its flags too)
-from gil_sampler import GilSampler  # experiments/gil_sampler.py
+from harness import outputs
+from harness.gil import GilSampler  # py-spy --gil attached to this process
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -70,8 +70,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from recsys_jax.async_ps.snapshot import published
 

@@ -27,8 +27,8 @@ import json
 import statistics
 import tempfile
 
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
+from harness import outputs
 from ml_collections import config_flags
 
 from recsys_jax import train

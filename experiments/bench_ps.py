@@ -67,8 +67,8 @@ import time
 from typing import Dict, Optional
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec

@@ -36,8 +36,8 @@ import time
 from typing import Callable, Dict, List
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from recsys_jax.data import base
 from recsys_jax.data.avazu import HEADER, AvazuFormat

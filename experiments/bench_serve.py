@@ -50,8 +50,8 @@ import time
 from typing import Any, Dict, List
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from recsys_jax.serving.client import GrpcClient, HttpClient
 

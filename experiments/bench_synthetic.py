@@ -23,8 +23,8 @@ import tempfile
 import time
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from recsys_jax.data import synthetic
 

@@ -65,10 +65,9 @@ import time
 from typing import Dict, List
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 import tensorstore as ts
-import tier_files
 from absl import app, flags
+from harness import outputs, tier_files
 
 _ROWS = flags.DEFINE_integer("rows", 100_000, "Rows of the table.")
 _DIM = flags.DEFINE_integer("dim", 64, "Weights per row (float32).")

@@ -79,8 +79,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 from ml_collections import config_flags
 
 from recsys_jax.async_ps.optim import optimizers

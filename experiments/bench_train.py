@@ -93,9 +93,9 @@ from typing import Any, Dict, List
 import jax
 import numpy as np
 import optax
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
 from flax.training import train_state
+from harness import outputs
 from ml_collections import config_flags
 
 from recsys_jax import train

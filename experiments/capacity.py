@@ -54,8 +54,8 @@ import time
 from typing import Dict, List
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")
 _DIM = flags.DEFINE_integer("dim", 64, "Row width.")

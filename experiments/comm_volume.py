@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import outputs  # experiments/outputs.py, beside this script: where results go
+from harness import outputs
 
 from recsys_jax.parallel import mics
 from recsys_jax.parallel.mesh import make_mesh

@@ -23,9 +23,9 @@ import json
 import sys
 import time
 
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
 from fuzzing import harness  # experiments/fuzzing/, beside this script
+from harness import outputs
 
 _BUDGET = flags.DEFINE_float("budget_s", 0.0, "Total seconds, split evenly over the targets (0: use --examples).")
 _EXAMPLES = flags.DEFINE_integer("examples", 100, "Inputs per target (an upper bound when --budget_s is set).")

@@ -33,8 +33,8 @@ import time
 from typing import Dict, List, Sequence
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 from configs import default as default_config
 from recsys_jax.async_ps.optim import optimizers

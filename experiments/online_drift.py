@@ -38,8 +38,8 @@ import shutil
 import tempfile
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
+from harness import outputs
 from ml_collections import config_flags
 
 from recsys_jax import metrics, train

@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 import tempfile
 
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
+from harness import outputs
 
 from configs import dlrm, movielens, tiny
 from recsys_jax import train

@@ -21,8 +21,8 @@ import os
 import tempfile
 
 import bench_distributed  # experiments/bench_distributed.py: its --config and --steps flags, and one launcher run
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags
+from harness import outputs
 
 _OUT_T = flags.DEFINE_string(
   "throughput_out", outputs.default("persia_throughput"), "Output path without extension (.json, .png)."

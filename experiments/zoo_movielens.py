@@ -17,8 +17,8 @@ import tempfile
 import time
 
 import numpy as np
-import outputs  # experiments/outputs.py, beside this script: where results go
 from absl import app, flags, logging
+from harness import outputs
 
 from configs import dcn_v2, deepfm, din, movielens, wide_deep
 from recsys_jax import metrics, train

@@ -254,6 +254,61 @@ def _config_defaults(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]
   return out
 
 
+MODULE_LINES = 600  # past this a module holds more than one concept: split it by concern
+EXPERIMENTS = ROOT / "experiments"
+SCRIPT_LINES = 400  # a script measures one thing; what scripts share lives in experiments/harness
+EXPERIMENTS_LINES = 6_500  # the benchmarks stay a small share of the code they measure
+
+
+def _lines(path: pathlib.Path) -> int:
+  return len(path.read_text().splitlines())
+
+
+def test_no_module_is_over_600_lines():
+  big = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := _lines(p)) > MODULE_LINES}
+  assert not big, f"modules over {MODULE_LINES} lines (split by concern, a class whole in one file): {big}"
+
+
+def _scripts() -> list[pathlib.Path]:
+  return sorted(EXPERIMENTS.glob("*.py"))
+
+
+def test_experiments_stay_small():
+  big = {p.name: n for p in _scripts() if (n := _lines(p)) > SCRIPT_LINES}
+  assert not big, f"experiment scripts over {SCRIPT_LINES} lines (move what they share to experiments/harness): {big}"
+  total = sum(_lines(p) for p in EXPERIMENTS.rglob("*.py"))
+  assert total <= EXPERIMENTS_LINES, f"experiments/ holds {total} lines of Python, over {EXPERIMENTS_LINES}"
+
+
+def _script_imports(path: pathlib.Path) -> set[str]:
+  """Top-level names a script imports, anywhere in it (``import x``, ``from x import y``, importlib's literal)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names |= {a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      names.add(node.module.split(".")[0])
+    elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+      if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        names.add(node.args[0].value.split(".")[0])
+  return names
+
+
+def test_no_script_imports_another():
+  """Scripts share code through experiments/harness, never by importing each other (and with it,
+  each other's absl flags)."""
+  scripts = {p.stem for p in _scripts()}
+  found = {p.name: sorted(_script_imports(p) & (scripts - {p.stem})) for p in _scripts()}
+  found = {k: v for k, v in found.items() if v}
+  assert not found, f"scripts importing other scripts (move the shared part to experiments/harness): {found}"
+
+
+def test_the_script_import_finder_sees_each_form(tmp_path):
+  f = tmp_path / "s.py"
+  f.write_text("import a\nimport b.c as d\nfrom e import f\nfrom .g import h\nimportlib.import_module('i.j')\n")
+  assert _script_imports(f) == {"a", "b", "e", "i"}
+
+
 def test_config_defaults_live_in_configs_default_only():
   """A field's default is written once, in configs/default.py: the code reads ``config.field``, and
   a config written by an older run gets the fields it lacks from there when it is loaded

@@ -1,4 +1,4 @@
-"""experiments/gil_sampler.py against threads whose lock-holding is known: a thread busy in Python
+"""experiments/harness/gil.py against threads whose lock-holding is known: a thread busy in Python
 holds the interpreter lock the whole time, one asleep or in a numpy sort (which drops it) hardly."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(
   0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments")
 )
-from gil_sampler import GilSampler, GilSamplerError  # noqa: E402
+from harness.gil import GilSampler, GilSamplerError  # noqa: E402
 
 
 def _busy(seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""experiments/tier_files.py: the floor of bench_tier_layout.py reads the bytes tensorstore reads.
+"""experiments/harness/tier_files.py: the floor of bench_tier_layout.py reads the bytes tensorstore reads.
 
 The floor computes each row's byte range from the zarr3 layout (a chunk file's C-order bytes; a
 shard's index) and reads it with os.preadv; a wrong offset would time a read of other bytes, so
@@ -21,7 +21,7 @@ EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
 @pytest.fixture
 def tier_files(monkeypatch):
   monkeypatch.syspath_prepend(EXPERIMENTS)  # a module beside the scripts, as they import it
-  return importlib.import_module("tier_files")
+  return importlib.import_module("harness.tier_files")
 
 
 @pytest.mark.parametrize(
