@@ -1,8 +1,8 @@
 """Bad input gets one clear error: a corpus of known-bad inputs, the fixes the fuzzer led to, and
-a small, seeded fuzz run per target (``experiments/fuzz.py`` is the long one).
+a small, seeded fuzz run per target (``python -m tests.fuzz`` is the long one).
 
 ``tests/corpus/expected.json`` lists each corpus file with the error type and message it must
-give. The fuzz runs here use the same targets as ``experiments/fuzz.py`` (its checks decide
+give. The fuzz runs here use the same targets as ``python -m tests.fuzz`` (its checks decide
 what is a crash), in-process and with a fixed hypothesis seed, so they are deterministic.
 """
 
@@ -68,8 +68,8 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
   error = ERRORS.get(exp.get("error"))
   match = exp["match"].replace("{path}", re.escape(path))
   if name.startswith("wire/") and "method" in exp:  # decodes, and the server's checks refuse it
-    from experiments.fuzzing.wire import _Aborted, _Context
     from recsys_jax.async_ps.server import rpc
+    from tests.fuzz.wire import _Aborted, _Context
 
     with open(path, "rb") as f:
       data = f.read()
@@ -89,9 +89,9 @@ def test_corpus_input_gives_its_documented_error(name, tiny_config, tmp_path):
       read_everything(config)
     assert "\n" not in str(info.value), str(info.value)
   elif name.startswith("config/"):
-    from experiments.fuzzing.config import assign
     from recsys_jax.training.specs import build_specs
     from recsys_jax.training.validation import validate_config
+    from tests.fuzz.config import assign
 
     with open(path) as f:
       for field, value in json.load(f)["overrides"].items():
@@ -409,7 +409,7 @@ def _fuzz(target, tmp_path, examples: int, seed: int = 1234, case_filter=None):
   from hypothesis import given
   from hypothesis import seed as hseed
 
-  from experiments.fuzzing import harness
+  from tests.fuzz import harness
 
   target.setup(str(tmp_path / "setup"))
   outcomes = []
@@ -430,21 +430,21 @@ def _fuzz(target, tmp_path, examples: int, seed: int = 1234, case_filter=None):
 
 
 def test_fuzz_wire(tmp_path):
-  from experiments.fuzzing.wire import WireTarget
+  from tests.fuzz.wire import WireTarget
 
   outcomes = _fuzz(WireTarget(), tmp_path, 60)
   assert len(outcomes) == 60 and "clear" in outcomes
 
 
 def test_fuzz_readers(tmp_path):
-  from experiments.fuzzing.readers import ReadersTarget
+  from tests.fuzz.readers import ReadersTarget
 
   outcomes = _fuzz(ReadersTarget(), tmp_path, 50)
   assert len(outcomes) == 50 and {"clear", "accepted"} <= set(outcomes)
 
 
 def test_fuzz_config_validation(tmp_path):
-  from experiments.fuzzing.config import ConfigTarget
+  from tests.fuzz.config import ConfigTarget
 
   # Validation only: the 1-step builds (a compile each) are the slow test's and the fuzz run's.
   outcomes = _fuzz(ConfigTarget(), tmp_path, 60, case_filter=lambda c: dict(c, build=False))
@@ -452,7 +452,7 @@ def test_fuzz_config_validation(tmp_path):
 
 
 def test_fuzz_checkpoint_restore(tmp_path):
-  from experiments.fuzzing.checkpoint import CheckpointTarget
+  from tests.fuzz.checkpoint import CheckpointTarget
 
   outcomes = _fuzz(CheckpointTarget(small=True), tmp_path, 12)
   assert len(outcomes) == 12
@@ -461,7 +461,7 @@ def test_fuzz_checkpoint_restore(tmp_path):
 @pytest.mark.slow
 def test_fuzz_run_finds_no_crash_and_no_hang(tmp_path):
   out = tmp_path / "fuzz.json"
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "fuzz.py"), "--budget_s=240", "--seed=7"]
+  cmd = [sys.executable, "-m", "tests.fuzz", "--budget_s=240", "--seed=7"]
   cmd += [f"--crash_dir={tmp_path / 'crashes'}", f"--json_out={out}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
   lines = [json.loads(x) for x in out.read_text().splitlines()]

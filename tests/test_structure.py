@@ -403,11 +403,12 @@ def test_the_skip_finder_sees_each_form():
 
 def test_tests_mirror_the_package():
   """A folder of tests/ is named after a unit of recsys_jax (a subpackage, or a top-level module such as
-  launch or plan) or is e2e/ (whole runs) or helpers/ (modules the tests share, no tests); each is a package,
-  so two test files of one name in two folders do not collide under pytest."""
+  launch or plan) or is e2e/ (whole runs), helpers/ (modules the tests share, no tests) or fuzz/ (the fuzzer,
+  a test tool run as ``python -m tests.fuzz``: its targets cut across units, as e2e's runs do); each is a
+  package, so two test files of one name in two folders do not collide under pytest."""
   units = {p.stem for p in PACKAGE.iterdir() if (p.is_dir() and p.name != "__pycache__") or p.suffix == ".py"}
   folders = [p for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name not in ("__pycache__", "corpus")]
-  stray = sorted(p.name for p in folders if p.name not in units | {"e2e", "helpers"})
+  stray = sorted(p.name for p in folders if p.name not in units | {"e2e", "helpers", "fuzz"})
   assert not stray, f"tests/ folders named after no unit of recsys_jax: {stray} (tests mirror the package)"
   no_init = [str(p.relative_to(ROOT)) for p in [ROOT / "tests", *folders] if not (p / "__init__.py").exists()]
   assert not no_init, f"test folders without __init__.py: {no_init}"

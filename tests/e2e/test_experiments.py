@@ -95,7 +95,6 @@ SMOKE = {
     ["--dims=8,8", "--meshes=2x4", "--micro_steps=1", "--png={tmp}/c.png", "--json_out={tmp}/c.json"],
     [],
   ),
-  "fuzz.py": (["--examples=2", "--targets=config", "--crash_dir={tmp}/crashes", "--json_out={tmp}/fuzz.json"], []),
   # Online to step 8 of 256 records, frozen from step 4, drifting data only (3 jobs of 4 steps).
   # HEAD's synthetic.py against the working tree's: a smoke run (the same code, unless edited).
   "bench_synthetic.py": (
@@ -128,7 +127,6 @@ WRITES = {
   "bench_synthetic.py": ["{tmp}/bs.json"],
   "capacity.py": ["{tmp}/capacity.json", "{tmp}/capacity.png"],
   "comm_volume.py": ["{tmp}/c.json", "{tmp}/c.png"],
-  "fuzz.py": ["{tmp}/fuzz.json"],
   "online_drift.py": ["{tmp}/online_drift.json", "{tmp}/online_drift.png"],
   "persia_convergence.py": ["{tmp}/persia_convergence.json", "{tmp}/persia_convergence.png"],
   "persia_throughput.py": ["{tmp}/persia_throughput.json", "{tmp}/persia_throughput.png"],

@@ -17,7 +17,7 @@ and reproducible draws from a seed) in rounds: round ``r`` is a run of ``@given`
 Only the generate phase runs: a crash is recorded and the run goes on instead of shrinking.
 
 Every input is JSON (bytes as ``{"b64": ...}``) and is saved when it crashes or hangs, with the
-target's name, so ``experiments/fuzz.py --replay=FILE`` runs it again in-process.
+target's name, so ``python -m tests.fuzz --replay=FILE`` runs it again in-process.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def supervise(
       state = os.path.join(tmp, f"w{stats['restarts']}")
       os.makedirs(state)
       err_path = os.path.join(state, "stderr.txt")
-      cmd = [sys.executable, os.path.join(ROOT, "experiments", "fuzz.py"), f"--worker={target}", f"--seed={seed}"]
+      cmd = [sys.executable, "-m", "tests.fuzz", f"--worker={target}", f"--seed={seed}"]
       cmd += [f"--first_round={next_round}", f"--until={until}", f"--examples={max_examples - stats['tried']}"]
       cmd += [f"--state_dir={state}"]
       with open(err_path, "w") as err:

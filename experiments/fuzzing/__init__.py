@@ -1,1 +1,0 @@
-"""Fuzz targets and the harness that runs them (``experiments/fuzz.py`` is the command)."""
