@@ -172,7 +172,7 @@ def test_a_bounded_table_with_a_tier_exports_and_imports_spilled_rows(make_ps, t
   _train(ps, rng, 8, high=600)
   tables = [ps.shards[s]["t"] for s in range(2)]
   spilled = np.concatenate([t.tier.live_ids() for t in tables])
-  in_ram = np.concatenate([t._ids.keys()[: t.num_rows] for t in tables])
+  in_ram = np.concatenate([t.cols.keys()[: t.num_rows] for t in tables])
   assert spilled.shape[0] > 100 and in_ram.shape[0] > 50
   full = ps.snapshot()["t"]
   stats = ps.stats()["t"]

@@ -461,14 +461,14 @@ def test_a_push_with_the_looked_up_ids_uses_the_lookups_rows_and_matches_the_ref
   pending = look(0)
   for step in range(1, 12):
     nxt = look(step)  # the lookup of step runs before the push of step - 1 (k = 1)
-    assert step in table._looked_up and (step - 1 in table._looked_up) == (step != 6)  # 5's went with the restore
-    assert not ps.shards[0]["bounded"]._looked_up
+    assert step in table.looked_up and (step - 1 in table.looked_up) == (step != 6)  # 5's went with the restore
+    assert not ps.shards[0]["bounded"].looked_up
     if step == 5:
       snap = ps.snapshot()
       ps.restore(snap)
-      assert not table._looked_up  # the restored table's rows are numbered anew
+      assert not table.looked_up  # the restored table's rows are numbered anew
     push(step - 1, pending, permuted=step == 8)  # other ids than those looked up: probed again
-    assert (step - 1 in table._looked_up) == (step == 8)  # kept until more steps push it out
+    assert (step - 1 in table.looked_up) == (step == 8)  # kept until more steps push it out
     pending = nxt
   push(11, pending)
   for s in specs:

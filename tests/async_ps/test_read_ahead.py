@@ -69,8 +69,8 @@ def _run(ps, steps, ahead, extra=None, wait=True):
         # step (protected) and those pinned for later ones. (Under the lock: a reader thread
         # racing the lookups holds it from its inserts to the end of its eviction.)
         with table.lock:
-          n = table._ids.size
-          held = np.count_nonzero(table._last_seen[:n] >= t)
+          n = table.cols.size
+          held = np.count_nonzero(table.cols.last_seen[:n] >= t)
         assert n <= max(table.capacity, held), (t, n, held)
   return looked
 
@@ -176,7 +176,7 @@ def test_rows_already_in_ram_are_pinned_after_the_tiers_within_the_budget(tmp_pa
   st = ps.stats()["a"]
   assert st["read_ahead_rows"] == 4 and st["read_ahead_pinned"] == 6 and st["read_ahead_skipped"] == 2, st
   with table.lock:
-    seen = table._last_seen[table._ids.find(ids)]
+    seen = table.cols.last_seen[table.cols.ids.find(ids)]
   np.testing.assert_array_equal(seen, [5, 5, 2, 2, 5, 5, 5, 5])
   ps.close()
 
@@ -216,7 +216,7 @@ def test_read_ahead_checks_its_request(tmp_path):
 
 def test_a_failed_read_ahead_costs_no_row(tmp_path, monkeypatch):
   """A read-ahead whose tier reads fail leaves the ids in the tier; the lookup reads them itself."""
-  from recsys_jax.async_ps.store import tier as tier_lib
+  from recsys_jax.async_ps.store.tier import disk as tier_lib
 
   steps = _steps(12)
   plain, read = _ps(tmp_path, "plain"), _ps(tmp_path, "read")
@@ -238,7 +238,7 @@ def test_a_failed_read_ahead_costs_no_row(tmp_path, monkeypatch):
 def test_a_failed_eviction_on_the_reader_thread_is_raised_by_the_next_call(tmp_path, monkeypatch):
   """The eviction a read-ahead makes room with can fail (a full disk): its rows stay in RAM and
   the table's next call raises the error, as after a lookup's eviction."""
-  from recsys_jax.async_ps.store import tier as tier_lib
+  from recsys_jax.async_ps.store.tier import disk as tier_lib
 
   ps = _filled(tmp_path, "evict", 3, capacity=10, read_ahead_rows=10)
   ps.lookup_many({"a": np.arange(20, 21, dtype=np.uint64)}, step=3)  # 21..29 no longer protected

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from recsys_jax.async_ps.store.tier import DiskTier
+from recsys_jax.async_ps.store.tier.disk import DiskTier
 
 U64_MAX = np.iinfo(np.uint64).max
 DIM = 8
@@ -346,7 +346,7 @@ def test_clear_errors(tmp_path):
 _FULL_DISK = r"""
 import resource, signal, sys
 import numpy as np
-from recsys_jax.async_ps.store.tier import DiskTier
+from recsys_jax.async_ps.store.tier.disk import DiskTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))  # files of up to 64k rows fit (2 MiB)
 tier = DiskTier({"driver": "file", "path": sys.argv[1]}, 8, {"acc": 8})
@@ -380,7 +380,7 @@ _FULL_DISK_BEHIND = r"""
 import resource, signal, sys
 import numpy as np
 from recsys_jax.async_ps.store.table import Table
-from recsys_jax.async_ps.store.tier import DiskTier
+from recsys_jax.async_ps.store.tier.disk import DiskTier
 from recsys_jax.embeddings.specs import TableSpec
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # 4,096 rows of 256 bytes
@@ -445,7 +445,7 @@ def test_stats_and_index_size():
 
 
 def test_module_does_not_import_jax():
-  code = "import sys, recsys_jax.async_ps.store.tier; assert 'jax' not in sys.modules, 'jax imported'"
+  code = "import sys, recsys_jax.async_ps.store.tier.disk; assert 'jax' not in sys.modules, 'jax imported'"
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from recsys_jax.async_ps.optim import optimizers
 from recsys_jax.async_ps.snapshot.bounds_state import merge_states
+from recsys_jax.async_ps.store import plain as plain_tables
 from recsys_jax.async_ps.store.ids import as_ids, check_distinct, check_out, distinct_ids, route
 from recsys_jax.async_ps.store.table import Table
 from recsys_jax.async_ps.store.workers import MIN_ROWS, Workers
@@ -95,7 +96,7 @@ class ParameterServer:
         cap = -(-t.capacity // num_shards) if t.capacity else 0
         disk = None
         if tier is not None and t.capacity:
-          from recsys_jax.async_ps.store.tier import DiskTier  # tensorstore only where needed
+          from recsys_jax.async_ps.store.tier.disk import DiskTier  # tensorstore only where needed
 
           slots = optimizers.make(t.optimizer, **dict(t.optimizer_kwargs)).init(1, t.dim)
           disk = DiskTier(
@@ -195,7 +196,7 @@ class ParameterServer:
         out[t][sel] = table.lookup(ids[t][sel], create, step)
 
     def look_plain(names):
-      Table.lookup_plain(
+      plain_tables.lookup(
         [self.shards[0][t] for t in names], [ids[t] for t in names], [out[t] for t in names], create, step
       )
 
@@ -227,7 +228,7 @@ class ParameterServer:
     plain = {t: v for t, v in checked.items() if self.shards[0][t].plain}
 
     def resolve(names):
-      Table.resolve_plain([self.shards[0][t] for t in names], [plain[t] for t in names], step)
+      plain_tables.resolve([self.shards[0][t] for t in names], [plain[t] for t in names], step)
 
     self._workers.run(
       [(sum(plain[t].shape[0] for t in g), functools.partial(resolve, g)) for g in self._groups(list(plain), plain)]
@@ -291,7 +292,7 @@ class ParameterServer:
         table.apply(i[sel], g[sel], step, distinct=True)
 
     def push_plain(names):
-      Table.apply_plain(
+      plain_tables.apply(
         [self.shards[0][t] for t in names], [arrays[t][0] for t in names], [arrays[t][1] for t in names], step
       )
 

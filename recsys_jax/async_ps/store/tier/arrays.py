@@ -1,6 +1,6 @@
 """The disk tier's tensorstore I/O: zarr3 arrays of rows, appended by whole chunks.
 
-``TierStore`` holds the rows that ``DiskTier`` (``tier``) spills, addressed by disk row
+``TierStore`` holds the rows that ``DiskTier`` (``disk``) spills, addressed by disk row
 number; which id lives in which row is ``DiskTier``'s index, not this module's business.
 
 Layout under the kvstore (one zarr3 array each, rows chunked by ``chunk_rows`` with all

@@ -1,9 +1,9 @@
 """A disk tier for parameter-server tables: rows evicted from the RAM cache spill here.
 
 ``DiskTier`` keeps embedding rows (and their float32 optimizer slots) beyond the RAM cache:
-in plain files on a local directory, read with pread (``tier_file.FileRowStore``, the default
+in plain files on a local directory, read with pread (``files.FileRowStore``, the default
 for a ``file`` kvstore), or in zarr3 arrays under any other tensorstore kvstore
-(``tier_store.TierStore``: ``{'driver': 'memory'}`` for tests; gcs, s3, ... by
+(``arrays.TierStore``: ``{'driver': 'memory'}`` for tests; gcs, s3, ... by
 configuration). The storage is append-only: every ``write`` appends its rows after the last
 row written, and an in-RAM index (an ``IdMap`` from uint64 id to an index slot, plus one int64
 disk row per slot) records where the latest copy of each id lives. Rewriting an id leaves its
@@ -28,8 +28,8 @@ import tensorstore as ts
 
 from recsys_jax.async_ps.store.idmap import IdMap
 from recsys_jax.async_ps.store.ids import first_repeat_at
-from recsys_jax.async_ps.store.tier_file import FileRowStore
-from recsys_jax.async_ps.store.tier_store import READ_METHODS, TierStore, storage_dtype
+from recsys_jax.async_ps.store.tier.arrays import READ_METHODS, TierStore, storage_dtype
+from recsys_jax.async_ps.store.tier.files import FileRowStore
 
 BACKENDS = ("auto", "file", "tensorstore")
 
@@ -107,8 +107,8 @@ class DiskTier:
         covering chunks with one read per array and gathers in numpy.
       context: tensorstore context spec entries merged over the defaults (no chunk
         cache, ``file_io_sync`` off), e.g. ``{'file_io_concurrency': {'limit': 8}}``.
-      backend: ``'auto'`` (default): plain files read with pread (``tier_file``) for a
-        ``file`` kvstore, zarr3 arrays through tensorstore (``tier_store``) for any other;
+      backend: ``'auto'`` (default): plain files read with pread (``files``) for a
+        ``file`` kvstore, zarr3 arrays through tensorstore (``arrays``) for any other;
         ``'file'`` or ``'tensorstore'`` to choose. The file backend reads a step's misses
         about 40x faster (its module docstring gives the measurement); ``chunk_rows``,
         ``max_pending_bytes``, ``read_method`` and ``context`` only concern tensorstore.

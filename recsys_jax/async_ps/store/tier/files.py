@@ -1,7 +1,7 @@
 """The disk tier's rows in plain files on a local file system, read and written with pread / pwrite.
 
 ``FileRowStore`` is the disk tier's storage when its kvstore is a local directory (a
-``file`` kvstore, the default); ``tier_store.TierStore`` (zarr3 arrays through tensorstore)
+``file`` kvstore, the default); ``arrays.TierStore`` (zarr3 arrays through tensorstore)
 is kept for every other kvstore (memory, gcs, s3, ...). Both offer ``DiskTier`` the same
 operations, so the index, the live / garbage bookkeeping and compaction policy above them
 are one.
