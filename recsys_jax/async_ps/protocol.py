@@ -1,7 +1,7 @@
 """The parameter server's interface, as the trainer and the model server use it.
 
 Two ``typing.Protocol`` classes state it: ``RowReader``, what reads rows (the model server's
-``serving.rows.SnapshotRows``, which serves a trained model's rows from its PS snapshot chain),
+``serving.rows.snapshot_rows.SnapshotRows``, which serves a trained model's rows from its PS snapshot chain),
 and ``RowStore``, a ``RowReader`` that also trains rows: the in-process
 ``store.ps.ParameterServer`` (with or without a disk tier) and ``client.remote.RemotePS`` (a client of PS
 shard server processes). The trainer holds a ``RowStore`` and cannot tell which one it has;

@@ -31,9 +31,9 @@ import jax
 import numpy as np
 
 from recsys_jax.embeddings.specs import FeatureSpec
-from recsys_jax.serving import rows as rows_lib
 from recsys_jax.serving.batching import BatchScorer
 from recsys_jax.serving.encode import Encoder, schema_from_json, schema_to_json
+from recsys_jax.serving.rows.snapshot_rows import SnapshotRows, table_info
 
 FORMAT = "recsys_jax.serving.artifact/1"
 MANIFEST, FORWARD, PARAMS = "manifest.json", "forward.jax", "params.npz"
@@ -100,7 +100,7 @@ def export_artifact(workdir: str, out_dir: str, step: Optional[int] = None) -> D
     "schema": schema_to_json(ck.schema),
     "features": [dataclasses.asdict(f) for f in sc.features],
     "aliases": sc.aliases,
-    "tables": {t.name: rows_lib.table_info(t) for t in ck.table_specs},
+    "tables": {t.name: table_info(t) for t in ck.table_specs},
     "ps_chain": list(ck.chain),
     "seed": int(ck.config.seed),
     "max_batch": sc.max_batch,
@@ -174,7 +174,7 @@ def load_artifact(
   if cache_bytes is None:
     width = max(int(t["dim"]) for t in tables.values()) * 4
     cache_bytes = (64 << 20) if cache_rows is None else int(cache_rows) * width
-  snap = rows_lib.SnapshotRows(m["ps_chain"], tables, int(m["seed"]), cache_bytes, verify=verify)
+  snap = SnapshotRows(m["ps_chain"], tables, int(m["seed"]), cache_bytes, verify=verify)
   params = [jax.device_put(x) for x in leaves]
   traces: Dict[str, int] = {}
 

@@ -92,7 +92,7 @@ class BatchScorer:
     features: the feature specs in model order (linear-term features included).
     table_dims: table name -> row width.
     aliases: feature -> the feature whose ids it reads (models with first-order terms).
-    rows: a :class:`recsys_jax.serving.rows.SnapshotRows` (``lookup_many``).
+    rows: a :class:`recsys_jax.serving.rows.snapshot_rows.SnapshotRows` (``lookup_many``).
     forward: ``(rows: {str(dim): [U, dim]}, batch: {"dense", "inverse", "weights"}) -> logits [B]``.
     max_batch: the most records one ``predict`` call pads to (a power of two); more are split.
     checkpoint: the training checkpoint it was loaded from (``scorer.load_scorer``); None for an

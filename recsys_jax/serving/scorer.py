@@ -4,9 +4,9 @@
 reader schema, table and feature specs, the model), restores the dense parameters of a
 checkpoint through orbax (checked against their CRC32s, :meth:`Checkpointer.read_dense`), and
 serves the tables from the checkpoint's PS snapshot chain on demand
-(:class:`recsys_jax.serving.rows.SnapshotRows`), from files the version holds for as long as it
-lives (hard links under ``<workdir>/serving_held``: the trainer's rotation deleting the chain
-changes nothing it reads). The forward is the training eval step
+(:class:`recsys_jax.serving.rows.snapshot_rows.SnapshotRows`), from files the version holds for as
+long as it lives (:mod:`recsys_jax.serving.rows.held`: hard links under ``<workdir>/serving_held``,
+so the trainer's rotation deleting the chain changes nothing it reads). The forward is the training eval step
 (:func:`recsys_jax.training.steps.make_eval_step`), jitted, so scores cannot drift from the
 trainer's evaluation. Nothing the trainer wrote is changed, moved or deleted.
 
@@ -29,9 +29,10 @@ from absl import logging
 from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
-from recsys_jax.serving import rows as rows_lib
 from recsys_jax.serving.batching import BatchScorer, LoadedCheckpoint
 from recsys_jax.serving.encode import Encoder
+from recsys_jax.serving.rows import held as held_lib
+from recsys_jax.serving.rows.snapshot_rows import SnapshotRows, table_info
 from recsys_jax.training import run_config
 
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -202,7 +203,7 @@ def load_scorer(
   if cache_bytes is None:
     width = max(t.dim for t in built.tables) * 4
     cache_bytes = DEFAULT_CACHE_BYTES if cache_rows is None else int(cache_rows) * width
-  tables = {t.name: rows_lib.table_info(t) for t in built.tables}
+  tables = {t.name: table_info(t) for t in built.tables}
   errors = []
   for s in steps:
     held = None
@@ -212,17 +213,17 @@ def load_scorer(
       # and read from there: a rotation after this point cannot touch it, one before fails here.
       # Its parts (the hot set) too: the checkpoint is read whole, and one missing a part is damaged.
       parts = workdir_lib.checkpoint_parts(workdir, s)
-      held = rows_lib.hold(
+      held = held_lib.hold(
         [(workdir_lib.checkpoint(workdir, s), os.path.join(workdir_lib.CHECKPOINTS, str(s)))]
         + ([(parts, os.path.join(workdir_lib.CHECKPOINT_PARTS, str(s)))] if os.path.isdir(parts) else [])
         + [
           (p, os.path.join(workdir_lib.PS_SNAPSHOTS, os.path.basename(p)))
           for p in chain_paths(workdir, {"ps_chain": names})
         ],
-        rows_lib.hold_root(workdir),
+        held_lib.hold_root(workdir),
         f"step-{s}",
       )
-      snap = rows_lib.SnapshotRows(
+      snap = SnapshotRows(
         chain_paths(held, read_meta(held, s)), tables, int(config.seed), cache_bytes, verify=verify, owns=held
       )
       ckpt = checkpoint_lib.Checkpointer(held)

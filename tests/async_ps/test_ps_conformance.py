@@ -15,7 +15,7 @@ from recsys_jax.async_ps.optim import optimizers
 from recsys_jax.async_ps.protocol import RowReader, RowStore
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
-from recsys_jax.serving.rows import SnapshotRows, table_info
+from recsys_jax.serving.rows.snapshot_rows import SnapshotRows, table_info
 from tests.helpers.servers import ServerProcesses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

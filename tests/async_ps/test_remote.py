@@ -16,9 +16,10 @@ import pytest
 
 from recsys_jax import hashing
 from recsys_jax.async_ps import wire
-from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError, load_into
+from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.async_ps.server import sum_pushes
 from recsys_jax.async_ps.snapshot import directory as snapshot
+from recsys_jax.async_ps.snapshot.chain import load_into
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
 

@@ -17,7 +17,8 @@ import pytest
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.embeddings.specs import TableSpec
-from recsys_jax.serving import rows as rows_lib
+from recsys_jax.serving.rows import snapshot_rows as rows_lib
+from recsys_jax.serving.rows.cache import RowCache
 
 
 def _grads(ps, ids, rng, scale=1.0):
@@ -113,7 +114,7 @@ def test_a_damaged_snapshot_is_refused_naming_the_array(tmp_path):
 
 
 def test_row_cache_never_holds_more_than_its_bound():
-  c = rows_lib.RowCache(10, 2)
+  c = RowCache(10, 2)
   rng = np.random.default_rng(0)
   for _ in range(50):
     ids = np.unique(rng.integers(0, 40, 7).astype(np.uint64))

@@ -283,23 +283,3 @@ def test_load_with_a_trainer_rotating_and_snapshots_deleted_short(run, tmp_path)
 @pytest.mark.slow
 def test_load_with_a_trainer_rotating_and_snapshots_deleted_60s(run, tmp_path):
   _load_with_trainer(run, tmp_path, 60)
-
-
-def test_held_files_of_a_killed_server_are_removed_by_the_next_one(tmp_path):
-  import socket
-  import subprocess
-  import sys
-
-  from recsys_jax.serving import rows
-
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()  # its pid is no process now (pids are not reused this soon)
-  root = tmp_path / rows.HELD
-  gone = root / f"{socket.gethostname()}-{dead.pid}" / "step-4-abc" / "0000000004-full"
-  kept = root / f"otherhost-{dead.pid}" / "step-4-abc"  # another machine's: its process cannot be asked
-  alive = root / f"{socket.gethostname()}-{os.getppid()}" / "step-4-abc"
-  for d in (gone, kept, alive):
-    d.mkdir(parents=True)
-  mine = rows.hold_root(str(tmp_path))
-  assert mine == str(root / f"{socket.gethostname()}-{os.getpid()}")
-  assert not (root / f"{socket.gethostname()}-{dead.pid}").exists() and kept.is_dir() and alive.is_dir()

@@ -23,102 +23,30 @@ Several workers (``num_workers``) may share the servers: each step's pushes are 
 the workers on the servers, and a lookup of step t waits there until the pushes of steps
 <= t - staleness - 1 of every worker are applied.
 
-This module routes and assembles; the calls themselves (channels, deadlines, retries, the
-fan-out to every server) are in ``transport``, the snapshots' layout on disk and the restore
-of a chain into an in-process PS (``snapshot_parts``, ``load_into``) in ``snapshot.chain``.
-
-Rows with their optimizer slots: the same two calls as ``ParameterServer.export_rows_many`` / ``import_rows_many``, over the
-servers' ``ExportRows`` / ``ImportRows`` RPCs: ids routed to their servers as a
-lookup's are, all servers in parallel, each server's part in chunks under its message limit
-within one deadline, the answers put back in the caller's order. Rows and slots travel as
-float32 whatever ``wire_dtype`` is: optimizer state is never rounded for the wire.
-
-Both are retried on UNAVAILABLE / DEADLINE_EXCEEDED as lookups are: an export only reads, and
-an import sets values, so doing it twice leaves what doing it once does. An import is checked
-whole before anything is sent; a server failing midway may leave some chunks imported and
-others not (the error says which server), and importing the same rows again completes it.
+This module routes and assembles the interface's calls. Beside it: the calls themselves (channels,
+deadlines, retries, the fan-out to every server) in ``transport``; the configured servers (where
+an id goes, each server's message limit) in ``shards``; rows with their optimizer slots out and
+back in ``slot_rows``; snapshots in ``snapshots``, and their layout on disk and the restore of a
+chain into an in-process PS in ``snapshot.chain``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
-import os
 import time
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
-from recsys_jax import hashing
 from recsys_jax.async_ps import wire
-from recsys_jax.async_ps.client import chunking
+from recsys_jax.async_ps.client import slot_rows, snapshots
+from recsys_jax.async_ps.client.shards import Shards
 from recsys_jax.async_ps.client.transport import RemotePSError as RemotePSError
 from recsys_jax.async_ps.client.transport import Transport
-from recsys_jax.async_ps.snapshot import chain as snapshot_chain
-from recsys_jax.async_ps.snapshot.chain import FORMAT as FORMAT
-from recsys_jax.async_ps.snapshot.chain import MANIFEST as MANIFEST
-from recsys_jax.async_ps.snapshot.chain import load_into as load_into
-from recsys_jax.async_ps.snapshot.chain import snapshot_parts as snapshot_parts
-from recsys_jax.async_ps.store.ids import as_ids, check_distinct, check_out, distinct_ids, route
-from recsys_jax.async_ps.store.rows import check_rows
+from recsys_jax.async_ps.store.ids import as_ids, check_distinct, check_out
 from recsys_jax.embeddings.specs import TableSpec
-
-_F32 = wire.DTYPES["float32"]
-
-_DEFAULT_LIMIT = 256 << 20  # the server's default --max_message_mb
-
-
-def save_remote_snapshot(
-  servers: Transport,
-  directory: str,
-  incremental: bool,
-  meta: Optional[Dict[str, Any]],
-  step: Optional[int],
-  timeout: float,
-) -> Dict[str, int]:
-  """Has every server write its part under ``directory``, then writes remote.json; see
-  ``RemotePS.save_snapshot``.
-
-  Returns:
-    Rows written per table, summed over the servers.
-  """
-  num_servers = len(servers.addresses)
-  directory = os.path.abspath(directory)
-  if os.path.exists(os.path.join(directory, snapshot_chain.MANIFEST)):
-    raise FileExistsError(f"PS snapshot {directory} already exists; snapshots are never overwritten")
-  os.makedirs(directory, exist_ok=True)
-  parts = [f"server-{i}" for i in range(num_servers)]
-  fields = {"incremental": bool(incremental), "step": None if step is None else int(step), "meta": dict(meta or {})}
-  # Callable[..., Any]: a lambda with a default argument (each its own i) is no Callable[[], Any] to mypy.
-  work: Dict[int, Callable[..., Any]] = {
-    i: (
-      lambda i=i: servers.call(
-        i, "Snapshot", {**fields, "directory": os.path.join(directory, parts[i])}, timeout=timeout
-      )
-    )
-    for i in range(num_servers)
-  }
-  got = servers.fan("control", work)
-  rows: Dict[str, int] = {}
-  for i in range(num_servers):
-    for t, n in got[i].fields.get("rows", {}).items():
-      rows[t] = rows.get(t, 0) + int(n)
-  manifest = {
-    "format": snapshot_chain.FORMAT,
-    "num_servers": num_servers,
-    "step": step,
-    "incremental": bool(incremental),
-    "parts": parts,
-    "rows": rows,
-    "meta": dict(meta or {}),
-  }
-  tmp = os.path.join(directory, snapshot_chain.MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(manifest, f)
-  os.replace(tmp, os.path.join(directory, snapshot_chain.MANIFEST))
-  return rows
 
 
 class RemotePS:
@@ -187,7 +115,6 @@ class RemotePS:
       raise ValueError(f"lookup_retries must be >= 0, got {lookup_retries}")
     if not 0 <= max_request_mb < 1 << 20:  # also refuses nan
       raise ValueError(f"max_request_mb must be in [0, 2**20) (0: the servers' limit), got {max_request_mb}")
-    self._max_request = int(max_request_mb * (1 << 20)) or None
     wire.check_wire_dtype(wire_dtype)
     self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
     if len(self.specs) != len(tables):
@@ -208,35 +135,29 @@ class RemotePS:
       addresses, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout_s=self.timeout_s
     )
     try:
-      self._configure()
+      self._shards = Shards.configure(
+        self._servers,
+        self.specs,
+        seed=self.seed,
+        num_workers=self.num_workers,
+        staleness=self.staleness,
+        tier=self.tier,
+        timeout_s=self.timeout_s,
+        max_request=int(max_request_mb * (1 << 20)) or None,
+      )
     except BaseException:
       self.close()
       raise
 
-  # -- plumbing ------------------------------------------------------------------------
-  def _configure(self) -> None:
-    fields = {
-      "tables": [wire.spec_to_json(s) for s in self.specs.values()],
-      "seed": self.seed,
-      "num_workers": self.num_workers,
-      "staleness": self.staleness,
-      "num_shards": self.num_shards,
-    }
-    if self.tier is not None:  # absent, not null, without one: a server of before tiers takes the call
-      fields["tier"] = self.tier
-    until = time.monotonic() + self.timeout_s
-    work: Dict[int, Callable[..., Any]] = {
-      i: (lambda i=i: self._servers.call(i, "Configure", {**fields, "shard_index": i}, until=until))
-      for i in range(self.num_shards)
-    }
-    got = self._servers.fan("control", work)
-    # The largest message of each server (its --max_message_mb; an older server does not say).
-    limits = [got[i].fields.get("max_message_bytes") or _DEFAULT_LIMIT for i in range(self.num_shards)]
-    self.message_limits = [min(m, self._max_request or m) for m in limits]
+  @property
+  def message_limits(self) -> List[int]:
+    """The largest request or answer of one call to each server, bytes: its ``--max_message_mb``, or
+    ``max_request_mb`` if smaller; a call's part over it goes in chunks."""
+    return self._shards.message_limits
 
-  def _check(self, table: str) -> None:
-    if table not in self.specs:
-      raise KeyError(f"unknown table {table!r}; this PS holds {sorted(self.specs)}")
+  @message_limits.setter
+  def message_limits(self, limits: Sequence[int]) -> None:
+    self._shards.message_limits = list(limits)
 
   def shard_of(self, table: str, ids: np.ndarray) -> np.ndarray:
     """The server index of each id of ``table``.
@@ -248,8 +169,7 @@ class RemotePS:
     Returns:
       int64 server indices, shaped like ``ids``.
     """
-    self._check(table)
-    return hashing.server_of(table, ids, self.seed, self.num_shards)
+    return self._shards.shard_of(table, ids)
 
   # -- the interface ------------------------------------------------------------------
   def lookup_many(
@@ -277,9 +197,9 @@ class RemotePS:
         in a lookup sent in chunks (nothing is sent then).
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
     """
-    ids = self._checked_ids(ids)
+    ids = self._shards.checked_ids(ids)
     check_out(self.specs, ids, out)
-    routes = route(ids, self.shard_of, self.num_shards)
+    routes = self._shards.route(ids)
     fields = {"step": None if step is None else int(step), "create": bool(create), "wire_dtype": self.wire_dtype}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
     size = wire.DTYPES[self.wire_dtype].itemsize
@@ -300,28 +220,18 @@ class RemotePS:
       part = {t: ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
       if part or step is not None:
         sizes = ({t: 8 for t in part}, {t: self.specs[t].dim * size for t in part})
-        chunks = chunking.split(part, self.message_limits[s], fields, (["ids"], ["rows"]), sizes, "lookup")
+        chunks = self._shards.chunks(s, part, fields, (["ids"], ["rows"]), sizes, "lookup")
         work[s] = functools.partial(send, s, part, chunks)
     if work:
       self._servers.fan("lookup", work)
     return cast(Dict[str, np.ndarray], out)  # the caller's ``out`` as given, or the fresh dict
-
-  def _checked_ids(self, ids: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-    """{table: 1-D uint64 ids} of known tables; KeyError or ValueError naming the table."""
-    for t in ids:
-      self._check(t)
-    ids = {t: as_ids(v, t) for t, v in ids.items()}
-    for t, v in ids.items():
-      if v.ndim != 1:
-        raise ValueError(f"table {t!r}: ids must be 1-D, got shape {v.shape}")
-    return ids
 
   def resolve_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
     """Resolves nothing ahead (the servers' lookups do all their work when asked; see the
     protocol): checks what a lookup checks and returns 0, sending nothing."""
     if int(step) < 0:
       raise ValueError(f"step {step} is negative: steps count from 0")
-    self._checked_ids(ids)
+    self._shards.checked_ids(ids)
     return 0
 
   def read_ahead_many(self, ids: Mapping[str, np.ndarray], step: int) -> int:
@@ -349,10 +259,10 @@ class RemotePS:
     step = int(step)
     if step < 0:
       raise ValueError(f"step {step} is negative: steps count from 0")
-    ids = self._checked_ids(ids)
+    ids = self._shards.checked_ids(ids)
     if self.tier is None:  # the servers have no tier (RemotePS configures it): nothing to read
       return 0
-    routes = route(ids, self.shard_of, self.num_shards)
+    routes = self._shards.route(ids)
     fields = {"step": step}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
 
@@ -369,7 +279,7 @@ class RemotePS:
       part = {t: ids[t][routes[t][s]] for t in ids if routes[t][s].shape[0]}
       if part:  # unlike a lookup's, a server that gets no ids need not hear of the step
         sizes = ({t: 8 for t in part}, {t: 0 for t in part})  # ids in; a count out
-        chunks = chunking.split(part, self.message_limits[s], fields, (["ids"], []), sizes, "read_ahead")
+        chunks = self._shards.chunks(s, part, fields, (["ids"], []), sizes, "read_ahead")
         work[s] = functools.partial(send, s, part, chunks)
     return int(sum(self._servers.fan("ahead", work).values())) if work else 0
 
@@ -379,11 +289,7 @@ class RemotePS:
     got = reply.arrays.get(f"rows/{t}")
     if got is None or got.shape != (n, dim) or got.dtype.name not in wire.FLOAT_DTYPES:
       have = None if got is None else (got.dtype.name, list(got.shape))
-      raise RemotePSError(
-        f"{self._servers.where(s)}: Lookup answered rows/{t} as {have}, expected [{n}, {dim}]",
-        self.addresses[s],
-        "Lookup",
-      )
+      raise self._shards.error(s, "Lookup", f"Lookup answered rows/{t} as {have}, expected [{n}, {dim}]")
     return got  # float32 on assignment: bfloat16 / float16 are converted exactly
 
   def apply_many(
@@ -413,7 +319,7 @@ class RemotePS:
     """
     arrays = {}
     for t, (i, g) in grads.items():
-      self._check(t)
+      self._shards.check(t)
       i, g = as_ids(i, t), np.asarray(g, np.float32)
       if i.ndim != 1 or g.shape != (i.shape[0], self.specs[t].dim):
         raise ValueError(
@@ -423,7 +329,7 @@ class RemotePS:
       check_distinct(i, t)
       arrays[t] = (i, g)
     rid = request_id or f"{self._nonce}-{next(self._counter)}"
-    routes = route({t: i for t, (i, _) in arrays.items()}, self.shard_of, self.num_shards)
+    routes = self._shards.route({t: i for t, (i, _) in arrays.items()})
     fields = {"worker": self.worker, "step": None if step is None else int(step), "request_id": rid}
     deadline = time.monotonic() + self.timeout_s  # one for all the chunks
     size = wire.DTYPES[self.wire_dtype].itemsize
@@ -439,11 +345,11 @@ class RemotePS:
         got = self._servers.call(s, "Push", {**fields, **more}, message, deadline=deadline)
       missing = got.fields.get("chunks_missing", 0)
       if missing:  # the server lost the earlier chunks: a Restore, or a restart, came in between
-        raise RemotePSError(
-          f"{self._servers.where(s)}: Push {rid!r}: {missing} of its {len(chunks)} chunks are missing after "
-          "the last was sent (a Restore or restart in between?); nothing of it is applied there",
-          self.addresses[s],
+        raise self._shards.error(
+          s,
           "Push",
+          f"Push {rid!r}: {missing} of its {len(chunks)} chunks are missing after the last was sent (a Restore "
+          "or restart in between?); nothing of it is applied there",
         )
 
     work = {}
@@ -454,7 +360,7 @@ class RemotePS:
       if sel or step is not None:
         sizes = ({t: 8 + self.specs[t].dim * size for t in sel}, {t: 0 for t in sel})
         part = {t: arrays[t][0][v] for t, v in sel.items()}
-        chunks = chunking.split(part, self.message_limits[s], fields, (["ids", "grads"], []), sizes, "push")
+        chunks = self._shards.chunks(s, part, fields, (["ids", "grads"], []), sizes, "push")
         work[s] = functools.partial(send, s, sel, part, chunks)
     if work:
       self._servers.fan("push", work)
@@ -537,7 +443,7 @@ class RemotePS:
       FileExistsError: ``directory`` already holds a snapshot.
       RemotePSError: a server failed.
     """
-    return save_remote_snapshot(self._servers, directory, incremental, meta, step, self.snapshot_timeout_s)
+    return snapshots.save_remote_snapshot(self._servers, directory, incremental, meta, step, self.snapshot_timeout_s)
 
   def load_snapshot(self, chain: Sequence[str], step: Optional[int] = None) -> None:
     """Restores every server from a chain of snapshots (one full, then incremental ones),
@@ -554,13 +460,7 @@ class RemotePS:
       RemotePSError: a server failed (then its tables are partial and it refuses to serve
         until a restore succeeds).
     """
-    links = snapshot_parts(chain)
-    fields = {"chain": links, "step": None if step is None else int(step)}
-    work: Dict[int, Callable[..., Any]] = {
-      i: (lambda i=i: self._servers.call(i, "Restore", fields, timeout=self.snapshot_timeout_s))
-      for i in range(self.num_shards)
-    }
-    self._servers.fan("control", work)
+    snapshots.restore_remote_snapshot(self._servers, chain, step, self.snapshot_timeout_s)
 
   def health(self) -> List[Dict[str, Any]]:
     """Each server's ``Health`` answer (ok, configured, applied_step, ...), in address order.
@@ -584,19 +484,7 @@ class RemotePS:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  # Rows with their optimizer slots, out of the servers and back.
-  def _chunks(self, s: int, part: Mapping[str, np.ndarray], fields, request: bool, what: str):
-    """The chunks of server s's part of an export (``request`` False: rows in the answer) or an import."""
-    kinds = {t: wire.row_arrays(self.specs[t]) for t in part}
-    every = sorted({k for v in kinds.values() for k in v})  # the header's names: a bound for every table
-    row = {t: sum(k.values()) * _F32.itemsize for t, k in kinds.items()}
-    names: Tuple[List[str], List[str]]
-    if request:  # an import: ids and rows in the request, nothing in the answer
-      sizes, names = ({t: 8 + row[t] for t in part}, {t: 0 for t in part}), (["ids", *every], [])
-    else:  # an export: ids in the request, rows in the answer
-      sizes, names = ({t: 8 for t in part}, row), (["ids"], every)
-    return chunking.split(part, self.message_limits[s], fields, names, sizes, what)
-
+  # -- rows with their optimizer slots, out of the servers and back (``slot_rows``) ---------------
   def export_rows_many(
     self, ids: Mapping[str, np.ndarray], *, step: Optional[int] = None
   ) -> Dict[str, Tuple[np.ndarray, Dict[str, np.ndarray]]]:
@@ -615,47 +503,7 @@ class RemotePS:
       ValueError: ids that are not 1-D non-negative integers, or repeat (nothing is sent then).
       RemotePSError: a server failed or refused (after ``lookup_retries`` retries).
     """
-    for t in ids:
-      self._check(t)
-    arrays = {t: distinct_ids(v, t, "export ids") for t, v in ids.items()}
-    routes = route(arrays, self.shard_of, self.num_shards)
-    fields = {"step": None if step is None else int(step)}
-    deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
-    out = {}
-    for t, v in arrays.items():
-      kinds = wire.row_arrays(self.specs[t])
-      out[t] = {k: np.empty((v.shape[0], w), np.float32) for k, w in kinds.items()}
-
-    def send(s, part, chunks):
-      for c in chunks:
-        message = {f"ids/{t}": part[t][a:b] for t, (a, b) in c.items()}
-        got = self._servers.call(s, "ExportRows", fields, message, retries=self.lookup_retries, deadline=deadline)
-        for t, (a, b) in c.items():
-          at = routes[t][s][a:b]
-          for k, into in out[t].items():
-            into[at] = self._answered(got, s, f"{k}/{t}", (b - a, into.shape[1]))
-
-    work = {}
-    for s in range(self.num_shards):
-      part = {t: arrays[t][routes[t][s]] for t in arrays if routes[t][s].shape[0]}
-      if part:
-        chunks = self._chunks(s, part, fields, False, "export_rows")
-        work[s] = functools.partial(send, s, part, chunks)
-    if work:
-      self._servers.fan("control", work)
-    return {t: (v.pop("weights"), {k[len("slot_") :]: a for k, a in v.items()}) for t, v in out.items()}
-
-  def _answered(self, reply: wire.Message, s: int, name: str, shape: Tuple[int, int]) -> np.ndarray:
-    """Array ``name`` of server s's ExportRows answer, checked to be float32 of ``shape``."""
-    got = reply.arrays.get(name)
-    if got is None or got.shape != shape or got.dtype != _F32:
-      have = None if got is None else (got.dtype.name, list(got.shape))
-      raise RemotePSError(
-        f"{self._servers.where(s)}: ExportRows answered {name} as {have}, expected float32 {list(shape)}",
-        self.addresses[s],
-        "ExportRows",
-      )
-    return got
+    return slot_rows.export_rows(self._shards, ids, step, timeout_s=self.timeout_s, retries=self.lookup_retries)
 
   def import_rows_many(self, rows: Mapping[str, Tuple[Any, Any, Mapping[str, Any]]]) -> None:
     """Sets rows and their optimizer slots, creating rows that do not exist (``Table.import_rows``).
@@ -668,30 +516,7 @@ class RemotePS:
       KeyError: an unknown table.
       ValueError: naming the table and what is wrong (ids, shapes, repeats, slot names); every
         table is checked before anything is sent.
-      RemotePSError: a server failed or refused (after ``lookup_retries`` retries; see the module
-        docstring for what is imported then).
+      RemotePSError: a server failed or refused (after ``lookup_retries`` retries; ``slot_rows`` says
+        what is imported then).
     """
-    for t in rows:
-      self._check(t)
-    checked = {t: check_rows(self.specs[t], i, w, s, "import") for t, (i, w, s) in rows.items()}
-    routes = route({t: c[0] for t, c in checked.items()}, self.shard_of, self.num_shards)
-    deadline = time.monotonic() + self.timeout_s  # one for all the chunks and retries
-
-    def send(s, sel, chunks):
-      for c in chunks:
-        message = {}
-        for t, (a, b) in c.items():
-          at = sel[t][a:b]
-          ids, weights, slots = checked[t]
-          message[f"ids/{t}"], message[f"weights/{t}"] = ids[at], weights[at]
-          message.update({f"slot_{k}/{t}": v[at] for k, v in slots.items()})
-        self._servers.call(s, "ImportRows", {}, message, retries=self.lookup_retries, deadline=deadline)
-
-    work = {}
-    for s in range(self.num_shards):
-      sel = {t: routes[t][s] for t in checked if routes[t][s].shape[0]}
-      if sel:
-        chunks = self._chunks(s, {t: checked[t][0][v] for t, v in sel.items()}, {}, True, "import_rows")
-        work[s] = functools.partial(send, s, sel, chunks)
-    if work:
-      self._servers.fan("control", work)
+    slot_rows.import_rows(self._shards, rows, timeout_s=self.timeout_s, retries=self.lookup_retries)

@@ -8,8 +8,8 @@ the incremental ones after it; for an id, the newest snapshot that names it wins
 :class:`SnapshotRows` keeps in RAM only an index per table: its ids sorted (uint64) with, for
 each, the part (uint32) and the row in that part (uint32) of its newest row, **16 bytes per id**.
 Rows are read through tensorstore when asked for, one read per part touched, behind a
-:class:`RowCache` of a fixed number of rows (CLOCK replacement), so RSS stays bounded whatever
-the table size. An id without a row reads what the trainer's evaluation reads for it (a read-only
+:class:`~recsys_jax.serving.rows.cache.RowCache` of a fixed number of rows (CLOCK replacement), so
+RSS stays bounded whatever the table size. An id without a row reads what the trainer's evaluation reads for it (a read-only
 PS lookup): its initial value from (table, id, seed), rounded to the table's storage dtype, or
 zeros for a table with admission. Nothing is created.
 
@@ -20,36 +20,29 @@ few rows cannot check a whole-array CRC, so the whole array is checked once; sna
 never rewritten, so what was checked is what later reads get). ``verify=False`` skips the
 weights pass (the load then reads only the ids).
 
-A served version holds on to what it reads: the scorer hard-links (:func:`hold`; a copy where the
-filesystem cannot link) every file of its checkpoint and PS chain into a directory of its own
-before anything is read, so the trainer's rotation deleting ``ps_snapshots/<name>`` frees nothing
-the version reads, and the load's checks (CRC32 of every array) run on the held files, the ones
-later reads get. The held directory goes when the version is dropped (``owns``). A read that
-still fails (someone deleted the held files, or a chunk of a snapshot that stores every chunk is
-missing: tensorstore would read it as zeros) raises ``SnapshotGone`` naming the snapshot, never a
-fill value.
+A served version reads files it holds (:mod:`~recsys_jax.serving.rows.held`); the held directory
+goes when the version is dropped (``owns``). A read that still fails (someone deleted the held
+files, or a chunk of a snapshot that stores every chunk is missing: tensorstore would read it as
+zeros) raises ``SnapshotGone`` naming the snapshot, never a fill value.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-import socket
 import threading
-import uuid
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.snapshot import chain as snapshot_chain
 from recsys_jax.async_ps.snapshot import directory as snapshot
 from recsys_jax.async_ps.store.initializers import init_rows
 from recsys_jax.embeddings.specs import storage_numpy_dtype
 from recsys_jax.hashing import name_seed
 from recsys_jax.serving.api import SnapshotGone
+from recsys_jax.serving.rows.cache import RowCache
 
 INDEX_BYTES_PER_ID = 16
 _DELETED = np.uint32(0xFFFFFFFF)
@@ -75,60 +68,6 @@ def default_rows(ids: np.ndarray, table: Mapping[str, Any], seed: int, table_see
   return rows.astype(storage_numpy_dtype(table["storage_dtype"])).astype(np.float32)
 
 
-class RowCache:
-  """A fixed number of rows of one width, CLOCK replacement; not thread-safe (the caller locks).
-
-  ``rows`` <= ``capacity`` at all times: ``held()`` says how many rows it holds.
-  """
-
-  def __init__(self, capacity: int, dim: int):
-    self.capacity, self.dim = int(capacity), int(dim)
-    self.data = np.zeros((self.capacity, self.dim), np.float32)
-    self.key = np.zeros(self.capacity, np.uint64)
-    self.used = np.zeros(self.capacity, bool)
-    self.ref = np.zeros(self.capacity, bool)
-    self.slot: Dict[int, int] = {}
-    self.hand = 0
-    self.hits = self.misses = 0
-
-  def held(self) -> int:
-    return len(self.slot)
-
-  def get(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Writes the cached rows of ``ids`` into ``out``; returns a bool mask of the ids found."""
-    get = self.slot.get
-    where = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.shape[0])
-    found = where >= 0
-    s = where[found]
-    out[found] = self.data[s]
-    self.ref[s] = True
-    n = int(found.sum())
-    self.hits += n
-    self.misses += ids.shape[0] - n
-    return found
-
-  def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-    """Adds rows of ids not held (the last ``capacity`` of them if more), evicting by CLOCK."""
-    if self.capacity == 0:
-      return
-    ids, rows = ids[-self.capacity :], rows[-self.capacity :]
-    for i, r in zip(ids.tolist(), rows):
-      s = self._victim()
-      if self.used[s]:
-        del self.slot[int(self.key[s])]
-      self.key[s], self.used[s], self.ref[s] = i, True, False
-      self.data[s] = r
-      self.slot[i] = s
-
-  def _victim(self) -> int:
-    while True:  # at most two sweeps: the first clears every reference bit it passes
-      s = self.hand
-      self.hand = (s + 1) % self.capacity
-      if not self.used[s] or not self.ref[s]:
-        return s
-      self.ref[s] = False
-
-
 class _Part:
   __slots__ = ("directory", "path", "info", "store", "all_chunks")
 
@@ -136,71 +75,6 @@ class _Part:
     self.directory, self.path, self.info = directory, path, info
     self.store: Any = None  # the weights' tensorstore array, opened by the first read
     self.all_chunks = all_chunks  # every chunk is stored: a missing one is an error, not zeros
-
-
-HELD = workdir_lib.SERVING_HELD  # <workdir>/serving_held/<host>-<pid>/<version>-<random>/<snapshot>: what versions hold
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def hold_root(workdir: str) -> str:
-  """This process's directory of held chains under ``workdir``; removes those of dead processes
-  of this host first (a server that was killed cannot remove its own)."""
-  root = os.path.join(os.path.abspath(workdir), HELD)
-  host = socket.gethostname()
-  for name in os.listdir(root) if os.path.isdir(root) else []:
-    h, _, pid = name.rpartition("-")
-    if h == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-  return os.path.join(root, f"{host}-{os.getpid()}")
-
-
-def hold(sources: Sequence[Tuple[str, str]], root: str, label: str) -> str:
-  """Hard-links (or copies, across filesystems) every file of the directories ``sources``
-  (``(directory, path under the new one)`` pairs) into a new directory under ``root``, in order;
-  returns the new directory. Nothing under the sources is changed.
-
-  Raises:
-    FileNotFoundError: naming the directory, if one is gone (the trainer rotated it away mid-way);
-      then nothing is left held.
-  """
-  dest = os.path.join(root, f"{label}-{uuid.uuid4().hex[:12]}")
-  try:
-    for d, rel_dest in sources:
-      d = os.path.abspath(d)
-      if not os.path.isdir(d):
-        raise FileNotFoundError(f"{d} does not exist (rotated away?)")
-      to = os.path.join(dest, rel_dest)
-      for top, _dirs, files in os.walk(d, onerror=_raise):
-        rel = os.path.relpath(top, d)
-        os.makedirs(os.path.join(to, rel), exist_ok=True)
-        for f in files:
-          _link(os.path.join(top, f), os.path.join(to, rel, f))
-  except BaseException:
-    shutil.rmtree(dest, ignore_errors=True)
-    raise
-  return dest
-
-
-def _raise(e: OSError) -> None:
-  raise e
-
-
-def _link(src: str, dst: str) -> None:
-  try:
-    os.link(src, dst)
-  except OSError as e:
-    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
-      raise
-    shutil.copy2(src, dst)  # a filesystem without hard links: the version keeps a copy
 
 
 class TableRows:
@@ -289,8 +163,8 @@ class SnapshotRows:
     cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
       in the chain x its row bytes (a table never gets more slots than it has rows).
     verify: read every weights array once at load and check its CRC32.
-    owns: a directory of held files (:func:`hold`) the chain lies in, removed when this object
-      goes (the version is dropped) or at exit.
+    owns: a directory of held files (:func:`~recsys_jax.serving.rows.held.hold`) the chain lies
+      in, removed when this object goes (the version is dropped) or at exit.
   """
 
   def __init__(
