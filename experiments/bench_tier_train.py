@@ -221,9 +221,7 @@ def plot(path: str, variants: Dict[str, Dict[str, Any]], fractions: List[int]) -
   a2.set_xscale("log", base=2)
   a2.set_xticks(x, [f"1/{f}" for f in fractions])
   a2.legend(fontsize=8)
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=120)
-  plt.close(fig)
+  jobs.save_plot(fig, path, dpi=120)
 
 
 def _ints(flag) -> List[int]:

@@ -38,10 +38,14 @@ from recsys_jax.parallel.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-MICRO_STEPS = [1, 4]
 VARIANTS = ["mics", "every", "naive"]
 LOSS_BYTES = 4  # the f32 loss, all-reduced over all devices once per step
+# The plot's bars: (label, variant, figure, colour).
+BARS = [("MiCS inside", "mics", "inside", "tab:blue"), ("MiCS across", "mics", "cross_group", "tab:orange")]
+BARS += [
+  ("gather/µstep inside", "every", "inside", "tab:green"),
+  ("naive across (no pcast)", "naive", "cross_group", "tab:red"),
+]
 
 
 def mlp_params(dims):
@@ -96,10 +100,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dims", default="512,1024,1024,512,8", help="MLP layer widths")
   parser.add_argument("--global_batch", type=int, default=256)
-  parser.add_argument(
-    "--meshes", default=",".join(f"{r}x{p}" for r, p in MESHES), help="(replicas)x(group size) layouts, e.g. 2x4,4x2"
-  )
-  parser.add_argument("--micro_steps", default=",".join(map(str, MICRO_STEPS)), help="micro-step counts, e.g. 1,4")
+  parser.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="(groups)x(group size) layouts of the 8 devices")
+  parser.add_argument("--micro_steps", default="1,4", help="micro-step counts")
   parser.add_argument("--png", default=outputs.default("comm_volume.png"))
   parser.add_argument("--json_out", default=outputs.default("comm_volume.json"))
   args = parser.parse_args(argv)
@@ -214,22 +216,10 @@ def _plot(rows, dims, path):
     sel = [row for row in rows if row["s"] == s]
     x = np.arange(len(sel))
     w = 0.2
-    bars = [
-      ("MiCS inside", [row["mics"]["inside"] for row in sel], "tab:blue"),
-      ("MiCS across", [row["mics"]["cross_group"] for row in sel], "tab:orange"),
-      ("gather/µstep inside", [row["every"]["inside"] for row in sel], "tab:green"),
-      ("naive across (no pcast)", [row["naive"]["cross_group"] for row in sel], "tab:red"),
-    ]
-    for k, (label, vals, color) in enumerate(bars):
-      ax.bar(x + (k - 1.5) * w, np.array(vals) / mb, w, label=label, color=color)
-    formulas = [
-      [row["mics"]["formula_inside"] for row in sel],
-      [row["mics"]["formula_cross_group"] for row in sel],
-      [row["every"]["formula_inside"] for row in sel],
-      [row["naive"]["formula_cross_group"] for row in sel],
-    ]
-    for k, vals in enumerate(formulas):
-      ax.plot(x + (k - 1.5) * w, np.array(vals) / mb, "k_", markersize=14, label="schedule formula" if k == 0 else None)
+    for k, (label, variant, key, color) in enumerate(BARS):  # measured bars, the schedule's formula on each
+      ax.bar(x + (k - 1.5) * w, [row[variant][key] / mb for row in sel], w, label=label, color=color)
+      formula = [row[variant]["formula_" + key] / mb for row in sel]
+      ax.plot(x + (k - 1.5) * w, formula, "k_", markersize=14, label=None if k else "schedule formula")
     ax.plot(x - 1.5 * w, [row["paper_inside"] / mb for row in sel], "kx", label="paper MiCS: 3s(p-1)/p M inside,")
     ax.plot(x - 0.5 * w, [row["paper_across"] / mb for row in sel], "kx", label="2(r-1)/r M/p across")
     ax.plot(x, [row["zero3_flat"] / mb for row in sel], "m^", label="flat ZeRO-3 3s(N-1)/N M")
@@ -239,9 +229,7 @@ def _plot(rows, dims, path):
   axes[0].set_ylabel("MB sent per device per optimizer step")
   axes[0].legend(fontsize=7, loc="upper left")
   fig.suptitle(f"MiCS collectives from compiled HLO, 8 simulated devices, MLP {dims} (M = {rows[0]['M'] / mb:.2f} MB)")
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=120)
-  plt.close(fig)
+  jobs.save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,10 @@ from recsys_jax.embeddings import device_optimizers
 from recsys_jax.embeddings.frequency import FrequencyCounter
 from recsys_jax.training.hot_rows import row_bytes
 
-_DEFAULT_BUDGETS = [f"{1 << k}MiB" for k in range(11)]  # 1 MiB .. 1 GiB
-
 _WARMUP = flags.DEFINE_integer("warmup_steps", 400, "Steps counted before the hot set is chosen.")
 _EVAL = flags.DEFINE_integer("eval_steps", 200, "Steps after the warm-up on which hits are measured.")
 _BATCH = flags.DEFINE_integer("batch_size", 4096, "Examples per step.")
-_BUDGETS = flags.DEFINE_list("budgets", _DEFAULT_BUDGETS, "Hot-set budgets: bytes, or with a KiB/MiB/GiB suffix.")
+_BUDGETS = flags.DEFINE_list("budgets", [f"{1 << k}MiB" for k in range(11)], "Budgets: bytes, or KiB/MiB/GiB.")
 _DIM = flags.DEFINE_integer("dim", 16, "Embedding width.")
 _OPT = flags.DEFINE_enum("optimizer", "adagrad", list(device_optimizers.NAMES), "Row optimizer (its slots count).")
 _SCALE = flags.DEFINE_integer("vocab_scale", 1, "Multiplies every field's vocabulary (DEFAULT_VOCAB: 76,788 ids).")
@@ -62,21 +60,18 @@ def parse_bytes(text: str) -> int:
 
 
 class ExactCounts:
-  """Exact per-id counts of one table: steps an id appeared in, and occurrences (merged every ``every`` steps)."""
+  """Exact per-id counts of one table: steps an id appeared in, and occurrences (merged every 64 steps)."""
 
-  def __init__(self, every: int = 64):
+  def __init__(self):
     self.ids, self.steps, self.occ = np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     self._buf: List[tuple] = []
-    self._every = every
 
   def add(self, uniq: np.ndarray, occ: np.ndarray) -> None:
     self._buf.append((uniq, occ))
-    if len(self._buf) >= self._every:
+    if len(self._buf) >= 64:
       self.flush()
 
   def flush(self) -> None:
-    if not self._buf:
-      return
     ids = np.concatenate([self.ids] + [u for u, _ in self._buf])
     steps = np.concatenate([self.steps] + [np.ones(len(u), np.int64) for u, _ in self._buf])
     occ = np.concatenate([self.occ] + [o.astype(np.int64) for _, o in self._buf])
@@ -105,14 +100,9 @@ def global_ranking(per_table: Sequence[tuple]) -> List[tuple]:
 
 def step_ids(batch: Dict[str, object], names: Sequence[str]) -> List[tuple]:
   """Per field: (distinct ids, occurrences) of one batch (bag padding, weight 0, left out)."""
-  weights = batch.get("sparse_weights", {})
-  out = []
-  for n in names:
-    ids = np.asarray(batch["sparse"][n]).reshape(-1)
-    if n in weights:
-      ids = ids[np.asarray(weights[n]).reshape(-1) > 0]
-    out.append(np.unique(ids, return_counts=True))
-  return out
+  ids = {n: np.asarray(batch["sparse"][n]).reshape(-1) for n in names}
+  keep = {n: np.asarray(w).reshape(-1) > 0 for n, w in batch.get("sparse_weights", {}).items()}
+  return [np.unique(ids[n][keep[n]] if n in keep else ids[n], return_counts=True) for n in names]
 
 
 def run(budgets: Sequence[int]) -> tuple:
@@ -198,8 +188,7 @@ def run(budgets: Sequence[int]) -> tuple:
     "rows_seen_in_warmup": ranked["oracle"],
     "sketch_candidates": ranked["sketch"],
     "counter_mib": counter.nbytes() / (1 << 20),
-    # median: the first step compiles the kernels
-    "counter_add_ms_per_step": 1e3 * float(np.median(t_add)),
+    "counter_add_ms_per_step": 1e3 * float(np.median(t_add)),  # median: the first step compiles the kernels
     "eval_distinct_rows_per_step": total_distinct / eval_steps,
     "eval_lookups_per_step": total_occ / eval_steps,
     "elapsed_s": elapsed,
@@ -237,9 +226,7 @@ def plot(records: Sequence[dict], summary: dict, path: str) -> None:
     f"Zipf {summary['zipf_alpha']})",
     fontsize=10,
   )
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
-  plt.close(fig)
+  jobs.save_plot(fig, path)
 
 
 def main(argv):

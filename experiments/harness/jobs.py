@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from harness import outputs
+
 
 def job_config(config: Any, **fields: Any) -> Any:
   """A copy of ``config`` that only trains (no checkpoints, no evaluations during training, no progress
@@ -32,3 +34,10 @@ def pyplot() -> Any:
   import matplotlib.pyplot as plt
 
   return plt
+
+
+def save_plot(fig: Any, path: str, dpi: int = 110) -> None:
+  """Lays out ``fig``, writes it to ``path`` (announced, as every output) and closes it."""
+  fig.tight_layout()
+  outputs.save_figure(fig, path, dpi=dpi)
+  pyplot().close(fig)
