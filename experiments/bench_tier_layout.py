@@ -32,6 +32,7 @@ configuration: what a plain-file path would gain).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
@@ -68,20 +69,13 @@ class Config:
 
   def __init__(self, layout: tier_files.Layout, arrays, cached: bool, batch: bool, q: int):
     self.layout, self.arrays, self.cached, self.batch, self.q = layout, arrays, cached, batch, q
-    parts = [layout.name]
-    if layout.kind == "sharded":
-      parts.append("index-cached" if cached else "uncached")
-    if batch:
-      parts.append("batch")
-    self.name = " ".join(parts + [f"q{q}"])
+    index = ("index-cached" if cached else "uncached") if layout.kind == "sharded" else ""
+    self.name = " ".join(p for p in (layout.name, index, "batch" if batch else "", f"q{q}") if p)
     self.runs: List[Dict[str, float]] = []
 
   def read(self, sets: List[np.ndarray]) -> List[Dict[str, np.ndarray]]:
-    if self.batch:
-      with ts.Batch() as b:
-        futures = [tier_files.read_ts(self.arrays, rows, b) for rows in sets]
-    else:
-      futures = [tier_files.read_ts(self.arrays, rows) for rows in sets]
+    with ts.Batch() if self.batch else contextlib.nullcontext() as b:
+      futures = [tier_files.read_ts(self.arrays, rows, b) for rows in sets]
     return [{f: x.result() for f, x in fu.items()} for fu in futures]
 
 
@@ -195,9 +189,7 @@ def main(argv):
   qs = sorted({int(q) for q in _INFLIGHT.value})
   qmax = qs[-1]
   if R * qmax > N:
-    raise app.UsageError(
-      f"--read_rows={R} x the largest --inflight={qmax} exceeds --rows={N}: the reads could not differ"
-    )
+    raise app.UsageError(f"--read_rows={R} x --inflight={qmax} exceeds --rows={N}: the reads could not differ")
   fields = {"weights": _DIM.value, "slot_adagrad": _SLOT.value}
   rng = np.random.default_rng(0)
   # Non-zero everywhere (1 + |normal|): zarr3 does not store a chunk equal to the fill value (0).
@@ -211,13 +203,10 @@ def main(argv):
   row_bytes = layouts[0].row_bytes
   load_start = os.getloadavg()[0]
   log = functools.partial(print, file=sys.stderr)
-  log(
-    f"table: {N:,} rows x {row_bytes} B ({N * row_bytes / 1e6:.1f} MB) in {root}; reads of {R} distinct random rows, "
-    f"sorted; Q in {qs}; {_ROUNDS.value} rounds; load {load_start:.2f}"
-  )
+  log(f"{N:,} rows x {row_bytes} B in {root}; reads of {R} rows, Q in {qs}; load {load_start:.2f}")
+  truths, floors, configs, pool = {}, {}, [], concurrent.futures.ThreadPoolExecutor(qmax)
   try:
     t0 = time.perf_counter()
-    truths, floors, configs = {}, {}, []
     for lay in layouts:
       lay.create(data)
       truths[lay.name] = lay.split(data)
@@ -229,7 +218,6 @@ def main(argv):
     log(f"wrote {len(layouts)} layouts in {time.perf_counter() - t0:.1f} s")
 
     floor_runs: Dict[tuple, List[Dict[str, float]]] = {(lay.name, m): [] for lay in layouts for m in FLOORS}
-    pool = concurrent.futures.ThreadPoolExecutor(qmax)
     t0 = time.perf_counter()
     for rnd in range(_ROUNDS.value + 1):  # round 0: untimed (first opens, first reads)
       sets = [np.sort(rng.choice(N, R, replace=False)) for _ in range(qmax)]
@@ -251,8 +239,7 @@ def main(argv):
     writes = {lay.name: _writes(lay, data, _APPEND.value, _WRITE_ROWS.value, row_bytes) for lay in layouts}
 
     cold = {}
-    if _COLD.value:
-      os.sync()  # dirty pages stay in the page cache through DONTNEED
+    os.sync()  # for the cold reads: dirty pages stay in the page cache through DONTNEED
     for lay in layouts if _COLD.value else []:
       reads = {}
       for cached in (False, True) if lay.kind == "sharded" else (False,):
@@ -274,10 +261,9 @@ def main(argv):
           runs[key].append(r)
       cold[lay.name] = {k: _summary(v, row_bytes) for k, v in runs.items()}
   finally:
-    for fl in locals().get("floors", {}).values():
+    for fl in floors.values():
       fl.close()
-    if "pool" in locals():
-      pool.shutdown()
+    pool.shutdown()
     if not _DIR.value:
       shutil.rmtree(root, ignore_errors=True)
 
@@ -294,10 +280,8 @@ def main(argv):
     res[c.name] = s
 
   log(
-    f"\nwarm (every file in the page cache), medians of {_ROUNDS.value}; k rows/s by reads in flight, "
-    "then at the best Q: bytes read / useful (amplification), read syscalls per row, the floor "
-    "(preadv, 1 thread, k rows/s; its amplification), rows/s / floor, and the floor opening each file per read "
-    f"and in {qmax} threads"
+    f"\nwarm, medians of {_ROUNDS.value}: k rows/s by Q; at the best Q: amplification, read syscalls a row, the floor's "
+    f"k rows/s and amplification, rows/s / floor; the floor opening files per read and in {qmax} threads (k rows/s)"
   )
   head = f"{'layout':22}{'index':>9}{'batch':>6}" + "".join(f"{'Q=' + str(q):>8}" for q in qs)
   head += f"{'ampl':>8}{'sysc/r':>8}{'floor':>8}{'f.ampl':>7}{'/floor':>8}{'f.open':>8}{'f.thr':>8}"
@@ -359,10 +343,7 @@ def main(argv):
     + f"\nfastest floor: {best_floor}: {out['best_floor_rows_per_s'] / 1e3:.0f}k rows/s = "
     f"{out['floor_best_over_best']:.2f}x the best tensorstore read"
   )
-  log(
-    f"\nwrites (appends into a fresh copy, each waited for; {_WRITE_ROWS.value:,} rows, or a sharded layout's first "
-    "shard whole): k rows/s, bytes written per row / row bytes (amplification), bytes read per row"
-  )
+  log(f"\nwrites of {_WRITE_ROWS.value:,} rows (or a shard whole): k rows/s, write amplification, bytes read a row")
   for name, w in writes.items():
     line = "".join(
       f"   {m}: {v['rows_per_s'] / 1e3:7.0f}k {v['write_amplification']:5.1f}x {v['bytes_read_per_row']:6.0f}B"
@@ -371,10 +352,7 @@ def main(argv):
     log(f"{name:22}{line}")
   out["writes"] = writes
   if cold:
-    log(
-      f"\ncold (files dropped from the page cache before each read), medians of {_COLD.value}: k rows/s, and the "
-      "bytes the disk delivered per row"
-    )
+    log(f"\ncold (files dropped from the page cache), medians of {_COLD.value}: k rows/s, disk bytes a row")
     keys = sorted(dict.fromkeys(k for c in cold.values() for k in c), key=lambda k: k.startswith("floor"))
     short = {k: k.replace("index-cached", "idx").replace("threads", "thr").replace("random", "rnd") for k in keys}
     log(f"{'layout':22}" + "".join(f"{short[k]:>17}" for k in keys))

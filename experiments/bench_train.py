@@ -59,10 +59,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "PS-path runs with hot rows and as
 _LOG_EVERY = flags.DEFINE_integer("log_every", 0, "Steps between the PS runs' records (0: hot_warmup_steps).")
 
 
-def _tree_bytes(tree) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
 def run_figures(summary: Dict[str, Any], recs: List[Dict[str, Any]], first: int) -> Dict[str, Any]:
   """One PS run's figures from its summary and train records; per-step counts from step ``first`` on."""
   out: Dict[str, Any] = {f"{stage}_ms": jobs.per_step(recs, f"host_{stage}_ms") for stage in STAGES}
@@ -125,12 +121,11 @@ def run_device(config, warmup: int, steps: int) -> Dict[str, Any]:
   model = EmbeddedDLRM(vocab_sizes=vocab, dim=int(config.embeddings.dim), features=names, **config.model.kwargs)
   mesh = mesh_lib.make_mesh(config.mesh.replica, config.mesh.fsdp)
   data_sharding, repl = mesh_lib.data_sharding(mesh), mesh_lib.replicated(mesh)
-  moduli = [np.uint64(v) for v in vocab]
   B = config.batch_size
 
   def host_batch(split: int, index: int, batch_size: int) -> Dict[str, np.ndarray]:
     b = reader.batch(split, index, batch_size)
-    ids = np.stack([b["sparse"][n][:, 0] % m for n, m in zip(names, moduli)], axis=1).astype(np.int32)
+    ids = np.stack([b["sparse"][n][:, 0] % np.uint64(m) for n, m in zip(names, vocab)], axis=1).astype(np.int32)
     return {"dense": b["dense"], "ids": ids, "label": b["label"]}
 
   example = host_batch(synthetic.TRAIN, 0, 2)
@@ -140,7 +135,7 @@ def run_device(config, warmup: int, steps: int) -> Dict[str, Any]:
   tables = optax.adagrad(config.embeddings.learning_rate)
   tx = optax.multi_transform({"dense": train.dense_optimizer(config), "tables": tables}, labels)
   state = jax.device_put(train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx), repl)
-  table_bytes = _tree_bytes({k: v for k, v in params.items() if labels[k] == "tables"})
+  table_bytes = sum(x.nbytes for k, v in params.items() if labels[k] == "tables" for x in jax.tree.leaves(v))
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["dense"], batch["ids"])
@@ -181,8 +176,8 @@ def run_device(config, warmup: int, steps: int) -> Dict[str, Any]:
     "train_loss": float(np.mean(jax.device_get(losses))),
     "rows": int(sum(vocab)),
     "table_bytes": table_bytes,
-    "dense_bytes": _tree_bytes(params) - table_bytes,
-    "opt_state_bytes": _tree_bytes(state.opt_state),
+    "dense_bytes": sum(x.nbytes for x in jax.tree.leaves(params)) - table_bytes,
+    "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
   }
 
 
