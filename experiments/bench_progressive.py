@@ -1,34 +1,27 @@
 """What progressive validation costs the main job: samples/s with it on and off, in one process.
 
-    python experiments/bench_progressive.py                       # configs/dlrm.py, 300 steps a run, 3 runs each
-    python experiments/bench_progressive.py --windows=0,100000,1000000 --steps=500
+    python experiments/bench_progressive.py [--steps=300] [--repeats=3] [--windows=0,1000000] [--json_out=FILE]
 
 Each run is ``train.train_and_evaluate`` on the config (``--config.FIELD=VALUE`` overrides a field)
-in a fresh workdir, ``--steps`` steps with no checkpoint and a one-batch final evaluation; the
-figure is the job's own ``samples_per_sec`` (every step after the first, later compiles left out).
-The windows (``config.progressive.window``; 0 = off, the step then returns no logits) are run in
-turn, ``--repeats`` rounds, the order reversed every other round, so that the drift of a shared
-machine falls on all of them; each window's figure is the median of its runs, and the ratio to
-window 0 is the cost. On a shared machine that ratio moves by more than the cost (runs of one
-window differ by 30% under load), so each run also gives the cost as the jobs time it themselves:
-``time_share``, the time of the progressive reports (``report_ms``: every ``log_every`` steps, on
-the reporter thread since the loop hands them over; CPU taken from the cores the step runs on,
-no longer on its path) and of adding each batch's events (``add_ms``, on the pusher thread, which a
-step waits for at k = 0) over the run's training time: an upper bound of the share of samples/s
-they take.
+in a fresh workdir, ``--steps`` steps, no checkpoint, a one-batch final evaluation; its figure is
+the job's own ``samples_per_sec``. The windows (``config.progressive.window``; 0: off) run in turn,
+``--repeats`` rounds, every other round reversed; a window's figure is the median of its runs, and
+its ratio to window 0 the cost. As that ratio moves with the load by more than the cost, each run
+also gives ``time_share``: the jobs' own time in progressive validation (``report_ms``, every
+``log_every`` steps on the reporter thread, and ``add_ms``, each batch's events on the pusher
+thread) over the training time, an upper bound of the share of samples/s it takes.
 
-Prints one line per run and, last, one JSON line: per window the median samples/s, its ratio to
-off, the median report time and the median ``time_share``.
+Prints one line per run and, last, one JSON line: per window the median samples/s
+(``samples_per_sec_<w>``), ``ratio_<w>``, the median ``report_ms_<w>`` and ``time_share_<w>``.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 
 from absl import app, flags, logging
-from harness import outputs
+from harness import jobs, outputs, stats
 from ml_collections import config_flags
 
 from recsys_jax import train
@@ -41,16 +34,15 @@ _JSON = flags.DEFINE_string("json_out", outputs.default("bench_progressive.json"
 
 
 def run(window: int) -> dict:
-  c = _CONFIG.value.copy_and_resolve_references()
-  c.num_steps, c.progressive.window = _STEPS.value, window
-  c.checkpoint_every, c.eval_every, c.final_checkpoint, c.progress_bar = 0, 0, False, False
-  c.eval_samples = c.eval_batch_size = min(c.eval_batch_size, 4096)
+  eval_samples = min(_CONFIG.value.eval_batch_size, 4096)
+  fields = {"num_steps": _STEPS.value, "progressive.window": window, "final_checkpoint": False}
+  c = jobs.job_config(_CONFIG.value, eval_samples=eval_samples, eval_batch_size=eval_samples, **fields)
   with tempfile.TemporaryDirectory() as workdir:
     s = train.train_and_evaluate(c, workdir)
     prog = [r for r in train.read_metrics(workdir, "progressive") if "source" not in r]
     train_s = sum(r["train_s"] for r in train.read_metrics(workdir, "train"))
   reports = [r["report_ms"] for r in prog]
-  # The training loop's and the pusher's time in progressive validation, over the run's training time.
+  # The reporter's and the pusher's time in progressive validation, over the run's training time.
   share = (sum(reports) + sum(r["add_ms"] for r in prog)) / (1e3 * train_s)
   return {"window": window, "samples_per_sec": s["samples_per_sec"], "report_ms": reports, "time_share": share}
 
@@ -66,22 +58,22 @@ def main(argv):
     for w in windows if r % 2 == 0 else windows[::-1]:
       out = run(w)
       runs.append(out)
-      med = statistics.median(out["report_ms"]) if out["report_ms"] else 0.0
+      med = stats.fmt(stats.median(out["report_ms"]), ".1f")
       print(
-        f"round {r} window {w:>9,}: {out['samples_per_sec']:,.0f} samples/s, report {med:.1f} ms, "
+        f"round {r} window {w:>9,}: {out['samples_per_sec']:,.0f} samples/s, report {med} ms, "
         f"{100 * out['time_share']:.2f}% of the training time in progressive validation",
         flush=True,
       )
-  base = statistics.median(x["samples_per_sec"] for x in runs if x["window"] == 0)
+  base = stats.median(x["samples_per_sec"] for x in runs if x["window"] == 0)
   line = {"steps": _STEPS.value, "repeats": _REPEATS.value, "batch_size": _CONFIG.value.batch_size}
   line["log_every"] = _CONFIG.value.log_every
   for w in windows:
-    sps = statistics.median(x["samples_per_sec"] for x in runs if x["window"] == w)
+    sps = stats.median(x["samples_per_sec"] for x in runs if x["window"] == w)
     line[f"samples_per_sec_{w}"] = round(sps)
     line[f"ratio_{w}"] = round(sps / base, 4)
     ms = [m for x in runs if x["window"] == w for m in x["report_ms"]]
-    line[f"report_ms_{w}"] = round(statistics.median(ms), 2) if ms else 0.0
-    line[f"time_share_{w}"] = round(statistics.median(x["time_share"] for x in runs if x["window"] == w), 5)
+    line[f"report_ms_{w}"] = round(stats.median(ms), 2) if ms else 0.0  # window 0: no reports
+    line[f"time_share_{w}"] = round(stats.median(x["time_share"] for x in runs if x["window"] == w), 5)
   outputs.write_json(_JSON.value, {"summary": line, "runs": runs})
   print(json.dumps(line))
 

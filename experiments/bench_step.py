@@ -1,25 +1,17 @@
-"""The main job's jitted train step alone: the formulation before issue 14's change against the current one.
+"""The main job's jitted train step alone: DLRM's current interaction and feature split against the
+formulation they replaced.
 
-    python experiments/bench_step.py [--batch_size=8192] [--bottom=16] [--top=16] [--repeats=15]
-        [--config=configs/dlrm.py]
+    python experiments/bench_step.py [--batch_size=8192] [--bottom=16] [--top=16] [--repeats=15] [--config=configs/dlrm.py]
 
-Run from the repository root. Builds the job of ``--config`` (default ``configs/dlrm.py``:
-Criteo's shape, 13 dense and 26 categorical fields, rows of dim 16) with bottom and top MLPs of
-width ``--bottom`` / ``--top`` (16: ``bench_feed.py``'s tiny step; 0 keeps the config's), takes
-one synthetic batch through the host half (dedup, PS lookup, placement) and times the jitted
-train step on it, blocking on each, in four variants alternated round-robin in one process so
-that they see the same machine load:
-
-- ``old``: DLRM's dot interaction by autodiff of ``einsum(t, t)[:, i, j]`` and the pooled
-  features split off by slicing ``p[:, k]`` (the code before the change);
-- ``old_interaction``, ``old_split``: one of the two old;
-- ``new``: the current code (``models.dlrm.dot_interaction``'s hand-written gradient,
-  ``jnp.unstack``).
-
-Every variant starts from the same state and batch; the script checks that their row gradients,
-loss and updated parameters agree with ``old``'s to float32 round-off (and prints the largest
-differences). Prints one JSON line per variant: median ``step_ms`` over ``--repeats`` rounds,
-``vs_old`` (its median / old's), ``load_avg`` before and after.
+Builds the job of ``--config`` with bottom and top MLPs of width ``--bottom`` / ``--top`` (0 keeps
+the config's), takes one synthetic batch through the host half and times the jitted train step
+on it, blocking on each, in four variants alternated round-robin in one process: ``old`` (the
+dot interaction by autodiff of ``einsum(t, t)[:, i, j]``, the pooled features split by slicing
+``p[:, k]``), ``old_interaction`` and ``old_split`` (one of the two old), and ``new`` (the current
+code: ``dlrm.dot_interaction``'s hand-written gradient, ``jnp.unstack``). Every variant starts from
+the same state and batch; their gradients, loss and updated parameters must agree with ``old``'s
+to float32 round-off. Prints one JSON line per variant: median ``step_ms`` over ``--repeats``
+rounds, ``vs_old`` (its median over old's) and ``load_avg``.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from harness import stats
 from ml_collections import config_flags
 
 from recsys_jax.embeddings import pooling
@@ -70,8 +63,7 @@ def main(_):
   if _TOP.value:
     c.model.kwargs.top = (_TOP.value,)
   job = job_lib.build_job(c, tempfile.mkdtemp(prefix="bench_step_"))
-  host = job.host
-  batches = iter(host.reader.train())
+  host, batches = job.host, iter(job.host.reader.train())
   next(batches)  # the second batch: the PS already holds some of its rows, as in a run
   batch, position = next(batches)
   _, rows, placed = host.place(host.lookup(host.prepare(1, batch, position), create=True))
@@ -87,9 +79,8 @@ def main(_):
   for name, (interaction, embed) in variants.items():
     dlrm.dot_interaction, pooling.embed_features = interaction, embed  # read while tracing
     fresh = job_lib.build_job(c, tempfile.mkdtemp(prefix="bench_step_"))  # its own jit, traced now
-    states[name], _, g, m = fresh.train_step(
-      fresh.state, fresh.hot.tables, rows, placed
-    )  # the same seed: the same initial state
+    # The same seed: the same initial state.
+    states[name], _, g, m = fresh.train_step(fresh.state, fresh.hot.tables, rows, placed)
     outs[name] = jax.tree.map(np.asarray, (states[name].params, g, m))
     fresh.ps.close()
     steps[name] = fresh.train_step
@@ -111,23 +102,13 @@ def main(_):
       jax.block_until_ready((states[name], g))
       if r >= 2:
         times[name].append(time.perf_counter() - t0)
-  base = np.median(times["old"])
+  base = stats.median(times["old"])
   for name, ts in times.items():
-    med = float(np.median(ts))
-    print(
-      json.dumps(
-        {
-          "variant": name,
-          "step_ms": round(1e3 * med, 2),
-          "vs_old": round(med / base, 3),
-          "runs_ms": [round(1e3 * t, 1) for t in ts],
-          "batch": c.batch_size,
-          "bottom": list(c.model.kwargs.bottom),
-          "top": list(c.model.kwargs.top),
-          "load_avg": [load0, os.getloadavg()[0]],
-        }
-      )
-    )
+    med = stats.median(ts)
+    line = {"variant": name, "step_ms": round(1e3 * med, 2), "vs_old": round(med / base, 3)}
+    line.update(runs_ms=[round(1e3 * t, 1) for t in ts], batch=c.batch_size, bottom=list(c.model.kwargs.bottom))
+    line.update(top=list(c.model.kwargs.top), load_avg=[load0, os.getloadavg()[0]])
+    print(json.dumps(line))
   job.ps.close()
 
 

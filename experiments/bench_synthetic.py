@@ -1,30 +1,27 @@
 """The synthetic generator's ms per batch: this checkout's ``SyntheticData.batch`` against an older one.
 
-    python experiments/bench_synthetic.py [--baseline_rev=4983112] [--batch_size=4096] [--rounds=5]
-        [--batches=20] [--config=default|drift|multi_hot] [--json_out=FILE]
+    python experiments/bench_synthetic.py [--baseline_rev=REV] [--batch_size=4096] [--rounds=5] [--batches=20]
+        [--config=default|drift|multi_hot] [--json_out=FILE]
 
-Loads ``recsys_jax/data/synthetic.py`` as it was at git revision ``--baseline_rev`` (default: the
-commit before the per-rank tables) beside the current one, checks that both return the same batches
-bit for bit, and times them alternated in one process on one thread: ``--rounds`` rounds, each
-``--batches`` training batches of ``--batch_size`` from the old generator, then the same from the new
-(after 3 warm-up batches each, which also build the new one's tables). Prints the median ms per batch
-of each and their ratio; the last stdout line is one JSON object.
+Loads ``recsys_jax/data/synthetic.py`` as it was at git revision ``--baseline_rev`` beside the
+current one, checks that both return the same batches bit for bit, and times them alternated in one
+thread: ``--rounds`` rounds of ``--batches`` batches from the old generator, then the same from the
+new (after 3 warm-up batches each). Prints the median ms per batch of each and their ratio; the last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import types
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import outputs, stats
 
 from recsys_jax.data import synthetic
 
@@ -47,14 +44,9 @@ def _load_old(rev: str):
   p = subprocess.run(["git", "show", f"{rev}:recsys_jax/data/synthetic.py"], cwd=root, capture_output=True, text=True)
   if p.returncode != 0:
     sys.exit(f"bench_synthetic: cannot read recsys_jax/data/synthetic.py at --baseline_rev={rev}: {p.stderr.strip()}")
-  src = p.stdout
-  with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-    f.write(src)
-  spec = importlib.util.spec_from_file_location("synthetic_baseline", f.name)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  os.unlink(f.name)
+  module = types.ModuleType("synthetic_baseline")
+  sys.modules[module.__name__] = module  # dataclasses look their module up there
+  exec(compile(p.stdout, f"{rev}:recsys_jax/data/synthetic.py", "exec"), module.__dict__)
   return module
 
 
@@ -85,8 +77,8 @@ def main(argv):
     "config": _CONFIG.value,
     "batch_size": B,
     "baseline_rev": _REV.value,
-    "old_ms_per_batch": statistics.median(ms["old"]),
-    "new_ms_per_batch": statistics.median(ms["new"]),
+    "old_ms_per_batch": stats.median(ms["old"]),
+    "new_ms_per_batch": stats.median(ms["new"]),
     "old_rounds_ms": ms["old"],
     "new_rounds_ms": ms["new"],
   }

@@ -1,34 +1,23 @@
 """Communication volume of MiCS against its formulas, counted from compiled HLO.
 
-    .venv/bin/python experiments/comm_volume.py [--dims=512,1024,1024,512,8] [--json_out=FILE]
+    python experiments/comm_volume.py [--dims=512,1024,1024,512,8] [--meshes=1x8,2x4,4x2,8x1] [--micro_steps=1,4]
+        [--png=FILE] [--json_out=FILE]
 
-Compiles the MiCS optimizer step (:func:`recsys_jax.parallel.mics.make_mics_step`) of a dense
-MLP regression on 8 simulated CPU devices for every mesh (r, p) in {(1,8), (2,4), (4,2), (8,1)}
-and micro_steps s in {1, 4}, reads the collectives from ``compile().as_text()``
-(:func:`recsys_jax.parallel.mics.comm_volume`: ring-algorithm bytes one device sends, while-loop
-bodies counted trip-count times, each collective classified inside / across partition groups
-from its replica_groups) and compares the bytes per device per optimizer step with:
+Compiles the MiCS optimizer step (``recsys_jax.parallel.mics.make_mics_step``) of an MLP regression
+on 8 simulated CPU devices for every mesh (r groups of p devices) and micro-step count s, counts the
+bytes each device sends per optimizer step in the collectives of ``compile().as_text()``
+(``mics.comm_volume``: ring-algorithm bytes, loop bodies counted trip-count times, each collective
+inside or across groups by its replica_groups), and sets them against (M = parameter bytes):
 
-- the paper's formulas (MiCS, VLDB 2023; M = dense parameter bytes): flat ZeRO-3 over all N
-  devices ``3 s (N-1)/N M``; MiCS ``3 s (p-1)/p M`` inside a group + ``2 (r-1)/r M/p`` across;
-- the schedule XLA actually runs, for three variants:
-  * ``mics`` (default): the shards are all-gathered once per optimizer step (before the
-    micro-step loop; XLA hoists a loop-invariant all-gather anyway) and the gradients
-    reduce-scattered every micro-step: inside ``(s+1)(p-1)/p M``; across ``2 (r-1)/r M/p``;
-  * ``every`` (``gather_every_micro_step=True``): one all-gather and one reduce-scatter per
-    micro-step: inside ``2 s (p-1)/p M``. The paper's third term (ZeRO-3 re-gathers in the
-    backward) has no counterpart: XLA keeps the gathered parameters from forward to backward;
-  * ``naive`` (``vary_over_replica=False``, no ``pcast``): inside as ``mics``, across
-    ``2 s (r-1)/r M``: a full-size all-reduce over 'replica' in every micro-step.
-  Every variant also all-reduces the 4-byte loss over all N devices once per step
-  (``2 (N-1)/N x 4`` bytes, inside when r = 1, across when p = 1, else both), added to the
-  schedule formulas.
+- the paper's formulas (MiCS, VLDB 2023): flat ZeRO-3 ``3s(N-1)/N M``; MiCS ``3s(p-1)/p M`` inside a
+  group and ``2(r-1)/r M/p`` across;
+- the schedule XLA runs, per variant: ``mics`` (the shards gathered once per step, gradients
+  reduce-scattered every micro-step): inside ``(s+1)(p-1)/p M``, across ``2(r-1)/r M/p``; ``every``
+  (``gather_every_micro_step``): inside ``2s(p-1)/p M``; ``naive`` (no ``pcast`` over replica):
+  across ``2s(r-1)/r M``. Each adds the 4-byte loss all-reduce over all N devices.
 
-The relative errors are measured against the schedule formulas (the paper's are printed beside
-them); the last stdout line is a JSON record with ``max_rel_err``. The plot goes to
-runs/experiments/comm_volume.png (``--png`` and ``--json_out`` into experiments/results/ update the
-committed ones). Only compilation is needed, so it runs in well under a
-minute on 2 cores.
+Prints a table; the last stdout line is a JSON record with ``max_rel_err`` (against the schedule
+formulas). Writes the plot to ``--png`` and every row to ``--json_out``. Compiles only: no step runs.
 """
 
 from __future__ import annotations
@@ -42,28 +31,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from harness import outputs
+from harness import jobs, outputs
 
 from recsys_jax.parallel import mics
 from recsys_jax.parallel.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-MICRO_STEPS = [1, 4]
 VARIANTS = ["mics", "every", "naive"]
 LOSS_BYTES = 4  # the f32 loss, all-reduced over all devices once per step
+# The plot's bars: (label, variant, figure, colour).
+BARS = [("MiCS inside", "mics", "inside", "tab:blue"), ("MiCS across", "mics", "cross_group", "tab:orange")]
+BARS += [
+  ("gather/µstep inside", "every", "inside", "tab:green"),
+  ("naive across (no pcast)", "naive", "cross_group", "tab:red"),
+]
 
 
 def mlp_params(dims):
-  """Shapes of an MLP with layers ``dims[i] -> dims[i + 1]`` (weights and biases).
-
-  Args:
-    dims: layer widths.
-
-  Returns:
-    A pytree of ``ShapeDtypeStruct`` (only compilation is needed).
-  """
+  """The parameter shapes of an MLP with layers ``dims[i] -> dims[i + 1]`` (only compilation needs them)."""
   return {
     f"layer{i}": {"w": jax.ShapeDtypeStruct((a, b), jnp.float32), "b": jax.ShapeDtypeStruct((b,), jnp.float32)}
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
@@ -82,37 +68,16 @@ def mlp_loss(params, batch):
 
 
 def paper_formulas(r, p, s, m):
-  """The paper's bytes per device per optimizer step.
-
-  Args:
-    r: groups (replica axis size).
-    p: group size (fsdp axis size).
-    s: micro-steps.
-    m: dense parameter bytes.
-
-  Returns:
-    ``(zero3_flat, mics_inside, mics_across)``.
-  """
+  """The paper's bytes per device per optimizer step, r groups of p, s micro-steps, m parameter bytes:
+  ``(zero3_flat, mics_inside, mics_across)``."""
   n = r * p
   return 3 * s * (n - 1) / n * m, 3 * s * (p - 1) / p * m, 2 * (r - 1) / r * m / p
 
 
 def schedule_formulas(variant, r, p, s, m, m_pad):
-  """Bytes per device per optimizer step of the schedule XLA runs for ``variant``.
-
-  Args:
-    variant: ``mics``, ``every`` or ``naive``.
-    r: groups.
-    p: group size.
-    s: micro-steps.
-    m: parameter bytes (M).
-    m_pad: parameter bytes as the shards' collectives move them (each leaf padded to a multiple
-      of p; equal to M when every leaf's size is a multiple of p). The naive variant's
-      per-micro-step all-reduce is on the unpadded gradient (M).
-
-  Returns:
-    ``(inside, cross_group)``.
-  """
+  """``(inside, cross_group)`` bytes per device per optimizer step of the schedule XLA runs for ``variant``;
+  ``m_pad``: the bytes the shards' collectives move (each leaf padded to a multiple of p). The naive
+  variant's per-micro-step all-reduce is on the unpadded gradient (m)."""
   n = r * p
   inside = {"mics": (s + 1), "every": 2 * s, "naive": (s + 1)}[variant] * (p - 1) / p * m_pad
   across = s * 2 * (r - 1) / r * m if variant == "naive" else 2 * (r - 1) / r * m_pad / p
@@ -132,14 +97,11 @@ def rel_err(measured, formula):
 
 
 def main(argv=None):
-  """Runs the measurement, prints the table and the JSON record, saves the plot."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dims", default="512,1024,1024,512,8", help="MLP layer widths")
   parser.add_argument("--global_batch", type=int, default=256)
-  parser.add_argument(
-    "--meshes", default=",".join(f"{r}x{p}" for r, p in MESHES), help="(replicas)x(group size) layouts, e.g. 2x4,4x2"
-  )
-  parser.add_argument("--micro_steps", default=",".join(map(str, MICRO_STEPS)), help="micro-step counts, e.g. 1,4")
+  parser.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="(groups)x(group size) layouts of the 8 devices")
+  parser.add_argument("--micro_steps", default="1,4", help="micro-step counts")
   parser.add_argument("--png", default=outputs.default("comm_volume.png"))
   parser.add_argument("--json_out", default=outputs.default("comm_volume.json"))
   args = parser.parse_args(argv)
@@ -178,15 +140,8 @@ def main(argv=None):
       zero3, paper_in, paper_across = paper_formulas(r, p, s, m)
       row = dict(r=r, p=p, s=s, M=m, M_padded=m_pad, zero3_flat=zero3, paper_inside=paper_in, paper_across=paper_across)
       for variant in VARIANTS:
-        step = mics.make_mics_step(
-          mlp_loss,
-          tx,
-          mesh,
-          layout,
-          s,
-          gather_every_micro_step=variant == "every",
-          vary_over_replica=variant != "naive",
-        )
+        every, vary = variant == "every", variant != "naive"
+        step = mics.make_mics_step(mlp_loss, tx, mesh, layout, s, gather_every_micro_step=every, vary_over_replica=vary)
         vol = mics.comm_volume(step.lower(shards, opt_state, batch).compile().as_text(), mesh)
         f_in, f_across = schedule_formulas(variant, r, p, s, m, m_pad)
         row[variant] = dict(
@@ -253,33 +208,18 @@ def main(argv=None):
 
 def _plot(rows, dims, path):
   """Bars of the measured bytes, markers for the formulas, one panel per micro_steps."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, len(MICRO_STEPS), figsize=(12, 4.5), sharey=True)
-  mb = 1e6
-  for ax, s in zip(axes, MICRO_STEPS):
+  plt = jobs.pyplot()
+  micro_steps = sorted({row["s"] for row in rows})
+  fig, axes = plt.subplots(1, len(micro_steps), figsize=(12, 4.5), sharey=True, squeeze=False)
+  axes, mb = axes[0], 1e6
+  for ax, s in zip(axes, micro_steps):
     sel = [row for row in rows if row["s"] == s]
     x = np.arange(len(sel))
     w = 0.2
-    bars = [
-      ("MiCS inside", [row["mics"]["inside"] for row in sel], "tab:blue"),
-      ("MiCS across", [row["mics"]["cross_group"] for row in sel], "tab:orange"),
-      ("gather/µstep inside", [row["every"]["inside"] for row in sel], "tab:green"),
-      ("naive across (no pcast)", [row["naive"]["cross_group"] for row in sel], "tab:red"),
-    ]
-    for k, (label, vals, color) in enumerate(bars):
-      ax.bar(x + (k - 1.5) * w, np.array(vals) / mb, w, label=label, color=color)
-    formulas = [
-      [row["mics"]["formula_inside"] for row in sel],
-      [row["mics"]["formula_cross_group"] for row in sel],
-      [row["every"]["formula_inside"] for row in sel],
-      [row["naive"]["formula_cross_group"] for row in sel],
-    ]
-    for k, vals in enumerate(formulas):
-      ax.plot(x + (k - 1.5) * w, np.array(vals) / mb, "k_", markersize=14, label="schedule formula" if k == 0 else None)
+    for k, (label, variant, key, color) in enumerate(BARS):  # measured bars, the schedule's formula on each
+      ax.bar(x + (k - 1.5) * w, [row[variant][key] / mb for row in sel], w, label=label, color=color)
+      formula = [row[variant]["formula_" + key] / mb for row in sel]
+      ax.plot(x + (k - 1.5) * w, formula, "k_", markersize=14, label=None if k else "schedule formula")
     ax.plot(x - 1.5 * w, [row["paper_inside"] / mb for row in sel], "kx", label="paper MiCS: 3s(p-1)/p M inside,")
     ax.plot(x - 0.5 * w, [row["paper_across"] / mb for row in sel], "kx", label="2(r-1)/r M/p across")
     ax.plot(x, [row["zero3_flat"] / mb for row in sel], "m^", label="flat ZeRO-3 3s(N-1)/N M")
@@ -289,9 +229,7 @@ def _plot(rows, dims, path):
   axes[0].set_ylabel("MB sent per device per optimizer step")
   axes[0].legend(fontsize=7, loc="upper left")
   fig.suptitle(f"MiCS collectives from compiled HLO, 8 simulated devices, MLP {dims} (M = {rows[0]['M'] / mb:.2f} MB)")
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=120)
-  plt.close(fig)
+  jobs.save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,19 @@
-"""How much of the id traffic a device-resident hot set serves, against its memory budget (issue 15).
+"""How much of the id traffic a device-resident hot set serves, against its memory budget.
 
-    python experiments/hot_hit_rate.py [--warmup_steps=400] [--eval_steps=200] [--vocab_scale=1]
+    python experiments/hot_hit_rate.py [--warmup_steps=400] [--eval_steps=200] [--vocab_scale=1] [--out_dir=DIR]
 
-Draws Criteo-shaped batches from the project's synthetic generator (``recsys_jax/data/synthetic.py``
-with ``configs/default.py``'s data: 26 fields of ``DEFAULT_VOCAB`` ids, Zipf exponent 1.2;
-``--vocab_scale`` multiplies every field's vocabulary). During ``--warmup_steps`` steps each
-field's distinct ids of the step go to a :class:`~recsys_jax.embeddings.frequency.FrequencyCounter`
-(one table per field, ``capacity`` = the rows of the largest budget), as the trainer's host feed
-will. Then, for every budget in bytes, the hot set is chosen as the trainer will: ONE ranking of
-all tables' candidates by count (ties: table, then id), the first ``budget // row_bytes`` rows,
-so the budget splits across tables by their measured access share. Row bytes are the weights
-and the row optimizer's slots (``--dim``, ``--optimizer``; dim 16 with adagrad: 128 B).
+Draws batches from the synthetic generator with ``configs/default.py``'s data (``--vocab_scale``
+multiplies every vocabulary). For ``--warmup_steps`` steps each field's distinct ids go to a
+``FrequencyCounter``, as the trainer's host feed does; then, per budget, the hot set is chosen as
+the trainer chooses it: one ranking of all tables' candidates by count (ties: table, then id), the
+first ``budget // row_bytes`` rows (weights and the optimizer's slots: 128 B at dim 16 with
+adagrad). On the ``--eval_steps`` steps after the warm-up it measures the hit rate (share of id
+lookups whose row is hot), the distinct hot share (of each step's distinct rows) and the cold rows
+a step (what the host sends the device). The same for rankings by exact counts: ``oracle_`` (steps
+an id appeared in, what the sketch estimates) and ``oracle_occ_`` (occurrences).
 
-Measured on the ``--eval_steps`` steps AFTER the warm-up (never on the ones counted):
-- hit rate: the share of all id lookups (occurrences, not distinct ids) whose row is hot;
-- distinct hot share: the share of each step's distinct rows that are hot; the rest (cold rows
-  per step, also reported) are what the host sends to the device every step.
-The same for two rankings from exact counts of the same warm-up: ``oracle`` (steps an id
-appeared in, what the sketch estimates) and ``oracle_occ`` (occurrences, which the host could
-count instead).
-
-Prints one JSON line per budget and a final summary line (stdout), writes them to
-``<out_dir>/hot_hit_rate.json`` and the curves to ``<out_dir>/hot_hit_rate.png``.
+Prints one JSON line per budget and a summary line; writes them to ``<out_dir>/hot_hit_rate.json``
+and the curves to ``<out_dir>/hot_hit_rate.png``.
 """
 
 from __future__ import annotations
@@ -34,21 +26,21 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import jobs, outputs
+from tqdm import tqdm
 
 from configs import default as default_config
-from recsys_jax.async_ps.optim import optimizers
 from recsys_jax.data.synthetic import TRAIN, SyntheticConfig, SyntheticData
+from recsys_jax.embeddings import device_optimizers
 from recsys_jax.embeddings.frequency import FrequencyCounter
-
-_DEFAULT_BUDGETS = [f"{1 << k}MiB" for k in range(11)]  # 1 MiB .. 1 GiB
+from recsys_jax.training.hot_rows import row_bytes
 
 _WARMUP = flags.DEFINE_integer("warmup_steps", 400, "Steps counted before the hot set is chosen.")
 _EVAL = flags.DEFINE_integer("eval_steps", 200, "Steps after the warm-up on which hits are measured.")
 _BATCH = flags.DEFINE_integer("batch_size", 4096, "Examples per step.")
-_BUDGETS = flags.DEFINE_list("budgets", _DEFAULT_BUDGETS, "Hot-set budgets: bytes, or with a KiB/MiB/GiB suffix.")
+_BUDGETS = flags.DEFINE_list("budgets", [f"{1 << k}MiB" for k in range(11)], "Budgets: bytes, or KiB/MiB/GiB.")
 _DIM = flags.DEFINE_integer("dim", 16, "Embedding width.")
-_OPT = flags.DEFINE_enum("optimizer", "adagrad", list(optimizers.NAMES), "Row optimizer (its slots are row bytes).")
+_OPT = flags.DEFINE_enum("optimizer", "adagrad", list(device_optimizers.NAMES), "Row optimizer (its slots count).")
 _SCALE = flags.DEFINE_integer("vocab_scale", 1, "Multiplies every field's vocabulary (DEFAULT_VOCAB: 76,788 ids).")
 _WIDTH = flags.DEFINE_integer("sketch_width", 1 << 16, "Count-min columns per table.")
 _DEPTH = flags.DEFINE_integer("sketch_depth", 4, "Count-min rows per table.")
@@ -67,30 +59,19 @@ def parse_bytes(text: str) -> int:
   return int(t)
 
 
-def row_bytes(dim: int, optimizer: str) -> int:
-  """Bytes of one device row: f32 weights plus the row optimizer's slots (from its own ``init``)."""
-  slots = optimizers.make(optimizer, learning_rate=0.01).init(1, dim)
-  return 4 * dim + sum(int(v.nbytes) for v in slots.values())
-
-
 class ExactCounts:
-  """Exact per-id counts of one table: steps an id appeared in, and occurrences (merged every ``every`` steps)."""
+  """Exact per-id counts of one table: steps an id appeared in, and occurrences (merged every 64 steps)."""
 
-  def __init__(self, every: int = 64):
-    self.ids = np.zeros(0, np.uint64)
-    self.steps = np.zeros(0, np.int64)
-    self.occ = np.zeros(0, np.int64)
+  def __init__(self):
+    self.ids, self.steps, self.occ = np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     self._buf: List[tuple] = []
-    self._every = every
 
   def add(self, uniq: np.ndarray, occ: np.ndarray) -> None:
     self._buf.append((uniq, occ))
-    if len(self._buf) >= self._every:
+    if len(self._buf) >= 64:
       self.flush()
 
   def flush(self) -> None:
-    if not self._buf:
-      return
     ids = np.concatenate([self.ids] + [u for u, _ in self._buf])
     steps = np.concatenate([self.steps] + [np.ones(len(u), np.int64) for u, _ in self._buf])
     occ = np.concatenate([self.occ] + [o.astype(np.int64) for _, o in self._buf])
@@ -102,8 +83,6 @@ class ExactCounts:
 
 def global_ranking(per_table: Sequence[tuple]) -> List[tuple]:
   """One ranking over all tables by count (desc), ties by table then id; per table (sorted ids, ranks)."""
-  if not per_table:
-    return []
   ids = np.concatenate([i for i, _ in per_table])
   counts = np.concatenate([c for _, c in per_table])
   table = np.concatenate([np.full(len(i), t, np.int64) for t, (i, _) in enumerate(per_table)])
@@ -121,54 +100,30 @@ def global_ranking(per_table: Sequence[tuple]) -> List[tuple]:
 
 def step_ids(batch: Dict[str, object], names: Sequence[str]) -> List[tuple]:
   """Per field: (distinct ids, occurrences) of one batch (bag padding, weight 0, left out)."""
-  weights = batch.get("sparse_weights", {})
-  out = []
-  for n in names:
-    ids = np.asarray(batch["sparse"][n]).reshape(-1)
-    if n in weights:
-      ids = ids[np.asarray(weights[n]).reshape(-1) > 0]
-    out.append(np.unique(ids, return_counts=True))
-  return out
+  ids = {n: np.asarray(batch["sparse"][n]).reshape(-1) for n in names}
+  keep = {n: np.asarray(w).reshape(-1) > 0 for n, w in batch.get("sparse_weights", {}).items()}
+  return [np.unique(ids[n][keep[n]] if n in keep else ids[n], return_counts=True) for n in names]
 
 
-def _progress(total: int):
-  try:
-    from tqdm import tqdm
-  except ImportError:  # the bar is a convenience
-    return None
-  return tqdm(total=total, desc="steps", file=sys.stderr, mininterval=1.0)
-
-
-def run(
-  warmup_steps: int,
-  eval_steps: int,
-  batch_size: int,
-  budgets: Sequence[int],
-  dim: int = 16,
-  optimizer: str = "adagrad",
-  vocab_scale: int = 1,
-  sketch_width: int = 1 << 16,
-  sketch_depth: int = 4,
-  seed: int = 0,
-) -> tuple:
-  """Runs the measurement; returns (one record per budget, the summary record)."""
-  if warmup_steps < 1 or eval_steps < 1 or batch_size < 1 or vocab_scale < 1:
-    raise ValueError("warmup_steps, eval_steps, batch_size and vocab_scale must be >= 1")
+def run(budgets: Sequence[int]) -> tuple:
+  """Runs the measurement (the other settings: the flags); returns (one record per budget, the summary record)."""
+  warmup_steps, eval_steps, batch_size, dim, seed = _WARMUP.value, _EVAL.value, _BATCH.value, _DIM.value, _SEED.value
+  if min(warmup_steps, eval_steps, batch_size, _SCALE.value) < 1:
+    raise app.UsageError("--warmup_steps, --eval_steps, --batch_size and --vocab_scale must be >= 1")
   budgets = sorted(int(b) for b in budgets)
-  rb = row_bytes(dim, optimizer)
+  rb = row_bytes(device_optimizers.make(_OPT.value, learning_rate=0.01), dim)
   if budgets[0] < rb:
-    raise ValueError(f"budget {budgets[0]} B holds no row of {rb} B")
+    raise app.UsageError(f"budget {budgets[0]} B holds no row of {rb} B")
   rows = np.array([b // rb for b in budgets], np.int64)
   data_cfg = default_config.get_config().data
-  vocab = tuple(int(v) * vocab_scale for v in data_cfg.vocab_sizes)
+  vocab = tuple(int(v) * _SCALE.value for v in data_cfg.vocab_sizes)
   data = SyntheticData(SyntheticConfig(vocab_sizes=vocab, zipf_alpha=float(data_cfg.zipf_alpha), seed=seed))
   names = data.feature_names
-  counter = FrequencyCounter(names, capacity=int(rows[-1]), width=sketch_width, depth=sketch_depth, seed=seed)
+  counter = FrequencyCounter(names, capacity=int(rows[-1]), width=_WIDTH.value, depth=_DEPTH.value, seed=seed)
   exact = [ExactCounts() for _ in names]
-  bar = _progress(warmup_steps + eval_steps)
   t_start = time.perf_counter()
   t_add = []  # per step: the counter's share of the host's work
-  for step in range(warmup_steps):
+  for step in tqdm(range(warmup_steps), desc="warm-up", file=sys.stderr, mininterval=1.0):
     per_field = step_ids(data.batch(TRAIN, step, batch_size), names)
     t0 = time.perf_counter()
     for n, (u, _) in zip(names, per_field):
@@ -176,8 +131,6 @@ def run(
     t_add.append(time.perf_counter() - t0)
     for e, (u, o) in zip(exact, per_field):
       e.add(u, o)
-    if bar is not None:
-      bar.update(1)
   for e in exact:
     e.flush()
 
@@ -191,14 +144,8 @@ def run(
   # Per source, per budget slot: occurrences / distinct ids of eval steps first hot at that budget.
   hits = {s: np.zeros(nb + 1, np.int64) for s in sources}
   dhits = {s: np.zeros(nb + 1, np.int64) for s in sources}
-  # Per source and budget: which tables get hot rows at all.
-  table_hot = {s: np.zeros((len(names), nb), bool) for s in sources}
-  for s, per_table in sources.items():
-    for t, (_, r) in enumerate(per_table):
-      if len(r):
-        table_hot[s][t] = r.min() < rows
   total_occ = total_distinct = 0
-  for step in range(warmup_steps, warmup_steps + eval_steps):
+  for step in tqdm(range(warmup_steps, warmup_steps + eval_steps), desc="eval", file=sys.stderr, mininterval=1.0):
     per_field = step_ids(data.batch(TRAIN, step, batch_size), names)
     for t, (u, o) in enumerate(per_field):
       total_occ += int(o.sum())
@@ -211,10 +158,6 @@ def run(
         first = np.searchsorted(rows, rank, side="right")  # hot at budgets[first:]
         hits[s] += np.bincount(first, weights=o, minlength=nb + 1).astype(np.int64)
         dhits[s] += np.bincount(first, minlength=nb + 1)
-    if bar is not None:
-      bar.update(1)
-  if bar is not None:
-    bar.close()
   elapsed = time.perf_counter() - t_start
 
   records = []
@@ -227,7 +170,7 @@ def run(
       rec[pre + "hit_rate"] = h / total_occ
       rec[pre + "distinct_hot_share"] = d / total_distinct
       rec[pre + "cold_rows_per_step"] = (total_distinct - d) / eval_steps
-      rec[pre + "tables_with_hot_rows"] = int(table_hot[s][:, k].sum())
+      rec[pre + "tables_with_hot_rows"] = sum(bool(len(r) and r.min() < rows[k]) for _, r in sources[s])
     records.append(rec)
   summary = {
     "summary": True,
@@ -238,15 +181,14 @@ def run(
     "vocab_total": int(sum(vocab)),
     "zipf_alpha": float(data_cfg.zipf_alpha),
     "dim": dim,
-    "optimizer": optimizer,
+    "optimizer": _OPT.value,
     "row_bytes": rb,
-    "sketch_width": sketch_width,
-    "sketch_depth": sketch_depth,
+    "sketch_width": _WIDTH.value,
+    "sketch_depth": _DEPTH.value,
     "rows_seen_in_warmup": ranked["oracle"],
     "sketch_candidates": ranked["sketch"],
     "counter_mib": counter.nbytes() / (1 << 20),
-    # median: the first step compiles the kernels
-    "counter_add_ms_per_step": 1e3 * float(np.median(t_add)),
+    "counter_add_ms_per_step": 1e3 * float(np.median(t_add)),  # median: the first step compiles the kernels
     "eval_distinct_rows_per_step": total_distinct / eval_steps,
     "eval_lookups_per_step": total_occ / eval_steps,
     "elapsed_s": elapsed,
@@ -255,11 +197,7 @@ def run(
 
 
 def plot(records: Sequence[dict], summary: dict, path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = jobs.pyplot()
   mib = [r["budget_mib"] for r in records]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   seen_mib = summary["rows_seen_in_warmup"] * summary["row_bytes"] / (1 << 20)
@@ -288,25 +226,12 @@ def plot(records: Sequence[dict], summary: dict, path: str) -> None:
     f"Zipf {summary['zipf_alpha']})",
     fontsize=10,
   )
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
-  plt.close(fig)
+  jobs.save_plot(fig, path)
 
 
 def main(argv):
   del argv
-  records, summary = run(
-    _WARMUP.value,
-    _EVAL.value,
-    _BATCH.value,
-    [parse_bytes(b) for b in _BUDGETS.value],
-    dim=_DIM.value,
-    optimizer=_OPT.value,
-    vocab_scale=_SCALE.value,
-    sketch_width=_WIDTH.value,
-    sketch_depth=_DEPTH.value,
-    seed=_SEED.value,
-  )
+  records, summary = run([parse_bytes(b) for b in _BUDGETS.value])
   lines = [json.dumps(r) for r in records] + [json.dumps(summary)]
   outputs.write_text(os.path.join(_OUT.value, "hot_hit_rate.json"), "\n".join(lines) + "\n")
   plot(records, summary, os.path.join(_OUT.value, "hot_hit_rate.png"))

@@ -1,33 +1,20 @@
-"""Online vs frozen on a stream whose click rates drift: progressive AUC over the stream (issue 29).
+"""Online vs frozen on a stream whose click rates drift: progressive AUC over the stream.
 
-    python experiments/online_drift.py                 # about 4 minutes on 2 shared cores
-    python experiments/online_drift.py --steps=1200 --freeze_at=300
-    python experiments/online_drift.py --out=experiments/results/online_drift   # the committed results
+    python experiments/online_drift.py [--steps=900] [--freeze_at=300] [--log_every=30] [--nocontrol] [--out=PATH]
 
-The synthetic teacher drifts (``config.data.drift_records``, ``recsys_jax/data/synthetic.py``): each
-id's effect and interaction vector turn toward independent ones, a quarter turn every
-``drift_records`` records, so which ids click changes while the click rate does not. By default the
-quarter turn takes the whole stream: the teacher of the last record is independent of the first's,
-and the frozen model, which learned from records before ``--freeze_at``, scores the last records
-with id effects that have turned by 60 to 90 degrees (default flags; correlation 0.5 to 0) from the ones it learned.
+The synthetic teacher drifts (``config.data.drift_records``): each id's effect turns toward an
+independent one, a quarter turn every ``--drift_records`` records (by default over the whole
+stream), so which ids click changes while the click rate does not. Two models see the same records
+in the same order, scored by progressive validation (each batch scored before it is trained on;
+one point per ``--log_every`` steps, over that interval's records): online trains on every batch;
+frozen is the same run's checkpoint at ``--freeze_at``, then scored on the rest with no update
+(``config.device_step = 'score'``). With ``--control`` (the default) the same pair runs on the
+fixed teacher: there the online lead is what more training alone buys. The oracle's progressive
+AUC (the teacher's own probabilities) is the ceiling. Each run ends with an offline evaluation on a
+time-ordered split (``config.data.eval_at_record``: records of the teacher at the stream's end).
 
-Two models see the same records in the same order, scored by progressive validation (each batch
-scored before it is trained on, ``config.progressive``; one point per ``--log_every`` steps, over
-that interval's events):
-
-- online: trains on every batch of the stream, ``--steps`` steps;
-- frozen: the same run up to ``--freeze_at`` (its checkpoint, copied), then scored on the rest
-  of the stream with no update (``config.device_step = 'score'``: the training step's forward
-  pass, nothing changed).
-
-The same pair runs on the same data without drift (``--control``, on by default): there the online
-model's lead is what more training alone buys, so the drift's share of the margin is the difference.
-The oracle's progressive AUC (the teacher's own probabilities, over the same intervals) is the ceiling.
-Each run also ends with an offline evaluation on a time-ordered split: eval records drawn from the
-teacher as it stands at the end of the stream (``config.data.eval_at_record``).
-
-Prints each run's mean progressive AUC after the freeze, the margin, and, last, one JSON line; writes
-``<out>.json`` and ``<out>.png`` (default ``runs/experiments/online_drift``).
+Prints each run's mean progressive AUC after the freeze and the margin, and, last, one JSON line;
+writes ``<out>.json`` and a plot of the curves to ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ import tempfile
 
 import numpy as np
 from absl import app, flags, logging
-from harness import outputs
+from harness import jobs, outputs
 from ml_collections import config_flags
 
 from recsys_jax import metrics, train
@@ -50,24 +37,18 @@ _STEPS = flags.DEFINE_integer("steps", 900, "Steps of the whole stream.")
 _FREEZE = flags.DEFINE_integer("freeze_at", 300, "The step after which the frozen model stops training.")
 _BATCH = flags.DEFINE_integer("batch_size", 2048, "Records per step.")
 _LOG = flags.DEFINE_integer("log_every", 30, "Steps per progressive point (the window is that many steps' records).")
-_DRIFT = flags.DEFINE_integer(
-  "drift_records", 0, "Records per quarter turn of the teacher (0: the whole stream, steps x batch_size)."
-)
+_DRIFT = flags.DEFINE_integer("drift_records", 0, "Records per quarter turn of the teacher (0: the whole stream).")
 _CONTROL = flags.DEFINE_bool("control", True, "Also run both models on the same data without drift.")
 _EVAL = flags.DEFINE_integer("eval_samples", 32768, "Records of the time-ordered eval split (at the stream's end).")
 _OUT = flags.DEFINE_string("out", outputs.default("online_drift"), "Output path without extension.")
 
 
 def _config(drift_records: int):
-  c = _CONFIG.value.copy_and_resolve_references()
-  c.batch_size, c.log_every = _BATCH.value, _LOG.value
-  c.progressive.window = _LOG.value * _BATCH.value  # each point: the last interval's records
-  c.data.drift_records = drift_records
-  c.data.eval_at_record = _STEPS.value * _BATCH.value  # the offline eval: what follows the stream
-  c.eval_samples = _EVAL.value
-  c.eval_batch_size = min(c.eval_batch_size, _EVAL.value)
-  c.checkpoint_every, c.eval_every, c.progress_bar = 0, 0, False
-  return c
+  fields = {"batch_size": _BATCH.value, "log_every": _LOG.value, "data.drift_records": drift_records}
+  fields["progressive.window"] = _LOG.value * _BATCH.value  # each point: the last interval's records
+  fields["data.eval_at_record"] = _STEPS.value * _BATCH.value  # the offline eval: what follows the stream
+  fields.update(eval_samples=_EVAL.value, eval_batch_size=min(_CONFIG.value.eval_batch_size, _EVAL.value))
+  return jobs.job_config(_CONFIG.value, **fields)
 
 
 def _curve(workdir: str, after: int = 0) -> list:
@@ -99,9 +80,8 @@ def run_pair(drift_records: int, root: str) -> dict:
   c.device_step = "score"
   fr = train.train_and_evaluate(c, frozen)
   curve_on, curve_fr = _curve(online), _curve(frozen, after=_FREEZE.value)
-  after = {s for s, _, _ in curve_fr}
-  both = [(s, a) for s, a, _ in curve_on if s in after]
-  fr_auc = dict((s, a) for s, a, _ in curve_fr)
+  fr_auc = {s: a for s, a, _ in curve_fr}
+  both = [(s, a) for s, a, _ in curve_on if s in fr_auc]
   margins = [a - fr_auc[s] for s, a in both]
   oracle = _oracle(c, [s for s, _ in both])
   return {
@@ -122,19 +102,14 @@ def run_pair(drift_records: int, root: str) -> dict:
 
 
 def plot(results: dict, path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = jobs.pyplot()
   fig, ax = plt.subplots(figsize=(9, 5))
   B = _BATCH.value
   for name, r in results.items():
     ls = "-" if name == "drift" else "--"
     for key, colour in (("online", "C0"), ("frozen", "C3"), ("oracle", "gray")):
-      pts = r[key]
-      label = f"{key} ({name})"
-      ax.plot([p["step"] * B / 1e6 for p in pts], [p["auc"] for p in pts], ls=ls, color=colour, label=label, lw=1.3)
+      x, y = [p["step"] * B / 1e6 for p in r[key]], [p["auc"] for p in r[key]]
+      ax.plot(x, y, ls=ls, color=colour, label=f"{key} ({name})", lw=1.3)
   ax.axvline(_FREEZE.value * B / 1e6, color="k", lw=0.8, ls=":", label="frozen from here")
   ax.set(
     xlabel="records of the stream (M)",
@@ -142,8 +117,7 @@ def plot(results: dict, path: str) -> None:
     title="Online vs frozen on a drifting teacher (solid) and a fixed one (dashed)",
   )
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
+  jobs.save_plot(fig, path)
 
 
 def main(argv):
@@ -160,9 +134,7 @@ def main(argv):
     for name, d in settings.items():
       print(f"{name} (drift_records={d}): online to step {_STEPS.value}, frozen from {_FREEZE.value} ...", flush=True)
       results[name] = run_pair(d, os.path.join(root, name))
-  print(
-    "\n| data | online mean AUC | frozen mean AUC | oracle | margin (mean, last) | online ahead | offline eval on/frozen |"
-  )
+  print("\n| data | online, mean AUC | frozen | oracle | margin (mean, last) | online ahead | offline on/frozen |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   line = {"steps": _STEPS.value, "freeze_at": _FREEZE.value, "batch_size": _BATCH.value, "drift_records": drift}
   for name, r in results.items():

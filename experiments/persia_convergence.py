@@ -1,27 +1,19 @@
 """Persia's convergence claim: hybrid training (async embeddings, sync dense) matches sync.
 
-    python experiments/persia_convergence.py            # small default, about 20 minutes on 2 shared cores
-    python experiments/persia_convergence.py --full     # the main job's 2000 steps on synthetic data
-    python experiments/persia_convergence.py --hot_bytes=1048576   # another hot-row budget (0: no hot runs)
+    python experiments/persia_convergence.py [--full] [--staleness=0,1,4,16] [--async_k=4] [--hot_bytes=N] [--out=PATH]
 
-Persia (Lian et al., KDD 2022) reports that hybrid training, with embedding lookups and
-updates running k steps ahead of the synchronous dense step, stays within 0.1% AUC of fully
-synchronous training and trains faster, while making the dense part asynchronous too costs
-0.5 to 1% AUC. This script trains one model on two data sets synchronously (k = 0), hybrid
-(k in {1, 4, 16}, ``config.staleness``) and fully asynchronous (embeddings k = 4 steps stale and
-dense gradients applied 4 steps late, ``config.dense_staleness``), and records eval AUC against
-samples seen and against training wall time (evaluations excluded): synthetic Criteo-like data
-(``configs/dlrm.py``, whose oracle AUC is the ceiling) and MovieLens (``configs/movielens.py``).
+Persia (Lian et al., KDD 2022) reports that hybrid training, embedding lookups and updates k
+steps ahead of the synchronous dense step, stays within 0.1% AUC of synchronous training, while
+an asynchronous dense part too costs 0.5 to 1%. This trains one model synchronously (k = 0),
+hybrid (``config.staleness`` = each k), hybrid with the hot rows on the device at each k (the
+config's ``hot_rows_bytes``, or ``--hot_bytes``; the others set it to 0) and fully asynchronous
+(``--async_k`` for embeddings and ``config.dense_staleness``), on synthetic data (``configs/dlrm.py``,
+600 steps, ``--full`` 2000; its oracle AUC is the ceiling) and MovieLens (``configs/movielens.py``),
+and records eval AUC against samples seen and training wall time, with the hot rows' hit rate,
+rows held and host -> device rows a step.
 
-Issue 15 adds "hybrid + hot rows" at every k: the most frequent ids live on the device and
-train synchronously, the rest go through the PS k steps stale (``recsys_jax/training/hot_rows.py``),
-with the config's ``hot_rows_bytes`` (``--hot_bytes`` overrides it). The config turns hot rows on
-by default, so sync, plain hybrid and fully async set ``hot_rows_bytes = 0``: they stay the plain
-synchronous reference and Persia's two baselines. Hot runs also record the hit rate, the rows
-held on the device, the cold rows and the host -> device row bytes per step.
-
-Writes ``runs/experiments/persia_convergence.json`` and ``.png`` (``--out=experiments/results/persia_convergence``
-updates the committed ones); prints a table and, last, one JSON line.
+Prints a table and, last, one JSON line (per data set and run: AUC, its difference to sync,
+samples/s, hot figures); writes ``<out>.json`` and a plot of the curves to ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -30,23 +22,17 @@ import json
 import tempfile
 
 from absl import app, flags, logging
-from harness import outputs
+from harness import jobs, outputs
 
 from configs import dlrm, movielens, tiny
 from recsys_jax import train
 
-_FULL = flags.DEFINE_bool("full", False, "Synthetic data at the main job's 2000 steps (about 10 minutes a run).")
+_FULL = flags.DEFINE_bool("full", False, "Synthetic data at the main job's 2000 steps.")
 _STALENESS = flags.DEFINE_list("staleness", ["0", "1", "4", "16"], "k values; 0 is synchronous.")
 _ASYNC = flags.DEFINE_integer("async_k", 4, "Staleness of the fully asynchronous run (0: skip it).")
-_HOT = flags.DEFINE_integer(
-  "hot_bytes", -1, "Hot-row budget of the hybrid + hot runs, bytes (-1: the config's hot_rows_bytes; 0: no hot runs)."
-)
+_HOT = flags.DEFINE_integer("hot_bytes", -1, "Hot-row budget of the hybrid + hot runs (-1: the config's; 0: none).")
 _OUT = flags.DEFINE_string("out", outputs.default("persia_convergence"), "Output path without extension.")
-_SMOKE = flags.DEFINE_bool(
-  "smoke",
-  False,
-  "A tiny run that checks the script works (the test suite's): synthetic data at configs/tiny.py's sizes, 8 steps of 256, k = 0 and 2.",
-)
+_SMOKE = flags.DEFINE_bool("smoke", False, "A tiny run (the test suite's): configs/tiny.py's sizes, 8 steps, k = 0, 2.")
 
 
 def _datasets():
@@ -61,11 +47,8 @@ def _datasets():
     syn.num_steps, syn.eval_every, syn.batch_size = 8, 4, 256
     # configs/tiny.py's 8 small tables and MLP, not dlrm.py's 26: compiling the steps is most of the run
     small = tiny.get_config()
-    syn.data.vocab_sizes, syn.embeddings.dim, syn.model.kwargs = (
-      small.data.vocab_sizes,
-      small.embeddings.dim,
-      small.model.kwargs,
-    )
+    syn.data.vocab_sizes, syn.embeddings.dim = small.data.vocab_sizes, small.embeddings.dim
+    syn.model.kwargs = small.model.kwargs
     syn.eval_samples = syn.eval_batch_size = 1024
     syn.hot_warmup_steps, syn.hot_every = 2, 4
     return {"synthetic": syn}
@@ -73,10 +56,8 @@ def _datasets():
 
 
 def run(config, k: int, dense_k: int = 0, hot_bytes: int = 0) -> dict:
-  c = config.copy_and_resolve_references()
-  c.staleness, c.dense_staleness = k, dense_k
-  c.hot_rows_bytes = hot_bytes  # explicit: the config's default turns hot rows on
-  c.progress_bar = False
+  c = config.copy_and_resolve_references()  # hot_rows_bytes set always: the config's default turns hot rows on
+  c.update({"staleness": k, "dense_staleness": dense_k, "hot_rows_bytes": hot_bytes, "progress_bar": False})
   with tempfile.TemporaryDirectory() as workdir:
     s = train.train_and_evaluate(c, workdir)
   curve = [{"samples": e["samples"], "train_s": e["train_s"], "auc": e["auc"]} for e in s["evals"]]
@@ -94,15 +75,11 @@ def run(config, k: int, dense_k: int = 0, hot_bytes: int = 0) -> dict:
   }
 
 
-def _mib(n: int) -> str:
-  return f"{n / 2**20:g} MiB"
-
-
 def _mode(r: dict) -> str:
   if r["dense_k"]:
     return f"fully async k={r['k']}"
   if r["hot_bytes"]:
-    return f"hybrid k={r['k']} + hot {_mib(r['hot_bytes'])}"
+    return f"hybrid k={r['k']} + hot {r['hot_bytes'] / 2**20:g} MiB"
   return "sync (k=0)" if r["k"] == 0 else f"hybrid k={r['k']}"
 
 
@@ -118,18 +95,12 @@ def _style(r: dict, ks: list) -> dict:
   """Line style: one colour per k (sync black), dashed with hot rows, dotted for fully async."""
   if r["dense_k"]:
     return {"color": "C3", "ls": ":"}
-  if r["k"] == 0:
-    return {"color": "black", "ls": "--" if r["hot_bytes"] else "-"}
-  hybrid = [k for k in ks if k]
-  return {"color": _COLOURS[hybrid.index(r["k"]) % len(_COLOURS)], "ls": "--" if r["hot_bytes"] else "-"}
+  colour = "black" if r["k"] == 0 else _COLOURS[[k for k in ks if k].index(r["k"]) % len(_COLOURS)]
+  return {"color": colour, "ls": "--" if r["hot_bytes"] else "-"}
 
 
 def plot(results: dict, ks: list, path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = jobs.pyplot()
   fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.5 * len(results)), squeeze=False)
   for row, (name, runs) in enumerate(results.items()):
     for r in runs:
@@ -143,8 +114,11 @@ def plot(results: dict, ks: list, path: str) -> None:
     axes[row][0].set(title=f"{name}: eval AUC vs samples", xlabel="samples seen (M)", ylabel="eval AUC")
     axes[row][1].set(title=f"{name}: eval AUC vs training time", xlabel="training wall time (s)", ylabel="eval AUC")
     axes[row][0].legend(fontsize=7)
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
+  jobs.save_plot(fig, path)
+
+
+# The hot rows' figures in the JSON line, and their rounding (None: to an integer).
+HOT_FIGURES = {"hot_hit_rate": 4, "hot_rows_held": None, "cold_rows_per_step": 1, "h2d_row_bytes_per_step": None}
 
 
 def _row(name: str, r: dict, sync: dict) -> tuple:
@@ -169,11 +143,7 @@ def _row(name: str, r: dict, sync: dict) -> tuple:
     f"{key}_vs_sync_pct": round(r["vs_sync_pct"], 3),
     f"{key}_samples_per_sec": round(r["samples_per_sec"]),
   }
-  if h:
-    line[f"{key}_hot_hit_rate"] = round(h["hot_hit_rate"], 4)
-    line[f"{key}_hot_rows_held"] = round(h["hot_rows_held"])
-    line[f"{key}_cold_rows_per_step"] = round(h["cold_rows_per_step"], 1)
-    line[f"{key}_h2d_row_bytes_per_step"] = round(h["h2d_row_bytes_per_step"])
+  line.update({f"{key}_{k}": round(h[k], digits) for k, digits in HOT_FIGURES.items()} if h else {})
   return text, line
 
 
@@ -188,9 +158,7 @@ def main(argv):
   if 0 not in ks:
     raise app.UsageError("--staleness must include 0: the synchronous run is the reference")
   if _HOT.value < -1:
-    raise app.UsageError(
-      f"--hot_bytes must be -1 (the config's budget), 0 (no hot runs) or a byte count, not {_HOT.value}"
-    )
+    raise app.UsageError(f"--hot_bytes={_HOT.value}: -1 (the config's budget), 0 (no hot runs) or bytes")
   results = {}
   for name, config in _datasets().items():
     hot_bytes = int(config.hot_rows_bytes) if _HOT.value == -1 else _HOT.value
@@ -199,13 +167,13 @@ def main(argv):
       print(f"{name}, {'sync' if k == 0 else 'hybrid'} k={k} ...", flush=True)
       results[name].append(run(config, k))
     for k in [k for k in ks if k] if hot_bytes else []:
-      print(f"{name}, hybrid k={k} + hot {_mib(hot_bytes)} ...", flush=True)
+      print(f"{name}, hybrid k={k} + hot {hot_bytes / 2**20:g} MiB ...", flush=True)
       results[name].append(run(config, k, hot_bytes=hot_bytes))
     if _ASYNC.value:
       print(f"{name}, fully async k={_ASYNC.value} ...", flush=True)
       results[name].append(run(config, _ASYNC.value, _ASYNC.value))
   print(
-    "\n| data | mode | eval AUC | vs sync | samples/s | hot hit rate | hot rows held | cold rows/step | h2d rows KiB/step |"
+    "\n| data | mode | eval AUC | vs sync | samples/s | hot hit rate | hot rows held | cold rows/step | h2d KiB/step |"
   )
   print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   line = {}

@@ -1,13 +1,11 @@
 """Every model of the zoo on MovieLens, and DIN with and without the history sequence.
 
-    python experiments/zoo_movielens.py                 # all runs, about 5 minutes on 2 cores
-    python experiments/zoo_movielens.py --models=din,din_no_history
+    python experiments/zoo_movielens.py [--models=din,din_no_history] [--steps=N] [--path=DIR] [--out=FILE]
 
-Each run is ``configs/<model>.py`` (``configs/movielens.py`` for DLRM) trained from scratch in
-a temporary workdir with ``train.train_and_evaluate``, exactly as ``python -m recsys_jax.main
---config=configs/<model>.py`` would. Prints a markdown table (eval AUC, logloss, samples/s,
-wall time), writes ``runs/experiments/zoo_movielens.json`` (``--out=experiments/results/zoo_movielens.json``
-updates the committed one) and, last, one JSON line.
+Each run is ``configs/<model>.py`` (``configs/movielens.py`` for DLRM) trained from scratch in a
+temporary workdir by ``train.train_and_evaluate``, as ``python -m recsys_jax.main`` would, beside a
+count baseline that learns nothing. Prints a markdown table (eval AUC, logloss, samples/s, wall
+time) and, last, one JSON line; writes every run's figures to ``--out``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import time
 
 import numpy as np
 from absl import app, flags, logging
-from harness import outputs
+from harness import outputs, stats
 
 from configs import dcn_v2, deepfm, din, movielens, wide_deep
 from recsys_jax import metrics, train
@@ -26,14 +24,8 @@ from recsys_jax.data import base
 from recsys_jax.data.get import find_movielens
 from recsys_jax.data.movielens import MovieLensFormat
 
-RUNS = {
-  "dlrm": movielens.get_config,
-  "dcn_v2": dcn_v2.get_config,
-  "deepfm": deepfm.get_config,
-  "wide_deep": wide_deep.get_config,
-  "din": din.get_config,
-  "din_no_history": din.get_config,
-}
+RUNS = {"dlrm": movielens.get_config, "dcn_v2": dcn_v2.get_config, "deepfm": deepfm.get_config}
+RUNS.update(wide_deep=wide_deep.get_config, din=din.get_config, din_no_history=din.get_config)
 _MODELS = flags.DEFINE_list("models", list(RUNS), f"Runs to do, from {list(RUNS)}.")
 _PATH = flags.DEFINE_string("path", None, "MovieLens directory (default: the configs' data.path).")
 _STEPS = flags.DEFINE_integer("steps", None, "Override num_steps (default: the configs').")
@@ -68,11 +60,8 @@ def run(name: str) -> dict:
 
 
 def count_baseline() -> dict:
-  """No learning: smoothed click rates of the user and of the movie in the train split.
-
-  logit = logit(user rate) + logit(movie rate) - logit(global rate), each rate shrunk toward
-  the global one (5 and 20 pseudo-counts): the bar a model must clear.
-  """
+  """No learning, the bar a model must clear: logit = logit(user rate) + logit(movie rate) - logit(global
+  rate), click rates of the train split shrunk toward the global one (5 and 20 pseudo-counts)."""
   c = movielens.get_config()
   if _PATH.value:
     c.data.path = _PATH.value
@@ -108,11 +97,9 @@ def main(argv):
     rows.append(run(name))
   print("\n| run | eval AUC | eval logloss | samples/s | wall s |")
   print("| --- | --- | --- | --- | --- |")
-  for r in rows:
-    if "wall_s" not in r:
-      print(f"| {r['run']} | {r['auc']:.4f} | {r['logloss']:.4f} | - | - |")
-      continue
-    print(f"| {r['run']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_sec']:,.0f} | {r['wall_s']:.0f} |")
+  for r in rows:  # the count baseline has no samples/s or wall time
+    sps, wall = stats.fmt(r.get("samples_per_sec"), ",.0f"), stats.fmt(r.get("wall_s"), ".0f")
+    print(f"| {r['run']} | {r['auc']:.4f} | {r['logloss']:.4f} | {sps} | {wall} |")
   by = {r["run"]: r for r in rows}
   result = {"rows": rows}
   if "din" in by and "din_no_history" in by:
