@@ -1,15 +1,16 @@
-"""bench_ps's ram configuration for several checkouts at once, batch by batch in turn, on a shared machine.
+"""bench_ps's ram configuration for several checkouts at once, batch by batch in turn, under one load.
 
     python experiments/ps_lockstep.py --rounds=120 [--rows=100000] old=/tmp/psb_4ff02be new=.
 
-Each ``name=path`` starts one process with ``PYTHONPATH=path`` (a ``git worktree add`` of the
-commit to compare), which builds and prefills its own PS as ``bench_ps.py`` does (26 tables of
-``--rows`` ids, 100k by default, dim 64, Adagrad) and then times one ``lookup_many`` + ``apply_many`` per line it is
-sent. The processes take turns (the order reversed every round) and a 256 MiB memcpy is timed
-every 4 rounds, so the load of the machine, which moves whole-run figures by 20-40% and more
-here, falls on every checkout alike. Prints, per checkout, the median per-batch lookup and
-apply rates (wall and thread CPU time) and the fraction of the median memcpy (bytes as
-``bench_ps.py`` counts them), after 3 untimed rounds, and last one JSON line of them. Issue 14 bisected bench_ps's drop with it.
+Each ``name=path`` starts one process whose ``recsys_jax`` is that checkout's (``PYTHONPATH=path``,
+e.g. a ``git worktree add`` of the commit to compare); the workload (``harness.data`` and
+``harness.ps``, as ``bench_ps.py`` builds it: 26 Adagrad tables of ``--rows`` ids, dim 64, prefilled)
+comes from this tree's experiments/harness. Each process times one ``lookup_many`` + ``apply_many``
+per line it is sent; the processes take turns (the order reversed every round) and a 256 MiB
+memcpy is timed every 4 rounds, so the machine's load falls on every checkout alike. Prints, per
+checkout, the median per-batch lookup and apply rates (wall and thread CPU time) and the fraction of
+the median memcpy (bytes as ``bench_ps.py`` counts them), after 3 untimed rounds, and last one JSON
+line of them.
 """
 
 from __future__ import annotations
@@ -21,25 +22,22 @@ import subprocess
 import sys
 import time
 
-_ROW_BYTES = 7 * 64 * 4  # lookup: 2 rows; apply: gradient + row and slot read and written (bench_ps)
+from harness import data  # this tree's: the script's folder is first on sys.path
+from harness.ps import Memcpy, adagrad_specs, grads, prefill, row_bytes
+
+_DIM = 64
 
 
 def child(rows: int) -> None:
   """Serves 'go I' (time batch I) and 'memcpy' lines on stdin, one JSON answer each."""
-  import bench_ps  # from this checkout of the experiments (the script's folder), the PS from PYTHONPATH
-  import numpy as np
+  from recsys_jax.async_ps.store.ps import ParameterServer  # the checkout's: PYTHONPATH
 
-  from recsys_jax.async_ps.store.ps import ParameterServer
-  from recsys_jax.embeddings.specs import TableSpec
-
-  batches = bench_ps.zipf_batches(20, rows, 1.1, 4096, 26)
+  batches = data.zipf_batches(20, rows, 1.1, 4096, 26)
   names = list(batches[0])
-  kw = (("learning_rate", 0.05),)
-  ps = ParameterServer([TableSpec(name=t, dim=64, optimizer="adagrad", optimizer_kwargs=kw) for t in names])
-  step = bench_ps.prefill(ps, names, rows)
-  rng = np.random.default_rng(1)
-  grads = rng.standard_normal((max(len(v) for b in batches for v in b.values()), 64)).astype(np.float32) * 1e-3
-  mem = bench_ps.Memcpy(1)
+  ps = ParameterServer(adagrad_specs(names, _DIM))
+  step = prefill(ps, names, rows)
+  g = grads(max(len(v) for b in batches for v in b.values()), _DIM)
+  mem = Memcpy(1)
   print("ready", flush=True)
   for line in sys.stdin:
     cmd, i = line.split()
@@ -52,7 +50,7 @@ def child(rows: int) -> None:
     c0, t0 = time.thread_time(), time.perf_counter()
     ps.lookup_many(b, create=True, step=step)
     c1, t1 = time.thread_time(), time.perf_counter()
-    ps.apply_many({t: (ids, grads[: len(ids)]) for t, ids in b.items()}, step=step)
+    ps.apply_many({t: (ids, g[: len(ids)]) for t, ids in b.items()}, step=step)
     c2, t2 = time.thread_time(), time.perf_counter()
     rows = sum(len(v) for v in b.values())
     print(json.dumps({"rows": rows, "lw": t1 - t0, "aw": t2 - t1, "lc": c1 - c0, "ac": c2 - c1}), flush=True)
@@ -102,8 +100,8 @@ def main(argv) -> None:
   bw = statistics.median(copies)
   print(f"memcpy median {bw / 1e9:.1f} GB/s, max {max(copies) / 1e9:.1f} (n={len(copies)}), load {os.getloadavg()}")
 
-  def frac(lookup, apply):
-    return _ROW_BYTES / (1 / lookup + 1 / apply) / bw
+  def frac(lookup, apply):  # bytes moved per second over the memcpy's
+    return sum(row_bytes(_DIM)[:2]) / (1 / lookup + 1 / apply) / bw
 
   line = {"memcpy_bytes_per_s": bw, "load_avg": os.getloadavg()[0]}
   for n, v in res.items():
