@@ -2,9 +2,8 @@
 
     python experiments/bench_cache.py [--lines=100000] [--files=4] [--batch_size=8192] [--train] [--json_out=FILE]
 
-Writes ``--files`` Criteo-format TSV files of ``--lines`` records each (the generator of
-``experiments/bench_readers.py``: 13 integers with 20% missing, 26 8-hex-digit ids with 10%
-missing) in a temporary directory, then:
+Writes ``--files`` Criteo-format TSV files of ``--lines`` records each (``harness.data.criteo_text``)
+in a temporary directory, then:
 
 1. Storage of one Criteo-shape chunk (the first ``--chunk_records`` records, parsed: label,
    13 float32 dense, 26 uint64 ids), best of ``--repeats``: time to read it back into numpy
@@ -34,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import os
 import platform
 import tempfile
@@ -41,27 +41,23 @@ import time
 import zlib
 from typing import Callable, Dict
 
-import bench_readers  # experiments/bench_readers.py, beside this script
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 from absl import app, flags
-from bench_readers import best_of, criteo_text
+from harness import outputs
+from harness.data import criteo_text
+from harness.stats import best_of
 
 from configs import default, tiny
 from recsys_jax.data import base, chunkfile, readers
 from recsys_jax.data.criteo import CriteoFormat
 
-# --lines, --chunk_records, --repeats, --seed and --json_out are bench_readers' flags (imported with it).
-_LINES, _CHUNK, _REPEATS, _SEED, _JSON_OUT = (
-  bench_readers._LINES,
-  bench_readers._CHUNK,
-  bench_readers._REPEATS,
-  bench_readers._SEED,
-  bench_readers._JSON_OUT,
-)
-flags.set_default(_LINES, 100_000)
-flags.set_default(_REPEATS, 20)
+_LINES = flags.DEFINE_integer("lines", 100_000, "Records per generated file.")
+_CHUNK = flags.DEFINE_integer("chunk_records", 8192, "Records per chunk (the default of data/stream.py).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed passes of each storage and checksum; the best is kept.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 _FILES = flags.DEFINE_integer("files", 4, "Generated TSV files (of --lines records each).")
 _BATCH = flags.DEFINE_integer("batch_size", 8192, "Records per batch.")
 _EPOCH_REPEATS = flags.DEFINE_integer("epoch_repeats", 3, "Passes of each later-run variant; the best is kept.")
@@ -253,7 +249,10 @@ def main(argv):
   if tr:
     print(f"training configs/tiny.py one epoch, samples/s: tsv {tr['tsv']:,.0f}, warm cache {tr['warm']:,.0f}")
     print(f"  (the run filling the cache: {tr['fill']:,.0f}); warm / tsv {tr['ratio']:.2f}")
-  bench_readers.print_json(result)
+  line = json.dumps(result, sort_keys=True)
+  if _JSON_OUT.value:
+    outputs.write_text(_JSON_OUT.value, line + "\n")
+  print(line)
 
 
 if __name__ == "__main__":

@@ -30,14 +30,14 @@ import itertools
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import data, outputs
+from harness.stats import best_of
 
 from recsys_jax.data import base
 from recsys_jax.data.avazu import HEADER, AvazuFormat
@@ -48,26 +48,6 @@ _CHUNK = flags.DEFINE_integer("chunk_records", 8192, "Records per chunk (the def
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes per file; the best is kept.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
-
-
-def _join_rows(columns: List[np.ndarray], sep: str) -> bytes:
-  """Joins string columns (equal length) into lines of text, one record a line."""
-  rows = zip(*(c.tolist() for c in columns))
-  return "".join(sep.join(r) + "\n" for r in rows).encode()
-
-
-def criteo_text(n: int, rng: np.random.Generator) -> bytes:
-  """``n`` Criteo records: label, 13 integers, 26 hex ids; some values missing or negative."""
-  cols = [np.where(rng.random(n) < 0.25, "1", "0")]
-  for _ in range(13):
-    v = (rng.pareto(1.0, n) * 3).astype(np.int64)
-    v = np.where(rng.random(n) < 0.05, -rng.integers(1, 4, n), v)
-    cols.append(np.where(rng.random(n) < 0.2, "", v.astype(str)))
-  for _ in range(26):
-    vocab = rng.integers(0, 2**32, 50_000)
-    ids = np.char.mod("%08x", vocab[np.minimum(rng.zipf(1.2, n), vocab.shape[0]) - 1])
-    cols.append(np.where(rng.random(n) < 0.1, "", ids))
-  return _join_rows(cols, "\t")
 
 
 def avazu_text(n: int, rng: np.random.Generator) -> bytes:
@@ -91,7 +71,7 @@ def avazu_text(n: int, rng: np.random.Generator) -> bytes:
   cols += [ints(0, 6), ints(0, 6), ints(375, 24_050), ints(120, 1_025), ints(20, 1_025)]
   cols += [ints(112, 2_758), ints(0, 4), ints(33, 1_960), np.where(rng.random(n) < 0.5, "-1", ints(100_000, 100_250))]
   cols += [ints(1, 256)]
-  return (",".join(HEADER) + "\n").encode() + _join_rows(cols, ",")
+  return (",".join(HEADER) + "\n").encode() + data.join_rows(cols, ",")
 
 
 def naive_criteo(lines: List[bytes]) -> base.Columns:
@@ -108,15 +88,6 @@ def naive_criteo(lines: List[bytes]) -> base.Columns:
     "dense": base.log1p_dense(np.asarray(dense, np.int64)),
     "sparse": {f"C{j + 1}": base.hash_ints(c[:, j], f"C{j + 1}")[:, None] for j in range(26)},
   }
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
 
 
 def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int) -> Dict[str, float]:
@@ -171,15 +142,6 @@ def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> 
   return out
 
 
-def print_json(result: Dict[str, object]) -> None:
-  """Prints ``result`` as the last stdout line, one JSON object; also writes it to ``--json_out``."""
-  line = json.dumps(result, sort_keys=True)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n")
-  print(line)
-  sys.stdout.flush()
-
-
 def main(argv):
   del argv
   n, chunk, repeats = _LINES.value, _CHUNK.value, _REPEATS.value
@@ -188,7 +150,7 @@ def main(argv):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for name, fmt, make, file_name in (
-      ("criteo", CriteoFormat(), criteo_text, "day_0"),
+      ("criteo", CriteoFormat(), data.criteo_text, "day_0"),
       ("avazu", AvazuFormat(), avazu_text, "train"),
     ):
       text = make(n, rng)
@@ -227,7 +189,10 @@ def main(argv):
     cpu, wall2 = result[f"{name}_{way}_parse_cpu_us_per_record"], result[f"{name}_{way}_parse_2_threads_records_per_s"]
     print(f"{name} parse, {way:8}: {cpu:.3f} us of CPU a record on 1 thread; {wall2:.0f} rec/s on 2 threads")
   print(f"load average after the run: {os.getloadavg()}")
-  print_json(result)
+  line = json.dumps(result, sort_keys=True)
+  if _JSON_OUT.value:
+    outputs.write_text(_JSON_OUT.value, line + "\n")
+  print(line)
 
 
 if __name__ == "__main__":
