@@ -1,5 +1,5 @@
 """The parameter-server benchmarks' workload pieces: Adagrad tables, a prefilled PS, the bytes a row
-moves, gradients, and the memcpy bandwidth their figures are fractions of.
+moves, gradients, a process's memory, and the memcpy bandwidth their figures are fractions of.
 
 Nothing here imports ``recsys_jax`` at import time: ``ps_lockstep.py`` imports this module from the
 current tree into processes whose ``recsys_jax`` comes from another checkout.
@@ -48,6 +48,15 @@ def prefill(ps, tables: Sequence[str], vocab: int, chunk: int = 1 << 14) -> int:
     ids = {t: data.hashed(np.arange(max(0, a - chunk), a), f) for f, t in enumerate(tables)}
     ps.lookup_many(ids, create=True, step=step)
   return step + 1
+
+
+def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
+  """A memory field of a /proc file (``VmRSS``, ``VmHWM``; ``MemAvailable`` of /proc/meminfo) in bytes."""
+  with open(path) as f:
+    for line in f:
+      if line.startswith(key + ":"):
+        return int(line.split()[1]) * 1024
+  raise KeyError(key)
 
 
 class Memcpy:
