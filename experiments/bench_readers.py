@@ -1,6 +1,6 @@
 """Throughput of the Criteo and Avazu readers: records/s and MB/s of ``chunks`` + ``parse``.
 
-    python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--json_out=FILE]
+    python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--transfer] [--json_out=FILE]
 
 Writes, in a temporary directory, a Criteo-format file (tab-separated, 40 fields: a 0/1 label,
 13 integers with 20% missing and 5% negative, 26 8-hex-digit ids with 10% missing) and an
@@ -17,6 +17,8 @@ Criteo chunks into the same columns (``str.split``, ``int``, ``int(x, 16)``), wh
 vectorised ``parse`` replaces. Last, for each format, the compiled ``parse`` against
 ``parse_numpy`` (the numpy path it replaced) on the plain file's chunks, interleaved, median of at
 least 5 repeats: thread CPU per record on one thread, and records/s parsing the chunks on 2 threads.
+``--transfer``: what parsing Criteo chunks in worker processes would cost against threads
+(``transfer_*``, microseconds a record; see ``transfer_costs``).
 
 The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``,
 ``..._mb_per_s``, ``..._parse_records_per_s`` (parse alone) and the parameters.
@@ -28,16 +30,19 @@ import concurrent.futures
 import gzip
 import itertools
 import json
+import multiprocessing
 import os
+import pickle
 import platform
 import tempfile
 import time
+from multiprocessing import shared_memory
 from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
 from harness import data, outputs
-from harness.stats import best_of
+from harness.stats import best_of, median_of
 
 from recsys_jax.data import base
 from recsys_jax.data.avazu import HEADER, AvazuFormat
@@ -48,6 +53,7 @@ _CHUNK = flags.DEFINE_integer("chunk_records", 8192, "Records per chunk (the def
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes per file; the best is kept.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
+_TRANSFER = flags.DEFINE_bool("transfer", False, "Also time parsing in worker processes against threads.")
 
 
 def avazu_text(n: int, rng: np.random.Generator) -> bytes:
@@ -142,6 +148,67 @@ def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> 
   return out
 
 
+def _parse_chunk(chunk):
+  return CriteoFormat().parse(chunk, base.BadRecords())
+
+
+def transfer_costs(path: str, chunk: int, chunks: int = 8) -> Dict[str, float]:
+  """Microseconds a record of the first ``chunks`` chunks (of ``chunk`` records) of ``path``: this thread's CPU
+  (best of 3) parsing them, moving their columns between processes by pickling (what multiprocessing
+  queues do) or through shared memory, and pickling the raw lines; then wall and this process's CPU
+  (medians of 5, interleaved) parsing inline, on 2 threads and on 2 spawned processes (chunks sent,
+  columns sent back, as ``concurrent.futures`` does it)."""
+  fmt = CriteoFormat()
+  raw = list(itertools.islice(fmt.chunks(path, chunk), chunks))
+  n = sum(len(c) for c in raw)
+  cols = [fmt.parse(c, base.BadRecords()) for c in raw]
+  blobs = [pickle.dumps(c, protocol=5) for c in cols]
+  arrays = [a for c in cols for a in [c["label"], c["dense"], *c["sparse"].values()]]
+  shm = shared_memory.SharedMemory(create=True, size=sum(a.nbytes for a in arrays))
+  try:
+    views, at = [], 0
+    for a in arrays:
+      views.append(np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=at))
+      at += a.nbytes
+
+    def into_shm():
+      for v, a in zip(views, arrays):
+        v[...] = a
+
+    ways = {
+      "parse_us": lambda: [fmt.parse(c, base.BadRecords()) for c in raw],
+      "pickle_us": lambda: [pickle.dumps(c, protocol=5) for c in cols],
+      "unpickle_us": lambda: [pickle.loads(b) for b in blobs],
+      "shm_in_us": into_shm,
+      "shm_out_us": lambda: [np.array(v) for v in views],
+      "pickle_raw_lines_us": lambda: [pickle.dumps(c.payload, protocol=5) for c in raw],
+    }
+    out = {k: 1e6 * best_of(fn, 3, time.thread_time) / n for k, fn in ways.items()}
+    out["bytes_per_record"] = sum(len(b) for b in blobs) / n
+    views.clear()  # the views pin shm.buf: drop them before closing it
+  finally:
+    shm.close()
+    shm.unlink()
+  with (
+    concurrent.futures.ThreadPoolExecutor(2) as threads,
+    concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as procs,
+  ):
+    list(procs.map(_parse_chunk, raw[:2]))  # start them
+    ways = {"inline": lambda: [_parse_chunk(c) for c in raw]}
+    ways["threads_2"] = lambda: list(threads.map(_parse_chunk, raw))
+    ways["processes_2"] = lambda: list(procs.map(_parse_chunk, raw))
+    times: Dict[str, List[Dict[str, float]]] = {k: [] for k in ways}
+    for _ in range(5):
+      for k, fn in ways.items():
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        times[k].append({"wall": time.perf_counter() - w, "trainer_cpu": time.process_time() - c})
+  for k, runs in times.items():
+    for clock in ("wall", "trainer_cpu"):
+      out[f"parse_{k}_{clock}_us"] = 1e6 * median_of(runs, clock) / n
+  return out
+
+
 def main(argv):
   del argv
   n, chunk, repeats = _LINES.value, _CHUNK.value, _REPEATS.value
@@ -171,6 +238,8 @@ def main(argv):
         t = best_of(lambda chunks=chunks: [naive_criteo(c.payload) for c in chunks], repeats)
         result["criteo_naive_parse_records_per_s"] = round(n / t, 1)
       result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats))
+      if name == "criteo" and _TRANSFER.value:
+        result.update({f"transfer_{k}": round(v, 3) for k, v in transfer_costs(plain, chunk).items()})
   result["cpu_count"] = os.cpu_count()
   result["machine"] = platform.processor() or platform.machine()
 
@@ -188,6 +257,8 @@ def main(argv):
   for name, way in itertools.product(("criteo", "avazu"), ("numpy", "compiled")):
     cpu, wall2 = result[f"{name}_{way}_parse_cpu_us_per_record"], result[f"{name}_{way}_parse_2_threads_records_per_s"]
     print(f"{name} parse, {way:8}: {cpu:.3f} us of CPU a record on 1 thread; {wall2:.0f} rec/s on 2 threads")
+  if _TRANSFER.value:
+    print("criteo, us a record:", ", ".join(f"{k[9:]} {v:.2f}" for k, v in result.items() if k.startswith("transfer_")))
   print(f"load average after the run: {os.getloadavg()}")
   line = json.dumps(result, sort_keys=True)
   if _JSON_OUT.value:

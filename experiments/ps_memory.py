@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 from absl import app, flags
+from harness.ps import proc_bytes
 
 from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
@@ -66,11 +67,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _status(pid: int, key: str) -> float:
-  with open(f"/proc/{pid}/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) / 1024.0  # kB -> MiB
-  raise KeyError(key)
+  """A memory field of process ``pid``'s /proc status, in MiB."""
+  return proc_bytes(key, f"/proc/{pid}/status") / _MIB
 
 
 def _reset_peak(pid: int) -> None:

@@ -28,13 +28,14 @@ def medians(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
   return out
 
 
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-  """The shortest wall time of ``repeats`` calls of ``fn``, in seconds: the run least disturbed by the machine."""
+def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+  """The shortest time of ``repeats`` calls of ``fn``, in seconds: the run least disturbed by the machine.
+  ``clock``: wall time by default; ``time.thread_time`` counts this thread's CPU."""
   times = []
   for _ in range(repeats):
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    times.append(time.perf_counter() - t0)
+    times.append(clock() - t0)
   return min(times)
 
 
@@ -46,9 +47,25 @@ def quantiles(xs: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> Dict[s
   return out
 
 
+def intervals(records: Sequence[Mapping[str, Any]], after: int = 0, upto: float = float("inf")) -> List[tuple]:
+  """(steps, record) of a run's train records (``train.read_metrics``) whose interval, the steps since
+  the record before, lies in (``after``, ``upto``]: each record's figures are over its interval."""
+  out, prev = [], 0
+  for r in records:
+    if after <= prev and r["step"] <= upto:
+      out.append((r["step"] - prev, r))
+    prev = r["step"]
+  return out
+
+
+def per_step(ivs: Sequence[tuple], key: str) -> float:
+  """``key`` of :func:`intervals`' records averaged per step, each record weighed by its steps (NaN where one lacks it)."""
+  return sum(k * r.get(key, float("nan")) for k, r in ivs) / sum(k for k, _ in ivs)
+
+
 def fmt(x: Optional[float], spec: str, none: str = "-") -> str:
   """``format(x, spec)``, or ``none`` for a missing figure."""
   return none if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, spec)
 
 
-__all__: List[str] = ["best_of", "fmt", "median", "median_of", "medians", "quantiles"]
+__all__: List[str] = ["best_of", "fmt", "intervals", "median", "median_of", "medians", "per_step", "quantiles"]
