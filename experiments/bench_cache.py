@@ -2,30 +2,22 @@
 
     python experiments/bench_cache.py [--lines=100000] [--files=4] [--batch_size=8192] [--train] [--json_out=FILE]
 
-Writes ``--files`` Criteo-format TSV files of ``--lines`` records each (``harness.data.criteo_text``)
-in a temporary directory, then:
+Writes ``--files`` Criteo TSV files of ``--lines`` records (``harness.data.criteo_text``), then:
 
-1. Storage of one Criteo-shape chunk (the first ``--chunk_records`` records, parsed: label,
-   13 float32 dense, 26 uint64 ids), best of ``--repeats``: time to read it back into numpy
-   and copy every array (what the stream's window does next) from the cache's chunk file
-   (one ``readinto``), the same raw arrays through ``np.memmap``, Arrow IPC (``pa.memory_map``
-   and ``pa.OSFile``) and one ``.npy`` file per array; and the checksums that could guard it
-   (``sum64``, ``zlib.crc32``, ``zlib.adler32``, ``blake2b``), in GB/s over the chunk's bytes.
-2. Reading epochs through ``readers.build_reader`` (``config.data.name='criteo'``, shuffled, one
-   process, batches of ``--batch_size``), each ``records // batch_size`` batches, in samples/s:
-   ``cold`` a fresh reader on an empty cache (the first epoch, which parses the TSV and writes
-   the cache) and ``warm`` the same reader's second epoch (from the cache),
-   ``ratio_second_epoch`` = warm / cold; then, interleaved and best of ``--epoch_repeats``,
-   fresh readers (a later run's first epoch): ``tsv`` with ``cache_dir='none'``,
-   ``warm_new_run`` from the full cache, also with the chunk files read without checking their
-   checksum (``_unverified``) and mapped rather than read (``_mmap``); ``ratio`` = warm_new_run
-   / tsv. ``crc32_share_of_warm_chunk`` is what crc32 would add to a warm chunk's time.
-3. With ``--train``: ``train.train_and_evaluate`` of ``configs/tiny.py`` (the tiny DLRM) on those
-   files for one epoch of steps, batch ``--batch_size``, cache off against a warm cache (a fresh
-   workdir whose ``cache_dir`` points at the cache a first run filled); the figures are the
-   runs' own ``samples_per_sec`` (every step after the first).
+1. Storage of one parsed chunk (``--chunk_records`` records), best of ``--repeats``: reading it back
+   and copying every array from the cache's chunk file, ``np.memmap``, Arrow IPC (``pa.memory_map``,
+   ``pa.OSFile``) and one ``.npy`` file per array (``storage_read_copy_ms_*``), and the checksums
+   that could guard it (``storage_checksum_gb_per_s_*``).
+2. Epochs through ``readers.build_reader`` (shuffled, one process, batches of ``--batch_size``), in
+   samples/s: ``cold`` (a fresh reader on an empty cache: parsing the TSV and writing the cache) and
+   ``warm`` (its second epoch), ``ratio_second_epoch`` = warm / cold; then fresh readers (a later
+   run's first epoch), interleaved, best of ``--epoch_repeats``: ``tsv`` (cache off) and
+   ``warm_new_run`` (also with chunks read unverified, ``_unverified``, or mapped, ``_mmap``);
+   ``ratio`` = warm_new_run / tsv. ``crc32_share_of_warm_chunk``: what crc32 would add to a warm chunk.
+3. ``--train``: ``configs/tiny.py`` for one epoch on those files, cache off against a warm cache
+   (``train_*``: the runs' own ``samples_per_sec``).
 
-Prints a table, then, last on stdout, one JSON line of every figure.
+Prints a table, then, last on stdout, one JSON line of every figure (``read_*``, ``storage_*``, ``train_*``).
 """
 
 from __future__ import annotations

@@ -3,31 +3,23 @@
     python experiments/bench_ps.py [--ps_threads=1,2] [--ram_repeats=3] [--num_shards=1] [--vocab=100000]
         [--tier_fraction=0.125] [--tier_rounds=3] [--read_ahead=4] [--notier] [--json_out=FILE]
 
-Workload: batches of ``--batch_size`` samples x ``--features`` tables (dim 64, Adagrad), ids from
-Zipf(1.1) over ``--vocab`` ids per table, deduplicated per table as the trainer does; per batch one
-``lookup_many`` (create=True) and one ``apply_many``. Bytes counted (``harness.ps.row_bytes``): rows
-and optimizer state read and written. After every timed batch a 256 MiB memcpy is timed too (as many
-threads as the PS, and one), so ``fraction_of_memcpy`` (PS bytes/s over memcpy bytes/s) compares
-rates under the same load; ``fraction_of_best_memcpy`` is against the best of 5 copies before the run.
+Per batch (``--batch_size`` samples x ``--features`` tables, dim 64, Adagrad; Zipf(1.1) ids over
+``--vocab`` per table, deduplicated) one ``lookup_many`` and one ``apply_many``; bytes as
+``harness.ps.row_bytes`` counts them. A 256 MiB memcpy after every timed batch (as many threads as
+the PS, and one) gives ``fraction_of_memcpy`` under the same load; ``fraction_of_best_memcpy`` is
+against the best of 5 copies before the run. Configurations: ``ram`` (every id created first;
+``--ram_repeats`` runs per ``--ps_threads`` count, interleaved, the median reported), ``cold``
+(starting empty), and, each table's RAM cache ``--tier_fraction`` of its rows over the disk tier,
+``tier`` (plain files, ``--read_ahead``), ``tier_no_read_ahead`` and ``tier_tensorstore``, in
+``--tier_rounds`` rounds of fresh batches after a RAM-only run on the same batches: ``tier_vs_ram``
+is the median of the rounds' rows/s ratios; ``tier_back_to_back`` the same without the copies
+between batches. ``tier_floor_ratio``: the seconds ``os.preadv`` takes to re-read the bytes
+``tier_no_read_ahead``'s lookups read, over the seconds ``tier`` added to the RAM-only run.
 
-Configurations: ``ram`` (every id created first, untimed: serving; ``--ram_repeats`` runs per
-``--ps_threads`` count, interleaved, the median reported), ``cold`` (starting empty: the Zipf tail
-keeps creating rows) and the tier (each table's RAM cache ``--tier_fraction`` of its rows, the rest
-in the disk tier): ``tier`` (plain files, ``--read_ahead`` batches read ahead), ``tier_no_read_ahead``
-and ``tier_tensorstore`` (zarr3 through tensorstore), in ``--tier_rounds`` rounds on fresh batches,
-each round after a RAM-only run on the same batches. ``tier_vs_ram``: the median over rounds of
-tier rows/s over that round's RAM-only rows/s. ``tier_back_to_back``: ``tier`` against ``ram`` with
-no memcpy between batches (the read-ahead thread gets no time but the PS's own). The floor: the
-bytes ``tier_no_read_ahead``'s lookups read from the tier's files (round 1), read again in the same
-order with ``os.preadv``; ``tier_floor_ratio`` = those seconds / the seconds ``tier`` added to the
-RAM-only run. Hit rates are the RAM cache's own (rows a read-ahead brought not counted);
-``lookup_tier_wait_s``: the seconds the timed lookups read from the tier themselves.
-
-The last stdout line is one JSON object: the ram figures of the last thread count
-(``lookup_rows_per_s``, ``apply_rows_per_s``, ``memcpy_gb_per_s``, ``fraction_of_memcpy``, their
-``_1thread`` and ``best`` variants, ``ram_by_threads``), the same with ``cold_``, ``tier_``,
-``tier_no_read_ahead_``, ``tier_tensorstore_`` and ``tier_back_to_back_`` prefixes, and
-``tier_vs_ram``, the floor ratios and the load average at the start and end.
+The last stdout line is one JSON object: the ram figures of the last thread count, the same with
+``cold_``, ``tier_``, ``tier_no_read_ahead_``, ``tier_tensorstore_`` and ``tier_back_to_back_``
+prefixes, ``ram_by_threads``, ``tier_vs_ram``, the floor ratios and the load average; ``--json_out``
+gets every figure.
 """
 
 from __future__ import annotations
@@ -64,6 +56,15 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result he
 
 
 TIERED = ("tier", "tier_no_read_ahead", "tier_tensorstore")
+# The figures of each configuration in the last stdout line, prefixed with its name.
+PER_CONFIG = (
+  "lookup_rows_per_s",
+  "apply_rows_per_s",
+  "fraction_of_memcpy",
+  "hit_rate",
+  "tier_vs_ram",
+  "lookup_tier_wait_s",
+)
 
 
 def _sum(st: Dict, key: str):
@@ -175,11 +176,7 @@ def floor_read(reads: list) -> float:
 
 
 def tier_rounds(names, n: int, threads: int, mem, mem1) -> Dict:
-  """RAM only against the tiered PSs (module docstring), ``--tier_rounds`` rounds of ``n`` fresh batches.
-
-  ``tier_no_read_ahead_floor_ratio`` is the floor ratio of the tier without read-ahead (1.0: it
-  costs what reading its bytes costs, no more).
-  """
+  """RAM only against the tiered PSs (module docstring), ``--tier_rounds`` rounds of ``n`` fresh batches."""
   vocab, shards, dim = _VOCAB.value, _SHARDS.value, _DIM.value
   cap = max(1, int(vocab * _TIER_FRACTION.value))
   out: Dict = {"tier_cache_fraction": cap / vocab}
@@ -326,21 +323,12 @@ def main(argv):
   flat["fraction_of_best_memcpy"] = ram["fraction_of_best_memcpy"]
   flat["load_average_start"] = results["load_average_start"]
   flat["load_average_end"] = results["load_average_end"] = os.getloadavg()[0]
-  keys = (
-    "lookup_rows_per_s",
-    "apply_rows_per_s",
-    "fraction_of_memcpy",
-    "hit_rate",
-    "tier_vs_ram",
-    "lookup_tier_wait_s",
-  )
   for name in ("cold",) + TIERED + ("tier_back_to_back",):
-    flat.update({f"{name}_{k}": results[name][k] for k in keys if k in results.get(name, {})})
+    flat.update({f"{name}_{k}": results[name][k] for k in PER_CONFIG if k in results.get(name, {})})
   if "tier" in results:
     flat["tier_vs_ram"] = results["tier"]["tier_vs_ram"]
-    for k in ("tier_floor_ratio", "tier_no_read_ahead_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s"):
-      flat[k] = results[k]
-    flat["tier_cache_fraction"] = results["tier_cache_fraction"]
+    floors = ("tier_floor_ratio", "tier_no_read_ahead_floor_ratio", "tier_floor_rows_per_s", "tier_read_rows_per_s")
+    flat.update({k: results[k] for k in floors + ("tier_cache_fraction",)})
     flat["read_ahead"] = _AHEAD.value
   flat.update(params)
   if _JSON_OUT.value:

@@ -2,26 +2,17 @@
 
     python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--transfer] [--json_out=FILE]
 
-Writes, in a temporary directory, a Criteo-format file (tab-separated, 40 fields: a 0/1 label,
-13 integers with 20% missing and 5% negative, 26 8-hex-digit ids with 10% missing) and an
-Avazu-format file (CSV with the published header, values shaped like the published ones) of
-``--lines`` records each, plain and gzipped (level 6). For each file it times, best of
-``--repeats`` passes:
+Writes a Criteo TSV file (``harness.data.criteo_text``) and an Avazu CSV file (the published header,
+values shaped like the published ones) of ``--lines`` records, plain and gzipped (level 6), and
+times over each, best of ``--repeats``: ``chunks`` alone (decompressing and cutting lines), and
+``chunks`` + ``parse`` (what an input pipeline pays). MB/s counts the uncompressed text;
+``gz_mb_per_s`` the compressed file. ``naive`` is a line-by-line Python parse of the Criteo chunks,
+for scale. Then the compiled ``parse`` against ``parse_numpy`` on the same chunks, interleaved,
+median of at least 5: thread CPU a record, and records/s on 2 threads. ``--transfer``: what parsing
+Criteo chunks in worker processes would cost against threads (``transfer_*``, us a record).
 
-  read:  ``chunks`` alone (decompression and cutting into lines);
-  total: ``chunks`` + ``parse`` of every chunk (what a training input pipeline pays).
-
-MB/s counts the uncompressed text, so plain and ``.gz`` compare directly; ``gz_mb_per_s``
-counts the compressed file. For scale, ``naive`` is a line-by-line Python parse of the same
-Criteo chunks into the same columns (``str.split``, ``int``, ``int(x, 16)``), which the
-vectorised ``parse`` replaces. Last, for each format, the compiled ``parse`` against
-``parse_numpy`` (the numpy path it replaced) on the plain file's chunks, interleaved, median of at
-least 5 repeats: thread CPU per record on one thread, and records/s parsing the chunks on 2 threads.
-``--transfer``: what parsing Criteo chunks in worker processes would cost against threads
-(``transfer_*``, microseconds a record; see ``transfer_costs``).
-
-The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``,
-``..._mb_per_s``, ``..._parse_records_per_s`` (parse alone) and the parameters.
+The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``, ``..._mb_per_s``,
+``..._parse_records_per_s`` (parse alone), the comparisons and the parameters.
 """
 
 from __future__ import annotations
@@ -42,7 +33,7 @@ from typing import Dict, List
 import numpy as np
 from absl import app, flags
 from harness import data, outputs
-from harness.stats import best_of, median_of
+from harness.stats import best_of, interleaved
 
 from recsys_jax.data import base
 from recsys_jax.data.avazu import HEADER, AvazuFormat
@@ -122,29 +113,19 @@ def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int
 
 
 def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> Dict[str, float]:
-  """``parse`` (compiled kernel) against ``parse_numpy`` on the same chunks, interleaved, medians.
-
-  CPU: thread CPU time per record, parsing on this thread. Threads: records/s of wall time
-  parsing all chunks on 2 threads (what host workers get: the kernel holds no GIL).
-  """
+  """``parse`` (compiled) against ``parse_numpy`` on the same chunks, interleaved, medians: thread CPU
+  a record on this thread, and records/s on 2 threads (what host workers get)."""
   n = sum(len(c) for c in chunks)
-  ways = {"compiled": fmt.parse, "numpy": fmt.parse_numpy}
-  cpu: Dict[str, List[float]] = {k: [] for k in ways}
-  wall2: Dict[str, List[float]] = {k: [] for k in ways}
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    for _ in range(max(repeats, 5)):
-      for way, parse in ways.items():
-        t0 = time.thread_time()
-        for c in chunks:
-          parse(c, base.BadRecords())
-        cpu[way].append((time.thread_time() - t0) / n * 1e6)
-        t0 = time.perf_counter()
-        list(pool.map(lambda c, parse=parse: parse(c, base.BadRecords()), chunks))
-        wall2[way].append(n / (time.perf_counter() - t0))
+    ways = {}
+    for way, parse in (("compiled", fmt.parse), ("numpy", fmt.parse_numpy)):
+      ways[way] = lambda parse=parse: [parse(c, base.BadRecords()) for c in chunks]
+      ways[f"{way}_2"] = lambda parse=parse: list(pool.map(lambda c: parse(c, base.BadRecords()), chunks))
+    t = interleaved(ways, max(repeats, 5))
   out = {}
-  for way in ways:
-    out[f"{name}_{way}_parse_cpu_us_per_record"] = round(float(np.median(cpu[way])), 3)
-    out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(float(np.median(wall2[way])), 1)
+  for way in ("compiled", "numpy"):
+    out[f"{name}_{way}_parse_cpu_us_per_record"] = round(1e6 * t[way]["thread"] / n, 3)
+    out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(n / t[f"{way}_2"]["wall"], 1)
   return out
 
 
@@ -153,11 +134,11 @@ def _parse_chunk(chunk):
 
 
 def transfer_costs(path: str, chunk: int, chunks: int = 8) -> Dict[str, float]:
-  """Microseconds a record of the first ``chunks`` chunks (of ``chunk`` records) of ``path``: this thread's CPU
-  (best of 3) parsing them, moving their columns between processes by pickling (what multiprocessing
-  queues do) or through shared memory, and pickling the raw lines; then wall and this process's CPU
-  (medians of 5, interleaved) parsing inline, on 2 threads and on 2 spawned processes (chunks sent,
-  columns sent back, as ``concurrent.futures`` does it)."""
+  """Microseconds a record of the first ``chunks`` chunks of ``path``: this thread's CPU (best of 3)
+  parsing them, moving their columns between processes by pickling (as multiprocessing queues do)
+  or through shared memory, and pickling the raw lines; then wall and this process's CPU (medians
+  of 5, interleaved) parsing inline, on 2 threads and on 2 spawned processes (chunks sent, columns
+  sent back, as ``concurrent.futures`` does it)."""
   fmt = CriteoFormat()
   raw = list(itertools.islice(fmt.chunks(path, chunk), chunks))
   n = sum(len(c) for c in raw)
@@ -197,15 +178,9 @@ def transfer_costs(path: str, chunk: int, chunks: int = 8) -> Dict[str, float]:
     ways = {"inline": lambda: [_parse_chunk(c) for c in raw]}
     ways["threads_2"] = lambda: list(threads.map(_parse_chunk, raw))
     ways["processes_2"] = lambda: list(procs.map(_parse_chunk, raw))
-    times: Dict[str, List[Dict[str, float]]] = {k: [] for k in ways}
-    for _ in range(5):
-      for k, fn in ways.items():
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        times[k].append({"wall": time.perf_counter() - w, "trainer_cpu": time.process_time() - c})
-  for k, runs in times.items():
-    for clock in ("wall", "trainer_cpu"):
-      out[f"parse_{k}_{clock}_us"] = 1e6 * median_of(runs, clock) / n
+    for k, t in interleaved(ways, 5).items():
+      out[f"parse_{k}_wall_us"] = 1e6 * t["wall"] / n
+      out[f"parse_{k}_trainer_cpu_us"] = 1e6 * t["process"] / n
   return out
 
 

@@ -2,35 +2,21 @@
 
     python experiments/capacity.py [--full] [--ram_budget_gib=4] [--batches=12] [--json_out=FILE] [--png_out=FILE]
 
-Checks the disaggregation claim (Cerebras weight streaming, Persia): embedding-table capacity is set
-by the host / storage tier, not by accelerator memory. Each measurement runs in a fresh worker
-process (this script with ``--worker``), so its ``VmRSS`` / ``VmHWM`` belong to that one table.
-Tables are dim ``--dim`` (64).
+Checks the disaggregation claim (Cerebras weight streaming, Persia): table capacity is set by the
+host / storage tier, not by accelerator memory. Each table is built in a fresh worker process (this
+script with ``--worker``), so its ``VmRSS`` / ``VmHWM`` growth is that table's. Steps:
+[1] RSS per row and per parameter of a RAM-only table of ``--rows_bpp`` rows, for three optimizer /
+storage configs, against the ideal (weights + slots + 16 bytes of id map: ``overhead``); [2] the
+rows MemAvailable would hold (an EXTRAPOLATION), then the largest table whose peak fits
+``--ram_budget_gib``, created and timed; [3] the disk tier: a RAM cache of ``--cache_rows`` and K
+times that in all (``--tier_k``): peak RSS, rows/s, hit rate, disk and RAM bytes per spilled row,
+and the capacity free disk and MemAvailable would allow (an EXTRAPOLATION); [4] rows/s of RAM-only
+tables of ``--ram_rows`` rows, prefilled: ``--batches`` of ``--batch_size`` x ``--features`` Zipf(1.1)
+ids over the table, deduplicated, one ``lookup_many`` + ``apply_many`` each (step 3 likewise).
+``--full``: a 1Mi-row cache, up to 8M rows RAM-only, a 6 GiB budget.
 
-1. Bytes per parameter: a RAM-only table of ``--rows_bpp`` rows for adagrad/float32,
-   rowwise_adagrad/float32 and adagrad/bfloat16; RSS growth per row and per parameter (one weight
-   element) against the ideal (weights + optimizer slots + 16 bytes of id map): ``overhead`` =
-   measured / ideal. Peak (VmHWM) growth includes the copy made when the arrays double.
-2. Largest RAM-only table: the rows MemAvailable would hold at step 1's bytes per row (an
-   EXTRAPOLATION, printed as such); then the largest adagrad/float32 table whose peak growth fits
-   ``--ram_budget_gib`` (rounded down to 0.5M rows) is created and timed like step 4.
-3. The disk tier: a RAM cache of C rows (``--cache_rows``) and K x C rows in all (K in
-   ``--tier_k``). Peak RSS, rows/s, hit rate, disk bytes per tier row (allocated blocks after
-   close, by array: they include garbage, old copies of rows read back, and leave out chunks equal
-   to the fill value) and RAM per tier row (RSS growth minus the cache at step 1's bytes per row,
-   per spilled row: the average, and the slope between the two largest K). The tiered capacity
-   from free disk and MemAvailable is an EXTRAPOLATION.
-4. Throughput against table size: RAM-only tables of ``--ram_rows`` rows (and step 2's), prefilled,
-   then ``--batches`` timed batches of ``--batch_size`` x ``--features`` Zipf(1.1) ids over all the
-   table's rows, deduplicated, one table; per batch one ``lookup_many`` (create=True) and one
-   ``apply_many``; rows/s = distinct rows / (lookup + apply seconds). Step 3 uses the same workload.
-
-``--full``: C = 1Mi, RAM-only rows up to 8M and a 6 GiB budget.
-
-Prints one table per step (stderr), writes ``--json_out`` and ``--png_out`` (throughput and RSS
-against rows), and last on stdout one JSON line: bytes/param and overhead per config, the largest
-measured RAM-only table's rows and rows/s, the extrapolations, and per tier K the peak RSS, rows/s
-and hit rate.
+Prints a table per step (stderr), writes ``--json_out`` and ``--png_out`` (rows/s and RSS against
+rows), and last on stdout one JSON line of the headline figures.
 """
 
 from __future__ import annotations
@@ -186,14 +172,13 @@ def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
   a.set(
     xscale="log", yscale="log", xlabel="table rows", ylabel="lookup+apply, M rows/s", title="Throughput vs table size"
   )
-  a.grid(alpha=0.3)
-  a.legend()
   b.plot([r["rows"] for r in ram], [r["peak_rss"] / 2**30 for r in ram], "o-", label="RAM only, peak RSS")
   b.plot([r["rows"] for r in ram], [r["rss_end"] / 2**30 for r in ram], "o--", label="RAM only, end RSS")
   b.plot([r["rows"] for r in tier], [r["peak_rss"] / 2**30 for r in tier], "s-", label="tier, peak RSS")
-  b.set(xlabel="table rows", ylabel="GiB", title="Process RSS vs table rows (adagrad, float32, dim 64)")
-  b.grid(alpha=0.3)
-  b.legend()
+  b.set(xlabel="table rows", ylabel="GiB", title="Process RSS vs table rows (adagrad, float32)")
+  for ax in (a, b):
+    ax.grid(alpha=0.3)
+    ax.legend()
   fig.tight_layout()
   outputs.save_figure(fig, path, dpi=110)
 

@@ -22,9 +22,13 @@ import subprocess
 import sys
 import time
 
+from absl import app, flags
 from harness import data  # this tree's: the script's folder is first on sys.path
 from harness.ps import Memcpy, adagrad_specs, grads, prefill, row_bytes
 
+_ROUNDS = flags.DEFINE_integer("rounds", 120, "Rounds: each checkout times one batch a round.")
+_ROWS = flags.DEFINE_integer("rows", 100_000, "Ids per table.")
+_CHILD = flags.DEFINE_integer("child", 0, "(internal) serve batches of a PS of this many ids a table.")
 _DIM = 64
 
 
@@ -57,25 +61,15 @@ def child(rows: int) -> None:
 
 
 def main(argv) -> None:
-  rounds, rows = 120, 100_000
-  trees = []
-  for a in argv:
-    if a.startswith("--rounds="):
-      rounds = int(a.split("=", 1)[1])
-    elif a.startswith("--rows="):  # ids per table (the test suite's tiny run takes fewer)
-      rows = int(a.split("=", 1)[1])
-    elif "=" in a:
-      trees.append(a.split("=", 1))
-    else:
-      raise SystemExit(f"expected name=path, --rounds=N or --rows=N, got {a!r}")
-  if not trees:
-    raise SystemExit(__doc__)
-  if rounds <= 3:
-    raise SystemExit(f"--rounds={rounds}: the first 3 rounds are not timed; give more")
+  trees = [a.split("=", 1) for a in argv[1:]]
+  if not trees or not all(len(t) == 2 for t in trees):
+    raise app.UsageError(f"expected name=path arguments, got {argv[1:]}")
+  if _ROUNDS.value <= 3:
+    raise app.UsageError(f"--rounds={_ROUNDS.value}: the first 3 rounds are not timed; give more")
   kids = {}
   for name, tree in trees:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rows)]
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={_ROWS.value}"]
     kids[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd="/")
   for name, k in kids.items():
     if k.stdout.readline().strip() != "ready":
@@ -88,7 +82,7 @@ def main(argv) -> None:
 
   res = {n: [] for n in kids}
   copies = []
-  for r in range(rounds):
+  for r in range(_ROUNDS.value):
     order = list(kids) if r % 2 == 0 else list(kids)[::-1]
     for n in order:
       res[n].append(ask(kids[n], f"go {r}"))
@@ -112,7 +106,6 @@ def main(argv) -> None:
       "apply_rows_per_s": med["aw"],
       "memcpy_fraction": frac(med["lw"], med["aw"]),
     }
-
     print(
       f"{n:12s} wall: lookup {med['lw'] / 1e6:5.2f}M apply {med['aw'] / 1e6:5.2f}M rows/s, "
       f"{frac(med['lw'], med['aw']):.3f} of memcpy | thread CPU: lookup {med['lc'] / 1e6:5.2f}M "
@@ -122,7 +115,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  if sys.argv[1:2] == ["--child"]:
-    child(int(sys.argv[2]))
-  else:
-    main(sys.argv[1:])
+  app.run(lambda argv: child(_CHILD.value) if _CHILD.value else main(argv))

@@ -1,34 +1,19 @@
 """A PS server's memory per request and its first-request latency, measured on a real server process.
 
-    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--dim=64] [--concurrent=4] \
-      [--concurrent_mb=60] [--max_request_mb=0] [--server_flags='--max_inflight_mb=512'] [--latency]
+    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--narrow_mb=60] [--dim=64] [--concurrent=4] \
+      [--concurrent_mb=60] [--concurrent_push] [--max_request_mb=0] [--server_flags='--max_inflight_mb=512'] [--latency]
 
-Starts ``python -m recsys_jax.async_ps.server --port=0`` and talks to it through ``RemotePS``.
-For each size S (MiB of rows, dim ``--dim`` float32, so S / (4 dim) ids), it measures the
-server's resident memory around three calls:
-
-  create: a lookup of S MiB of new ids (the rows are created: the table grows by them);
-  lookup: the same lookup again (every row exists: what serving costs);
-  push:   S MiB of gradients for those ids (``step`` None: applied at once).
-
-Before each call the server's peak RSS (VmHWM) is reset (``/proc/PID/clear_refs``, 5), then
-``peak`` = VmHWM after the call - VmRSS before it; ``table`` = the growth of the tables' own
-bytes (``Stats``; 0 but for create); ``x_payload`` = (peak - table) / payload: what the request
-itself cost the server beyond what it stores, in units of its payload (the bytes of its request
-and its answer: ids and rows, or ids and gradients). Sizes in MiB.
-
-``--narrow_mb``: the same for a dim-2 table, where the request's ids (8 bytes each) are as large
-as the rows (S MiB of ids).
-
-``--concurrent`` clients each look up (``--concurrent_push``: push) ``--concurrent_mb`` MiB of
-existing rows at once: the server's peak for all of them together.
-
-``--latency``: with a fresh ``NUMBA_CACHE_DIR`` (nothing compiled on disk), then again with the
-cache it left (warm): seconds to the server's ``ready`` line, then the first lookup and push
-(Adagrad, dim 64, 1000 ids) and the second ones.
-
-``--max_request_mb`` is passed to ``RemotePS`` (its chunk size; 0: derived from the server),
-when this checkout's ``RemotePS`` has it. The last stdout line is one JSON object.
+Starts ``python -m recsys_jax.async_ps.server --port=0`` and calls it through ``RemotePS``. For each
+size S (MiB of rows of dim ``--dim``), around three calls: ``create`` (a lookup of S MiB of new ids:
+the table grows), ``lookup`` (the same again) and ``push`` (S MiB of gradients, applied at once).
+Before each call the server's peak RSS (VmHWM) is reset (``/proc/PID/clear_refs``); ``peak`` =
+VmHWM after the call - VmRSS before it, ``table`` = the tables' own growth, ``x_payload`` = (peak -
+table) / payload (the bytes of the request and its answer): what the call cost the server beyond
+what it stores. ``--narrow_mb``: the same for a dim-2 table (S MiB of ids). ``--concurrent``
+clients each look up (``--concurrent_push``: push) ``--concurrent_mb`` MiB at once: their peak
+together. ``--latency``: seconds to the server's ready line with a cold and then a warm numba
+cache, and its first and second lookup and push. ``--max_request_mb`` goes to ``RemotePS`` where
+it has one. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations

@@ -39,6 +39,19 @@ def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] =
   return min(times)
 
 
+def interleaved(ways: Mapping[str, Callable[[], object]], repeats: int) -> Dict[str, Dict[str, float]]:
+  """Calls each of ``ways`` in turn, ``repeats`` rounds, so that a changing load falls on all alike: per
+  way, the median seconds of wall time (``wall``), this thread's CPU (``thread``) and the process's (``process``)."""
+  runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in ways}
+  clocks = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+  for _ in range(repeats):
+    for k, fn in ways.items():
+      t0 = {c: clock() for c, clock in clocks.items()}
+      fn()
+      runs[k].append({c: clock() - t0[c] for c, clock in clocks.items()})
+  return {k: {c: median_of(v, c) for c in clocks} for k, v in runs.items()}
+
+
 def quantiles(xs: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> Dict[str, float]:
   """``{"p50": .., "p95": .., "p99": .., "max": ..}`` of ``xs`` (NaN each when empty)."""
   a = np.asarray(xs, np.float64)
@@ -68,4 +81,14 @@ def fmt(x: Optional[float], spec: str, none: str = "-") -> str:
   return none if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, spec)
 
 
-__all__: List[str] = ["best_of", "fmt", "intervals", "median", "median_of", "medians", "per_step", "quantiles"]
+__all__: List[str] = [
+  "best_of",
+  "fmt",
+  "interleaved",
+  "intervals",
+  "median",
+  "median_of",
+  "medians",
+  "per_step",
+  "quantiles",
+]
