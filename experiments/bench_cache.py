@@ -2,22 +2,14 @@
 
     python experiments/bench_cache.py [--lines=100000] [--files=4] [--batch_size=8192] [--train] [--json_out=FILE]
 
-Writes ``--files`` Criteo TSV files of ``--lines`` records (``harness.data.criteo_text``), then:
-
-1. Storage of one parsed chunk (``--chunk_records`` records), best of ``--repeats``: reading it back
-   and copying every array from the cache's chunk file, ``np.memmap``, Arrow IPC (``pa.memory_map``,
-   ``pa.OSFile``) and one ``.npy`` file per array (``storage_read_copy_ms_*``), and the checksums
-   that could guard it (``storage_checksum_gb_per_s_*``).
-2. Epochs through ``readers.build_reader`` (shuffled, one process, batches of ``--batch_size``), in
-   samples/s: ``cold`` (a fresh reader on an empty cache: parsing the TSV and writing the cache) and
-   ``warm`` (its second epoch), ``ratio_second_epoch`` = warm / cold; then fresh readers (a later
-   run's first epoch), interleaved, best of ``--epoch_repeats``: ``tsv`` (cache off) and
-   ``warm_new_run`` (also with chunks read unverified, ``_unverified``, or mapped, ``_mmap``);
-   ``ratio`` = warm_new_run / tsv. ``crc32_share_of_warm_chunk``: what crc32 would add to a warm chunk.
-3. ``--train``: ``configs/tiny.py`` for one epoch on those files, cache off against a warm cache
-   (``train_*``: the runs' own ``samples_per_sec``).
-
-Prints a table, then, last on stdout, one JSON line of every figure (``read_*``, ``storage_*``, ``train_*``).
+On ``--files`` generated Criteo TSV files of ``--lines`` records: (1) one parsed chunk read back and
+copied from the cache's chunk file, ``np.memmap``, Arrow IPC and ``.npy`` files, and the checksums
+that could guard it, best of ``--repeats`` (``storage_*``); (2) epochs through ``readers.build_reader``
+in samples/s (``read_*``): ``cold`` (parsing the TSV, writing the cache) and ``warm`` (the same
+reader's second epoch), then fresh readers, interleaved, best of ``--epoch_repeats``: ``tsv`` (cache
+off) and ``warm_new_run`` (also unverified and mapped); ``ratio`` = warm_new_run / tsv; (3)
+``--train``: one epoch of ``configs/tiny.py``, cache off against warm (``train_*``). Prints a table,
+then, last on stdout, one JSON line of every figure.
 """
 
 from __future__ import annotations
@@ -161,8 +153,7 @@ def epochs(pattern: str, tmp: str, records: int, batch_size: int, chunk_records:
     "warm_new_run_mmap": (cache_dir, {"mmap": True}),
   }
   real = chunkfile.read_chunk
-  for k in variants:
-    out[k] = 0.0
+  out.update(dict.fromkeys(variants, 0.0))
   try:
     for _ in range(repeats):
       for k, (where, kw) in variants.items():
@@ -180,14 +171,10 @@ def training(pattern: str, tmp: str, records: int, batch_size: int, chunk_record
   from recsys_jax import train
 
   base_config = tiny.get_config()
-  d = data_config(pattern, "", batch_size, chunk_records).data
-  base_config.data = d
-  base_config.batch_size = batch_size
+  base_config.data = data_config(pattern, "", batch_size, chunk_records).data
+  base_config.batch_size = base_config.eval_batch_size = base_config.eval_samples = batch_size
   base_config.num_steps = records // batch_size
-  base_config.checkpoint_every = 0
-  base_config.eval_every = 0
-  base_config.eval_batch_size = batch_size
-  base_config.eval_samples = batch_size
+  base_config.checkpoint_every = base_config.eval_every = 0
   out = {}
   shared = os.path.join(tmp, "train_cache")
   for name, cache in (("tsv", "none"), ("fill", shared), ("warm", shared)):

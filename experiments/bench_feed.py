@@ -6,21 +6,14 @@
 
 Run from the repository root. Each setting (source x batch x workers x step) is one run of
 ``train.train_and_evaluate`` of ``configs/dlrm.py`` in a fresh process, set through the config's
-public fields: ``device_step = 'none'`` for ``noop`` (only the host half runs: read, parse, dedup,
-lookup, placement, pull of the row gradients, push), MLPs of width 16 for ``tiny``. Sources: ``tsv``
-(``--records`` generated Criteo records), ``cache`` (the same through the preprocessed cache),
-``synthetic``. ``feed_samples_per_s`` counts the steps after one pass over the records, as the
-run's train records time them, beside the pipeline's per-stage records (``<stage>_ms``,
-``<stage>_cpu_ms``), py-spy's sampling of the interpreter lock (``--gil``: ``gil_us_per_sample``,
-what bounds any number of cores), the CPU by thread, and ``floor_ratio`` (samples/s over the bytes
-a batch must move at one thread's memcpy rate, measured in the run). With the tiny step,
-``device_idle_fraction`` = 1 - steps x the step alone / the run's time. ``--baseline=DIR`` runs
-DIR's code with one worker, interleaved with this checkout's settings (``vs_baseline``);
-``--repeats=N`` reports the median of N interleaved runs (of 2, the faster). A failed setting
-prints one line naming it and its log; the others still run and the script exits 1. Parsing in
-worker processes against threads: ``bench_readers.py --transfer``. docs/experiments.md says more.
-
-Prints a table, then one JSON line per setting.
+public fields (``device_step = 'none'`` for ``noop``: only the host half runs; ``tiny``: MLPs of
+width 16). ``feed_samples_per_s`` counts the steps after one pass over the records, as the run's
+train records time them, beside the pipeline's stage records (``<stage>_ms``, ``<stage>_cpu_ms``),
+the interpreter lock py-spy saw held (``gil_us_per_sample``, ``--gil``), the CPU by thread, and
+``floor_ratio`` (samples/s over the bytes a batch must move at one thread's memcpy rate).
+``--baseline=DIR`` runs DIR's code with one worker, interleaved (``vs_baseline``); ``--repeats=N``
+reports the median of N interleaved runs. A failed setting prints one line naming it and its log;
+the others still run and the script exits 1. Prints a table, then one JSON line per setting.
 """
 
 from __future__ import annotations

@@ -3,23 +3,16 @@
     python experiments/bench_ps.py [--ps_threads=1,2] [--ram_repeats=3] [--num_shards=1] [--vocab=100000]
         [--tier_fraction=0.125] [--tier_rounds=3] [--read_ahead=4] [--notier] [--json_out=FILE]
 
-Per batch (``--batch_size`` samples x ``--features`` tables, dim 64, Adagrad; Zipf(1.1) ids over
-``--vocab`` per table, deduplicated) one ``lookup_many`` and one ``apply_many``; bytes as
-``harness.ps.row_bytes`` counts them. A 256 MiB memcpy after every timed batch (as many threads as
-the PS, and one) gives ``fraction_of_memcpy`` under the same load; ``fraction_of_best_memcpy`` is
-against the best of 5 copies before the run. Configurations: ``ram`` (every id created first;
-``--ram_repeats`` runs per ``--ps_threads`` count, interleaved, the median reported), ``cold``
-(starting empty), and, each table's RAM cache ``--tier_fraction`` of its rows over the disk tier,
-``tier`` (plain files, ``--read_ahead``), ``tier_no_read_ahead`` and ``tier_tensorstore``, in
-``--tier_rounds`` rounds of fresh batches after a RAM-only run on the same batches: ``tier_vs_ram``
-is the median of the rounds' rows/s ratios; ``tier_back_to_back`` the same without the copies
-between batches. ``tier_floor_ratio``: the seconds ``os.preadv`` takes to re-read the bytes
-``tier_no_read_ahead``'s lookups read, over the seconds ``tier`` added to the RAM-only run.
-
-The last stdout line is one JSON object: the ram figures of the last thread count, the same with
-``cold_``, ``tier_``, ``tier_no_read_ahead_``, ``tier_tensorstore_`` and ``tier_back_to_back_``
-prefixes, ``ram_by_threads``, ``tier_vs_ram``, the floor ratios and the load average; ``--json_out``
-gets every figure.
+Per batch (Zipf(1.1) ids, one Adagrad table per feature) one ``lookup_many`` and one ``apply_many``;
+bytes as ``harness.ps.row_bytes`` counts them; a memcpy after every timed batch gives
+``fraction_of_memcpy`` under the same load (``fraction_of_best_memcpy``: against the best copy before
+the run). Configurations: ``ram`` (every id created first; per ``--ps_threads`` count, the median of
+``--ram_repeats``), ``cold`` (starting empty), and each table's RAM cache ``--tier_fraction`` of it
+over the disk tier: ``tier`` (with ``--read_ahead``), ``tier_no_read_ahead``, ``tier_tensorstore``
+and ``tier_back_to_back`` (no memcpy between batches), each against a RAM-only run on the same fresh
+batches (``tier_vs_ram``, median of ``--tier_rounds``), and the floor (``tier_floor_ratio``: the
+seconds ``os.preadv`` takes to re-read the bytes the tier read, over the seconds the tier added).
+The last stdout line is one JSON object of the headline figures; ``--json_out`` gets every figure.
 """
 
 from __future__ import annotations
@@ -238,15 +231,16 @@ def tier_rounds(names, n: int, threads: int, mem, mem1) -> Dict:
 
 
 def report(name: str, r: Dict, best: float, extra: str = "") -> None:
-  r["fraction_of_best_memcpy"] = r["bytes_per_s"] / best
-  print(
-    f"{name:5s} lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply {r['apply_rows_per_s'] / 1e6:6.2f}M "
-    f"rows/s, {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy at "
-    f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, {r['fraction_of_memcpy_1thread']:.3f} of 1-thread memcpy at "
-    f"{r['memcpy_1thread_bytes_per_s'] / 1e9:.1f} GB/s ({r['fraction_of_best_memcpy']:.3f} of the best, "
-    f"{best / 1e9:.1f} GB/s){extra}",
-    file=sys.stderr,
+  """Prints a configuration's rates (stderr), and sets its ``fraction_of_best_memcpy`` where memcpy was copied."""
+  line = (
+    f"{name:5s} lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply {r['apply_rows_per_s'] / 1e6:6.2f}M rows/s"
   )
+  if "memcpy_bytes_per_s" in r:
+    r["fraction_of_best_memcpy"] = r["bytes_per_s"] / best
+    line += f", {r['bytes_per_s'] / 1e9:5.2f} GB/s = {r['fraction_of_memcpy']:.3f} of memcpy at "
+    line += f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, {r['fraction_of_memcpy_1thread']:.3f} of 1-thread memcpy at "
+    line += f"{r['memcpy_1thread_bytes_per_s'] / 1e9:.1f} GB/s ({r['fraction_of_best_memcpy']:.3f} of the best, {best / 1e9:.1f} GB/s)"
+  print(line + extra, file=sys.stderr)
 
 
 def main(argv):
@@ -300,17 +294,10 @@ def main(argv):
 
   if _TIER.value:
     results.update(tier_rounds(names, len(bs), threads, mem, mem1))
-    for name in TIERED:
+    for name in TIERED + ("tier_back_to_back",):  # back to back: no memcpy between batches
       r = results[name]
       extra = f" (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's rows/s, paired rounds; "
       report(name, r, best, extra + f"lookups waited {r['lookup_tier_wait_s']:.3f} s on the tier)")
-    r = results["tier_back_to_back"]
-    print(
-      f"tier_back_to_back (no memcpy between batches): lookup {r['lookup_rows_per_s'] / 1e6:6.2f}M rows/s, apply "
-      f"{r['apply_rows_per_s'] / 1e6:6.2f}M rows/s (hit rate {r['hit_rate']:.3f}; {r['tier_vs_ram']:.3f} of ram's "
-      "rows/s back to back, paired rounds)",
-      file=sys.stderr,
-    )
 
   ram = results["ram"]
   flat = {k: ram[k] for k in ("lookup_rows_per_s", "apply_rows_per_s")}

@@ -58,9 +58,12 @@ def criteo_batches(n: int, batch: int, alpha: float = 1.1, seed: int = 0):
   return out
 
 
-def make_ps(names, dim, threads, min_rows=None):
+def make_ps(batches, threads, min_rows=None):
+  """A PS of ``threads`` threads with every id of ``batches`` created: the timed calls serve, as in a long run."""
   kw = {} if min_rows is None else {"min_rows": min_rows}
-  return ParameterServer(adagrad_specs(names, dim), threads=threads, **kw)
+  ps = ParameterServer(adagrad_specs(list(batches[0]), _DIM.value), threads=threads, **kw)
+  ps.lookup_many({t: np.unique(np.concatenate([b[t] for b in batches])) for t in batches[0]}, create=True, step=0)
+  return ps
 
 
 def step(ps, b, g, i, cpu=None):
@@ -123,11 +126,8 @@ def main(argv):
   batches = criteo_batches(_WARMUP.value + _BATCHES.value, _BATCH.value)
   names = list(batches[0])
   rows = [sum(len(v) for v in b.values()) for b in batches]
-  g = grads(_BATCH.value, _DIM.value)
-  pss = [make_ps(names, _DIM.value, t) for t in threads]
-  union = {t: np.unique(np.concatenate([b[t] for b in batches])) for t in names}
-  for ps in pss:
-    ps.lookup_many(union, create=True, step=0)  # every row exists: the timed calls serve, as in a long run
+  g = grads(max(_BATCH.value, 8192), _DIM.value)  # the sweep's largest calls too
+  pss = [make_ps(batches, t) for t in threads]
   secs = np.zeros((len(batches), len(threads)))
   cpus = [[0.0] for _ in threads]
   for i, b in enumerate(batches):
@@ -160,10 +160,7 @@ def main(argv):
     sweep = {}
     for n in (128, 512, 2048, 8192, 16384, 32768, 65536):
       small = criteo_batches(_WARMUP.value + 40, max(8, n // 8), seed=7)
-      pair = [make_ps(names, _DIM.value, 1), make_ps(names, _DIM.value, max(threads), min_rows=0)]
-      un = {t: np.unique(np.concatenate([b[t] for b in small])) for t in names}
-      for ps in pair:
-        ps.lookup_many(un, create=True, step=0)
+      pair = [make_ps(small, 1), make_ps(small, max(threads), min_rows=0)]
       ts = np.array([[step(ps, b, g, i + 1) for ps in pair] for i, b in enumerate(small)])[_WARMUP.value :]
       r = float(np.mean([sum(len(v) for v in b.values()) for b in small]))
       sweep[int(r)] = float(np.median(ts[:, 0] / ts[:, 1]))

@@ -2,21 +2,15 @@
 
     python experiments/capacity.py [--full] [--ram_budget_gib=4] [--batches=12] [--json_out=FILE] [--png_out=FILE]
 
-Checks the disaggregation claim (Cerebras weight streaming, Persia): table capacity is set by the
-host / storage tier, not by accelerator memory. Each table is built in a fresh worker process (this
-script with ``--worker``), so its ``VmRSS`` / ``VmHWM`` growth is that table's. Steps:
-[1] RSS per row and per parameter of a RAM-only table of ``--rows_bpp`` rows, for three optimizer /
-storage configs, against the ideal (weights + slots + 16 bytes of id map: ``overhead``); [2] the
-rows MemAvailable would hold (an EXTRAPOLATION), then the largest table whose peak fits
-``--ram_budget_gib``, created and timed; [3] the disk tier: a RAM cache of ``--cache_rows`` and K
-times that in all (``--tier_k``): peak RSS, rows/s, hit rate, disk and RAM bytes per spilled row,
-and the capacity free disk and MemAvailable would allow (an EXTRAPOLATION); [4] rows/s of RAM-only
-tables of ``--ram_rows`` rows, prefilled: ``--batches`` of ``--batch_size`` x ``--features`` Zipf(1.1)
-ids over the table, deduplicated, one ``lookup_many`` + ``apply_many`` each (step 3 likewise).
-``--full``: a 1Mi-row cache, up to 8M rows RAM-only, a 6 GiB budget.
-
-Prints a table per step (stderr), writes ``--json_out`` and ``--png_out`` (rows/s and RSS against
-rows), and last on stdout one JSON line of the headline figures.
+Each table is built in a fresh worker process (this script with ``--worker``), so its RSS growth is
+that table's. [1] bytes per row and per parameter of a RAM-only table for three optimizer / storage
+configs, against the ideal (``overhead``); [2] the rows MemAvailable would hold (an EXTRAPOLATION),
+then the largest table whose peak fits ``--ram_budget_gib``, created and timed; [3] a RAM cache of
+``--cache_rows`` over the disk tier, K times that in all (``--tier_k``): peak RSS, rows/s, hit rate,
+bytes per spilled row, and the capacity free disk and RAM would allow (an EXTRAPOLATION); [4] rows/s
+of prefilled RAM-only tables of ``--ram_rows``: Zipf(1.1) batches, one ``lookup_many`` +
+``apply_many`` each. ``--full``: larger sizes. Prints a table per step (stderr), writes
+``--json_out`` and ``--png_out``, and last on stdout one JSON line of the headline figures.
 """
 
 from __future__ import annotations

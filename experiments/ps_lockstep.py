@@ -2,15 +2,12 @@
 
     python experiments/ps_lockstep.py --rounds=120 [--rows=100000] old=/tmp/psb_4ff02be new=.
 
-Each ``name=path`` starts one process whose ``recsys_jax`` is that checkout's (``PYTHONPATH=path``,
-e.g. a ``git worktree add`` of the commit to compare); the workload (``harness.data`` and
-``harness.ps``, as ``bench_ps.py`` builds it: 26 Adagrad tables of ``--rows`` ids, dim 64, prefilled)
-comes from this tree's experiments/harness. Each process times one ``lookup_many`` + ``apply_many``
-per line it is sent; the processes take turns (the order reversed every round) and a 256 MiB
-memcpy is timed every 4 rounds, so the machine's load falls on every checkout alike. Prints, per
-checkout, the median per-batch lookup and apply rates (wall and thread CPU time) and the fraction of
-the median memcpy (bytes as ``bench_ps.py`` counts them), after 3 untimed rounds, and last one JSON
-line of them.
+Each ``name=path`` starts a process whose ``recsys_jax`` is that checkout's (``PYTHONPATH=path``) and
+whose workload is this tree's ``harness`` (bench_ps's: 26 Adagrad tables of ``--rows`` ids, dim 64,
+prefilled). The processes time one ``lookup_many`` + ``apply_many`` each in turn (the order reversed
+every round), with a memcpy every 4 rounds, so the machine's load falls on every checkout alike.
+Prints per checkout the median lookup and apply rates (wall and thread CPU) and the fraction of the
+median memcpy, after 3 untimed rounds, and last one JSON line of them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """A PS server's memory per request and its first-request latency, measured on a real server process.
 
-    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--narrow_mb=60] [--dim=64] [--concurrent=4] \
+    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--narrow_mb=60] [--dim=64] [--concurrent=4] \\
       [--concurrent_mb=60] [--concurrent_push] [--max_request_mb=0] [--server_flags='--max_inflight_mb=512'] [--latency]
 
-Starts ``python -m recsys_jax.async_ps.server --port=0`` and calls it through ``RemotePS``. For each
-size S (MiB of rows of dim ``--dim``), around three calls: ``create`` (a lookup of S MiB of new ids:
-the table grows), ``lookup`` (the same again) and ``push`` (S MiB of gradients, applied at once).
-Before each call the server's peak RSS (VmHWM) is reset (``/proc/PID/clear_refs``); ``peak`` =
-VmHWM after the call - VmRSS before it, ``table`` = the tables' own growth, ``x_payload`` = (peak -
-table) / payload (the bytes of the request and its answer): what the call cost the server beyond
-what it stores. ``--narrow_mb``: the same for a dim-2 table (S MiB of ids). ``--concurrent``
-clients each look up (``--concurrent_push``: push) ``--concurrent_mb`` MiB at once: their peak
-together. ``--latency``: seconds to the server's ready line with a cold and then a warm numba
-cache, and its first and second lookup and push. ``--max_request_mb`` goes to ``RemotePS`` where
-it has one. The last stdout line is one JSON object.
+Starts ``python -m recsys_jax.async_ps.server`` and calls it through ``RemotePS``: per size (MiB of
+rows; ``--narrow_mb``: of ids, dim 2) a ``create`` (new ids), a ``lookup`` (the same again) and a
+``push``, each with the server's peak RSS reset first (``/proc/PID/clear_refs``): ``peak_mb`` (VmHWM
+after - VmRSS before), ``table_mb`` (the tables' growth) and ``x_payload`` = (peak - table) / the
+bytes of the request and its answer. ``--concurrent`` clients call at once (their peak together);
+``--latency``: seconds to the ready line with a cold and a warm numba cache, and the first calls.
+The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import multiprocessing
 import os
@@ -43,7 +38,7 @@ _DIM = flags.DEFINE_integer("dim", 64, "Row width of the wide table.")
 _CONC = flags.DEFINE_integer("concurrent", 0, "Clients looking up at once (0: skip).")
 _CONC_MB = flags.DEFINE_integer("concurrent_mb", 60, "MiB of rows each concurrent client looks up or pushes.")
 _CONC_PUSH = flags.DEFINE_bool("concurrent_push", False, "The concurrent clients push instead of looking up.")
-_MAX_REQ = flags.DEFINE_float("max_request_mb", 0.0, "RemotePS max_request_mb (0: its default), if it has one.")
+_MAX_REQ = flags.DEFINE_float("max_request_mb", 0.0, "RemotePS max_request_mb (0: derived from the server).")
 _SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "Extra server flags, space-separated.")
 _LATENCY = flags.DEFINE_bool("latency", False, "Measure first-request latency with a cold and a warm numba cache.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 300.0, "RemotePS deadline per call.")
@@ -84,10 +79,8 @@ def _stop(proc) -> None:
   proc.stdout.close()
 
 
-def _client(addr: str, specs, **kw) -> RemotePS:
-  if _MAX_REQ.value and "max_request_mb" in inspect.signature(RemotePS).parameters:
-    kw["max_request_mb"] = _MAX_REQ.value
-  return RemotePS([addr], specs, seed=1, timeout_s=_TIMEOUT.value, lookup_retries=0, **kw)
+def _client(addr: str, specs) -> RemotePS:
+  return RemotePS([addr], specs, seed=1, timeout_s=_TIMEOUT.value, lookup_retries=0, max_request_mb=_MAX_REQ.value)
 
 
 def _table_mb(ps: Optional[RemotePS]) -> float:

@@ -1,9 +1,6 @@
-"""The parameter-server benchmarks' workload pieces: Adagrad tables, a prefilled PS, the bytes a row
-moves, gradients, a process's memory, and the memcpy bandwidth their figures are fractions of.
-
-Nothing here imports ``recsys_jax`` at import time: ``ps_lockstep.py`` imports this module from the
-current tree into processes whose ``recsys_jax`` comes from another checkout.
-"""
+"""The parameter-server benchmarks' workload: Adagrad tables, a prefilled PS, the bytes a row moves,
+gradients, a process's memory, and the memcpy bandwidth their figures are fractions of. Nothing here
+imports ``recsys_jax`` at import time (ps_lockstep.py runs it beside another checkout's)."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ def adagrad_specs(names: Sequence[str], dim: int, **kw) -> List:
 
 
 def row_bytes(dim: int) -> Tuple[int, int, int]:
-  """Bytes a float32 row of width ``dim`` moves, read plus written, in (lookup, apply, create):
-  lookup reads the row and writes it out; apply reads the gradient and reads and writes the row
-  and its Adagrad slot; create writes the row and its slot."""
+  """Bytes a float32 row of width ``dim`` moves, read plus written, in (lookup: the row read and written
+  out; apply: the gradient read, the row and its Adagrad slot read and written; create: both written)."""
   row = 4 * dim
   return 2 * row, row + 2 * (row + row), row + row
 
