@@ -71,30 +71,25 @@ EVAL_RECORDS = 4096
 STAGES = ("read", "parse", "prepare", "resolve", "lookup", "place", "get", "push", "wait")
 
 
-def cores() -> int:
-  return len(os.sched_getaffinity(0))
-
-
-def write_criteo(path: str, records: int, seed: List[int]) -> None:
-  """Writes ``records`` Criteo TSV records (``harness.data.criteo_text``) to ``path``, unless it exists."""
-  if not os.path.exists(path):
-    with open(path + ".tmp", "wb") as f:
-      f.write(criteo_text(records, np.random.default_rng(seed)))
-    os.replace(path + ".tmp", path)
-    outputs.wrote(path)
-
-
 def criteo_files(data_dir: str, records: int, seed: int = 0) -> Dict[str, Any]:
-  """Criteo TSV files of ``records`` records in all, in files of FILE_RECORDS, written once and kept."""
+  """Criteo TSV files (``harness.data.criteo_text``) of ``records`` records in all, in files of
+  FILE_RECORDS, and one of EVAL_RECORDS, written once and kept."""
   d = os.path.join(data_dir, f"criteo_{records}_{seed}")
   os.makedirs(d, exist_ok=True)
-  train = []
-  for i, a in enumerate(range(0, records, FILE_RECORDS)):
-    train.append(os.path.join(d, f"day_{i}"))
-    write_criteo(train[-1], min(FILE_RECORDS, records - a), [seed, i])
-  ev = os.path.join(d, "eval")
-  write_criteo(ev, EVAL_RECORDS, [seed, 999])
-  return {"train": train, "eval": ev, "bytes_per_record": sum(os.path.getsize(p) for p in train) / records}
+  files = [(f"day_{i}", min(FILE_RECORDS, records - a), i) for i, a in enumerate(range(0, records, FILE_RECORDS))]
+  for name, n, i in files + [("eval", EVAL_RECORDS, 999)]:
+    path = os.path.join(d, name)
+    if not os.path.exists(path):
+      with open(path + ".tmp", "wb") as f:
+        f.write(criteo_text(n, np.random.default_rng([seed, i])))
+      os.replace(path + ".tmp", path)
+      outputs.wrote(path)
+  train = [os.path.join(d, name) for name, _, _ in files]
+  return {
+    "train": train,
+    "eval": os.path.join(d, "eval"),
+    "bytes_per_record": sum(map(os.path.getsize, train)) / records,
+  }
 
 
 def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
@@ -170,7 +165,7 @@ def run_setting(s: Dict[str, Any]) -> Dict[str, Any]:
     "source": s["source"],
     "batch": B,
     "workers": s["workers"],
-    "cores": cores(),
+    "cores": len(os.sched_getaffinity(0)),
     "step": s["step"],
     "first_pass_samples_per_s": first_pass,
     "distinct_rows_per_batch": rows,
@@ -305,11 +300,16 @@ def schedule(records: int, batch: int, workers: int) -> Dict[str, int]:
 
 def sweep(data_dir: str, bw: float, failed: List[str]) -> Dict[tuple, List[Dict[str, Any]]]:
   """(source, batch, label, workers, step) -> each run's figures, the runs interleaved; a line in ``failed`` per failure."""
-  workers = [int(w) for w in (_WORKERS.value or sorted({1, cores()}))]
+  workers = [int(w) for w in (_WORKERS.value or sorted({1, len(os.sched_getaffinity(0))}))]
   files = criteo_files(data_dir, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
   codes = [("new", _ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
-  common = {"first_timed": _WARMUP.value, "files": files, "cache_dir": os.path.join(data_dir, "cache")}
-  common.update(memcpy_bytes_per_s=bw, gil=_GIL.value)
+  common = {
+    "first_timed": _WARMUP.value,
+    "files": files,
+    "cache_dir": os.path.join(data_dir, "cache"),
+    "memcpy_bytes_per_s": bw,
+    "gil": _GIL.value,
+  }
   runs: Dict[tuple, List[Dict[str, Any]]] = {}
   os.makedirs(data_dir, exist_ok=True)  # synthetic alone writes no files there, so nothing else made it
   work = tempfile.mkdtemp(prefix="work_", dir=data_dir)  # each setting's workdir, removed after it
@@ -363,7 +363,10 @@ def main(argv):
         flags.FLAGS[name].value = value
   data_dir = os.path.abspath(_DATA_DIR.value)
   bw = Memcpy(1).best()
-  print(f"{cores()} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}", file=sys.stderr)
+  print(
+    f"{len(os.sched_getaffinity(0))} cores, memcpy {bw / 1e9:.1f} GB/s (read + written), load {os.getloadavg()}",
+    file=sys.stderr,
+  )
   failed: List[str] = []
   runs = sweep(data_dir, bw, failed)
   results = []

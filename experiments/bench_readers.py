@@ -2,10 +2,9 @@
 
     python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--transfer] [--json_out=FILE]
 
-Writes a Criteo TSV file (``harness.data.criteo_text``) and an Avazu CSV file (the published header,
-values shaped like the published ones) of ``--lines`` records, plain and gzipped (level 6), and
-times over each, best of ``--repeats``: ``chunks`` alone (decompressing and cutting lines), and
-``chunks`` + ``parse`` (what an input pipeline pays). MB/s counts the uncompressed text;
+Writes a Criteo TSV and an Avazu CSV file of ``--lines`` records (``harness.data``), plain and gzipped
+(level 6), and times over each, best of ``--repeats``: ``chunks`` alone (decompressing and cutting
+lines), and ``chunks`` + ``parse`` (what an input pipeline pays). MB/s counts the uncompressed text;
 ``gz_mb_per_s`` the compressed file. ``naive`` is a line-by-line Python parse of the Criteo chunks,
 for scale. Then the compiled ``parse`` against ``parse_numpy`` on the same chunks, interleaved,
 median of at least 5: thread CPU a record, and records/s on 2 threads. ``--transfer``: what parsing
@@ -36,7 +35,7 @@ from harness import data, outputs
 from harness.stats import best_of, interleaved
 
 from recsys_jax.data import base
-from recsys_jax.data.avazu import HEADER, AvazuFormat
+from recsys_jax.data.avazu import AvazuFormat
 from recsys_jax.data.criteo import CriteoFormat
 
 _LINES = flags.DEFINE_integer("lines", 200_000, "Records per generated file.")
@@ -45,30 +44,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes per file; the best i
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 _TRANSFER = flags.DEFINE_bool("transfer", False, "Also time parsing in worker processes against threads.")
-
-
-def avazu_text(n: int, rng: np.random.Generator) -> bytes:
-  """A header and ``n`` Avazu records shaped like the published ones."""
-
-  def hex_ids(vocab: int) -> np.ndarray:
-    return np.char.mod("%08x", rng.integers(0, 2**32, vocab)[rng.integers(0, vocab, n)])
-
-  def ints(lo: int, hi: int) -> np.ndarray:
-    return rng.integers(lo, hi, n).astype(str)
-
-  hours = np.char.mod("1410%d", 2100 + 100 * rng.integers(0, 10, n) + rng.integers(0, 24, n))
-  cols = [
-    rng.integers(10**18, 10**19, n, dtype=np.uint64).astype(str),  # id
-    np.where(rng.random(n) < 0.17, "1", "0"),  # click
-    hours,  # hour: 14102100 .. 14103023
-    ints(1001, 1013),  # C1
-    ints(0, 8),  # banner_pos
-  ]
-  cols += [hex_ids(v) for v in (4_000, 7_000, 26, 8_000, 500, 36, 200_000, 1_000_000, 8_000)]
-  cols += [ints(0, 6), ints(0, 6), ints(375, 24_050), ints(120, 1_025), ints(20, 1_025)]
-  cols += [ints(112, 2_758), ints(0, 4), ints(33, 1_960), np.where(rng.random(n) < 0.5, "-1", ints(100_000, 100_250))]
-  cols += [ints(1, 256)]
-  return (",".join(HEADER) + "\n").encode() + data.join_rows(cols, ",")
 
 
 def naive_criteo(lines: List[bytes]) -> base.Columns:
@@ -112,37 +87,44 @@ def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int
   }
 
 
-def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> Dict[str, float]:
+def _parse_chunk(chunk):
+  return CriteoFormat().parse(chunk, base.BadRecords())
+
+
+def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int, processes: bool) -> Dict[str, float]:
   """``parse`` (compiled) against ``parse_numpy`` on the same chunks, interleaved, medians: thread CPU
-  a record on this thread, and records/s on 2 threads (what host workers get)."""
+  a record on this thread, and records/s on 2 threads (what host workers get). ``processes`` (Criteo):
+  also on 2 spawned processes (chunks sent, columns sent back, as ``concurrent.futures`` does it):
+  ``transfer_parse_{inline,threads_2,processes_2}_{wall,trainer_cpu}_us``, us a record."""
   n = sum(len(c) for c in chunks)
+  spawn = multiprocessing.get_context("spawn")
+  procs = concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) if processes else None
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     ways = {}
     for way, parse in (("compiled", fmt.parse), ("numpy", fmt.parse_numpy)):
       ways[way] = lambda parse=parse: [parse(c, base.BadRecords()) for c in chunks]
       ways[f"{way}_2"] = lambda parse=parse: list(pool.map(lambda c: parse(c, base.BadRecords()), chunks))
+    if procs is not None:
+      list(procs.map(_parse_chunk, chunks[:2]))  # start them
+      ways["processes_2"] = lambda: list(procs.map(_parse_chunk, chunks))
     t = interleaved(ways, max(repeats, 5))
   out = {}
   for way in ("compiled", "numpy"):
     out[f"{name}_{way}_parse_cpu_us_per_record"] = round(1e6 * t[way]["thread"] / n, 3)
     out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(n / t[f"{way}_2"]["wall"], 1)
+  if procs is not None:
+    procs.shutdown()
+    for k, way in (("inline", "compiled"), ("threads_2", "compiled_2"), ("processes_2", "processes_2")):
+      out[f"transfer_parse_{k}_wall_us"] = round(1e6 * t[way]["wall"] / n, 3)
+      out[f"transfer_parse_{k}_trainer_cpu_us"] = round(1e6 * t[way]["process"] / n, 3)
   return out
 
 
-def _parse_chunk(chunk):
-  return CriteoFormat().parse(chunk, base.BadRecords())
-
-
-def transfer_costs(path: str, chunk: int, chunks: int = 8) -> Dict[str, float]:
-  """Microseconds a record of the first ``chunks`` chunks of ``path``: this thread's CPU (best of 3)
-  parsing them, moving their columns between processes by pickling (as multiprocessing queues do)
-  or through shared memory, and pickling the raw lines; then wall and this process's CPU (medians
-  of 5, interleaved) parsing inline, on 2 threads and on 2 spawned processes (chunks sent, columns
-  sent back, as ``concurrent.futures`` does it)."""
-  fmt = CriteoFormat()
-  raw = list(itertools.islice(fmt.chunks(path, chunk), chunks))
-  n = sum(len(c) for c in raw)
-  cols = [fmt.parse(c, base.BadRecords()) for c in raw]
+def transfer_costs(fmt, chunks: List[base.RawChunk]) -> Dict[str, float]:
+  """This thread's CPU a record (us, best of 3) moving parsed columns between processes by pickling (as
+  multiprocessing queues do) or through shared memory, and pickling the raw lines."""
+  n = sum(len(c) for c in chunks)
+  cols = [fmt.parse(c, base.BadRecords()) for c in chunks]
   blobs = [pickle.dumps(c, protocol=5) for c in cols]
   arrays = [a for c in cols for a in [c["label"], c["dense"], *c["sparse"].values()]]
   shm = shared_memory.SharedMemory(create=True, size=sum(a.nbytes for a in arrays))
@@ -157,30 +139,18 @@ def transfer_costs(path: str, chunk: int, chunks: int = 8) -> Dict[str, float]:
         v[...] = a
 
     ways = {
-      "parse_us": lambda: [fmt.parse(c, base.BadRecords()) for c in raw],
       "pickle_us": lambda: [pickle.dumps(c, protocol=5) for c in cols],
       "unpickle_us": lambda: [pickle.loads(b) for b in blobs],
       "shm_in_us": into_shm,
       "shm_out_us": lambda: [np.array(v) for v in views],
-      "pickle_raw_lines_us": lambda: [pickle.dumps(c.payload, protocol=5) for c in raw],
+      "pickle_raw_lines_us": lambda: [pickle.dumps(c.payload, protocol=5) for c in chunks],
     }
-    out = {k: 1e6 * best_of(fn, 3, time.thread_time) / n for k, fn in ways.items()}
-    out["bytes_per_record"] = sum(len(b) for b in blobs) / n
+    out = {f"transfer_{k}": round(1e6 * best_of(fn, 3, time.thread_time) / n, 3) for k, fn in ways.items()}
+    out["transfer_bytes_per_record"] = round(sum(len(b) for b in blobs) / n, 1)
     views.clear()  # the views pin shm.buf: drop them before closing it
   finally:
     shm.close()
     shm.unlink()
-  with (
-    concurrent.futures.ThreadPoolExecutor(2) as threads,
-    concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as procs,
-  ):
-    list(procs.map(_parse_chunk, raw[:2]))  # start them
-    ways = {"inline": lambda: [_parse_chunk(c) for c in raw]}
-    ways["threads_2"] = lambda: list(threads.map(_parse_chunk, raw))
-    ways["processes_2"] = lambda: list(procs.map(_parse_chunk, raw))
-    for k, t in interleaved(ways, 5).items():
-      out[f"parse_{k}_wall_us"] = 1e6 * t["wall"] / n
-      out[f"parse_{k}_trainer_cpu_us"] = 1e6 * t["process"] / n
   return out
 
 
@@ -193,7 +163,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     for name, fmt, make, file_name in (
       ("criteo", CriteoFormat(), data.criteo_text, "day_0"),
-      ("avazu", AvazuFormat(), avazu_text, "train"),
+      ("avazu", AvazuFormat(), data.avazu_text, "train"),
     ):
       text = make(n, rng)
       plain = os.path.join(tmp, file_name)
@@ -212,9 +182,10 @@ def main(argv):
         chunks = list(fmt.chunks(plain, chunk))
         t = best_of(lambda chunks=chunks: [naive_criteo(c.payload) for c in chunks], repeats)
         result["criteo_naive_parse_records_per_s"] = round(n / t, 1)
-      result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats))
-      if name == "criteo" and _TRANSFER.value:
-        result.update({f"transfer_{k}": round(v, 3) for k, v in transfer_costs(plain, chunk).items()})
+      processes = name == "criteo" and _TRANSFER.value
+      result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats, processes))
+      if processes:
+        result.update(transfer_costs(fmt, list(fmt.chunks(plain, chunk))))
   result["cpu_count"] = os.cpu_count()
   result["machine"] = platform.processor() or platform.machine()
 

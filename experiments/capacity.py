@@ -15,6 +15,7 @@ of prefilled RAM-only tables of ``--ram_rows``: Zipf(1.1) batches, one ``lookup_
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -129,15 +130,13 @@ def _worker(job: Dict) -> Dict:
     )
   out["peak_rss"] = proc_bytes("VmHWM")
   out["rss_end"] = proc_bytes("VmRSS")
+  garbage = int(ps.shards[0]["t"].tier.stats()["garbage_rows"]) if tmp else 0
+  ps.close()  # flushes the tier's pending chunks, so the directory holds every row
   if tmp is not None:
-    garbage = ps.shards[0]["t"].tier.stats()["garbage_rows"]
-    ps.close()  # flushes the tier's pending chunks, so the directory holds every row
     out["disk_bytes_by_array"] = _disk_bytes(tmp.name)
     out["disk_bytes"] = sum(out["disk_bytes_by_array"].values())
-    out["disk_garbage_rows"] = int(garbage)
+    out["disk_garbage_rows"] = garbage
     tmp.cleanup()
-  else:
-    ps.close()
   return out
 
 
@@ -150,8 +149,7 @@ def _run_worker(job: Dict) -> Dict:
 
 
 # -- the driver ----------------------------------------------------------------------------
-def _log(msg: str = "") -> None:
-  print(msg, file=sys.stderr, flush=True)
+_log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
