@@ -96,7 +96,7 @@ def storage(path: str, tmp: str, chunk_records: int, repeats: int) -> Dict[str, 
   out: Dict[str, float] = {"chunk_bytes": float(os.path.getsize(ours))}
   for name, read in readers_.items():
     out[f"read_copy_ms_{name}"] = 1e3 * best_of(lambda read=read: [np.array(a) for a in read()], repeats)
-  data = np.fromfile(ours, np.uint8)[-int(sum(_align64(a.nbytes) for _, a in arrays)) :]
+  data = np.fromfile(ours, np.uint8)[-sum(-(-a.nbytes // 64) * 64 for _, a in arrays) :]  # the arrays, 64-aligned
   checks: Dict[str, Callable[[], object]] = {
     "sum64": lambda: chunkfile.sum64(data),
     "crc32": lambda: zlib.crc32(data),
@@ -106,10 +106,6 @@ def storage(path: str, tmp: str, chunk_records: int, repeats: int) -> Dict[str, 
   for name, fn in checks.items():
     out[f"checksum_gb_per_s_{name}"] = data.nbytes / best_of(fn, repeats) / 1e9
   return out
-
-
-def _align64(n: int) -> int:
-  return -(-n // 64) * 64
 
 
 def data_config(pattern: str, cache_dir: str, batch_size: int, chunk_records: int):
