@@ -59,20 +59,16 @@ def _disk_bytes(path: str) -> Dict[str, int]:
   return out
 
 
-def _ideal_row_bytes(opt: str, dtype: str, dim: int) -> int:
-  from recsys_jax.async_ps.optim import optimizers
-  from recsys_jax.embeddings.specs import storage_numpy_dtype
-
-  slots = optimizers.make(opt, learning_rate=0.05).init(1, dim)
-  return dim * storage_numpy_dtype(dtype).itemsize + sum(v.nbytes for v in slots.values()) + 16
-
-
 # -- the worker: one table, one process ----------------------------------------------------
 def _worker(job: Dict) -> Dict:
+  from recsys_jax.async_ps.optim import optimizers
   from recsys_jax.async_ps.store.ps import ParameterServer
-  from recsys_jax.embeddings.specs import TableSpec
+  from recsys_jax.embeddings.specs import TableSpec, storage_numpy_dtype
 
   dim, rows, cache = job["dim"], job["rows"], job.get("cache", 0)
+  slots = optimizers.make(job["opt"], learning_rate=0.05).init(1, dim)
+  # The ideal row: its weights, its optimizer slots, and 16 bytes of id map (an 8-byte id, an 8-byte row number).
+  ideal = dim * storage_numpy_dtype(job["dtype"]).itemsize + sum(v.nbytes for v in slots.values()) + 16
   spec = TableSpec(name="t", dim=dim, optimizer=job["opt"], storage_dtype=job["dtype"], capacity=cache)
   # Workload drawn first, so its arrays are in the baseline and not counted as table bytes.
   n = job["warmup"] + job["batches"]
@@ -98,6 +94,7 @@ def _worker(job: Dict) -> Dict:
   first = prefill(ps, ["t"], rows, min(1 << 16, max(1024, cache // 8)) if cache else 1 << 16)
   out = {
     **job,
+    "ideal_row_bytes": ideal,
     "create_s": time.perf_counter() - t0,
     "rss_base": rss0,
     "rss_growth": proc_bytes("VmRSS") - rss0,
@@ -205,7 +202,7 @@ def main(argv):
   for opt, dtype in _CONFIGS:
     r = _run_worker({**base, "opt": opt, "dtype": dtype, "rows": _ROWS_BPP.value, "time": False})
     n = r["rows"]
-    ideal = _ideal_row_bytes(opt, dtype, dim)
+    ideal = r["ideal_row_bytes"]
     rec = {
       "rows": n,
       "ideal_bytes_per_row": ideal,
