@@ -2,31 +2,14 @@
 
     python experiments/bench_cache.py [--lines=100000] [--files=4] [--batch_size=8192] [--train] [--json_out=FILE]
 
-Writes ``--files`` Criteo-format TSV files of ``--lines`` records each (the generator of
-``experiments/bench_readers.py``: 13 integers with 20% missing, 26 8-hex-digit ids with 10%
-missing) in a temporary directory, then:
-
-1. Storage of one Criteo-shape chunk (the first ``--chunk_records`` records, parsed: label,
-   13 float32 dense, 26 uint64 ids), best of ``--repeats``: time to read it back into numpy
-   and copy every array (what the stream's window does next) from the cache's chunk file
-   (one ``readinto``), the same raw arrays through ``np.memmap``, Arrow IPC (``pa.memory_map``
-   and ``pa.OSFile``) and one ``.npy`` file per array; and the checksums that could guard it
-   (``sum64``, ``zlib.crc32``, ``zlib.adler32``, ``blake2b``), in GB/s over the chunk's bytes.
-2. Reading epochs through ``readers.build_reader`` (``config.data.name='criteo'``, shuffled, one
-   process, batches of ``--batch_size``), each ``records // batch_size`` batches, in samples/s:
-   ``cold`` a fresh reader on an empty cache (the first epoch, which parses the TSV and writes
-   the cache) and ``warm`` the same reader's second epoch (from the cache),
-   ``ratio_second_epoch`` = warm / cold; then, interleaved and best of ``--epoch_repeats``,
-   fresh readers (a later run's first epoch): ``tsv`` with ``cache_dir='none'``,
-   ``warm_new_run`` from the full cache, also with the chunk files read without checking their
-   checksum (``_unverified``) and mapped rather than read (``_mmap``); ``ratio`` = warm_new_run
-   / tsv. ``crc32_share_of_warm_chunk`` is what crc32 would add to a warm chunk's time.
-3. With ``--train``: ``train.train_and_evaluate`` of ``configs/tiny.py`` (the tiny DLRM) on those
-   files for one epoch of steps, batch ``--batch_size``, cache off against a warm cache (a fresh
-   workdir whose ``cache_dir`` points at the cache a first run filled); the figures are the
-   runs' own ``samples_per_sec`` (every step after the first).
-
-Prints a table, then, last on stdout, one JSON line of every figure.
+On ``--files`` generated Criteo TSV files of ``--lines`` records: (1) one parsed chunk read back and
+copied from the cache's chunk file, ``np.memmap``, Arrow IPC and ``.npy`` files, and the checksums
+that could guard it, best of ``--repeats`` (``storage_*``); (2) epochs through ``readers.build_reader``
+in samples/s (``read_*``): ``cold`` (parsing the TSV, writing the cache) and ``warm`` (the same
+reader's second epoch), then fresh readers, interleaved, best of ``--epoch_repeats``: ``tsv`` (cache
+off) and ``warm_new_run`` (also unverified and mapped); ``ratio`` = warm_new_run / tsv; (3)
+``--train``: one epoch of ``configs/tiny.py``, cache off against warm (``train_*``). Prints a table,
+then, last on stdout, one JSON line of every figure.
 """
 
 from __future__ import annotations
@@ -34,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import os
 import platform
 import tempfile
@@ -41,27 +25,23 @@ import time
 import zlib
 from typing import Callable, Dict
 
-import bench_readers  # experiments/bench_readers.py, beside this script
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 from absl import app, flags
-from bench_readers import best_of, criteo_text
+from harness import outputs
+from harness.data import criteo_text
+from harness.stats import best_of
 
 from configs import default, tiny
 from recsys_jax.data import base, chunkfile, readers
 from recsys_jax.data.criteo import CriteoFormat
 
-# --lines, --chunk_records, --repeats, --seed and --json_out are bench_readers' flags (imported with it).
-_LINES, _CHUNK, _REPEATS, _SEED, _JSON_OUT = (
-  bench_readers._LINES,
-  bench_readers._CHUNK,
-  bench_readers._REPEATS,
-  bench_readers._SEED,
-  bench_readers._JSON_OUT,
-)
-flags.set_default(_LINES, 100_000)
-flags.set_default(_REPEATS, 20)
+_LINES = flags.DEFINE_integer("lines", 100_000, "Records per generated file.")
+_CHUNK = flags.DEFINE_integer("chunk_records", 8192, "Records per chunk (the default of data/stream.py).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed passes of each storage and checksum; the best is kept.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 _FILES = flags.DEFINE_integer("files", 4, "Generated TSV files (of --lines records each).")
 _BATCH = flags.DEFINE_integer("batch_size", 8192, "Records per batch.")
 _EPOCH_REPEATS = flags.DEFINE_integer("epoch_repeats", 3, "Passes of each later-run variant; the best is kept.")
@@ -116,7 +96,7 @@ def storage(path: str, tmp: str, chunk_records: int, repeats: int) -> Dict[str, 
   out: Dict[str, float] = {"chunk_bytes": float(os.path.getsize(ours))}
   for name, read in readers_.items():
     out[f"read_copy_ms_{name}"] = 1e3 * best_of(lambda read=read: [np.array(a) for a in read()], repeats)
-  data = np.fromfile(ours, np.uint8)[-int(sum(_align64(a.nbytes) for _, a in arrays)) :]
+  data = np.fromfile(ours, np.uint8)[-sum(-(-a.nbytes // 64) * 64 for _, a in arrays) :]  # the arrays, 64-aligned
   checks: Dict[str, Callable[[], object]] = {
     "sum64": lambda: chunkfile.sum64(data),
     "crc32": lambda: zlib.crc32(data),
@@ -126,10 +106,6 @@ def storage(path: str, tmp: str, chunk_records: int, repeats: int) -> Dict[str, 
   for name, fn in checks.items():
     out[f"checksum_gb_per_s_{name}"] = data.nbytes / best_of(fn, repeats) / 1e9
   return out
-
-
-def _align64(n: int) -> int:
-  return -(-n // 64) * 64
 
 
 def data_config(pattern: str, cache_dir: str, batch_size: int, chunk_records: int):
@@ -173,8 +149,7 @@ def epochs(pattern: str, tmp: str, records: int, batch_size: int, chunk_records:
     "warm_new_run_mmap": (cache_dir, {"mmap": True}),
   }
   real = chunkfile.read_chunk
-  for k in variants:
-    out[k] = 0.0
+  out.update(dict.fromkeys(variants, 0.0))
   try:
     for _ in range(repeats):
       for k, (where, kw) in variants.items():
@@ -192,14 +167,10 @@ def training(pattern: str, tmp: str, records: int, batch_size: int, chunk_record
   from recsys_jax import train
 
   base_config = tiny.get_config()
-  d = data_config(pattern, "", batch_size, chunk_records).data
-  base_config.data = d
-  base_config.batch_size = batch_size
+  base_config.data = data_config(pattern, "", batch_size, chunk_records).data
+  base_config.batch_size = base_config.eval_batch_size = base_config.eval_samples = batch_size
   base_config.num_steps = records // batch_size
-  base_config.checkpoint_every = 0
-  base_config.eval_every = 0
-  base_config.eval_batch_size = batch_size
-  base_config.eval_samples = batch_size
+  base_config.checkpoint_every = base_config.eval_every = 0
   out = {}
   shared = os.path.join(tmp, "train_cache")
   for name, cache in (("tsv", "none"), ("fill", shared), ("warm", shared)):
@@ -253,7 +224,10 @@ def main(argv):
   if tr:
     print(f"training configs/tiny.py one epoch, samples/s: tsv {tr['tsv']:,.0f}, warm cache {tr['warm']:,.0f}")
     print(f"  (the run filling the cache: {tr['fill']:,.0f}); warm / tsv {tr['ratio']:.2f}")
-  bench_readers.print_json(result)
+  line = json.dumps(result, sort_keys=True)
+  if _JSON_OUT.value:
+    outputs.write_text(_JSON_OUT.value, line + "\n")
+  print(line)
 
 
 if __name__ == "__main__":

@@ -2,23 +2,15 @@
 
     python experiments/bench_ps_threads.py [--threads=1,2] [--batches=30] [--sweep=True]
 
-Shape: 26 tables of dim 16 (Adagrad, the default config's), batches of 8192 samples whose ids
-are drawn per field from a Zipf(1.1) law over Criteo's field cardinalities (3 to 10M) and
-deduplicated per table as the trainer does; every id of every batch is created first
-(untimed), so the timed calls serve existing rows as a long-running job does. One PS per
-thread count, all fed the same batches, batch by batch in turn (each batch is timed on every
-PS before the next), so the load of the shared machine falls on all alike; the figure that
-counts is the per-batch time ratio. At the end the PSs' snapshots are compared array-equal.
-
-``--sweep``: per-call time of lookup_many + apply_many for smaller requests (total rows over
-the 26 tables from 128 up), pool threads forced on (``min_rows=0``) against one thread:
-where the ratio crosses 1 is ``workers.MIN_ROWS``. ``handover_us``: what dealing a call of
-empty tasks to the pool costs over running them on the caller. ``free_core_speedup``: a
-control, a pure-CPU ``nogil`` kernel on as many threads at once over one after the other,
-before and after; about 1 says the machine had no core free for a second thread, and then no
-thread count can be faster.
-
-The last stdout line is one JSON object.
+Shape: 26 Adagrad tables of dim 16, batches of 8192 samples of Zipf(1.1) ids over Criteo's field
+cardinalities, deduplicated per table, every id created first (untimed). One PS per thread count,
+all fed the same batches, each batch timed on every PS before the next, so the load falls on all
+alike: the figure is the median per-batch time ratio (``speedup_vs_first``). The PSs' snapshots are
+compared array-equal at the end. ``--sweep``: the same ratio for smaller calls (from 128 rows), pool
+threads forced on (``min_rows=0``): where it crosses 1 is ``workers.MIN_ROWS``. ``handover_us``:
+what dealing empty tasks to the pool costs over running them on the caller. ``free_core_speedup``: a
+pure-CPU ``nogil`` kernel on as many threads at once over one after the other, before and after
+(about 1: no core was free for a second thread). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -32,10 +24,11 @@ import time
 import numba
 import numpy as np
 from absl import app, flags
+from harness import data
+from harness.ps import adagrad_specs, grads
 
 from recsys_jax.async_ps.store.ps import ParameterServer
 from recsys_jax.async_ps.store.workers import Workers
-from recsys_jax.embeddings.specs import TableSpec
 
 _THREADS = flags.DEFINE_list("threads", ["1", "2"], "PS thread counts to compare (the first is the baseline).")
 _BATCHES = flags.DEFINE_integer("batches", 30, "Timed batches.")
@@ -52,31 +45,32 @@ CRITEO_VOCABS = (
 
 
 def criteo_batches(n: int, batch: int, alpha: float = 1.1, seed: int = 0):
-  """Per batch, per table: the distinct uint64 ids of ``batch`` Zipf draws over that field's cardinality."""
+  """Per batch, per table: the distinct ids of ``batch`` Zipf draws over that field's cardinality."""
   out = []
   for b in range(n):
     rng = np.random.default_rng([seed, b])
     d = {}
     for f, v in enumerate(CRITEO_VOCABS):
       # Zipf ranks by inverse transform of a continuous power law, capped at the cardinality.
-      u = rng.random(batch)
-      rank = (np.minimum(np.floor((1 - u) ** (-1 / (alpha - 1))), v) - 1).astype(np.int64)
-      d[f"c{f:02d}"] = np.unique(rank.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(f))
+      rank = np.minimum(np.floor((1 - rng.random(batch)) ** (-1 / (alpha - 1))), v) - 1
+      d[f"c{f:02d}"] = np.unique(data.hashed(rank.astype(np.int64), f))
     out.append(d)
   return out
 
 
-def make_ps(names, dim, threads, min_rows=None):
-  kw = (("learning_rate", 0.05),)
-  specs = [TableSpec(name=t, dim=dim, optimizer="adagrad", optimizer_kwargs=kw) for t in names]
-  return ParameterServer(specs, threads=threads, **({} if min_rows is None else {"min_rows": min_rows}))
+def make_ps(batches, threads, min_rows=None):
+  """A PS of ``threads`` threads with every id of ``batches`` created: the timed calls serve, as in a long run."""
+  kw = {} if min_rows is None else {"min_rows": min_rows}
+  ps = ParameterServer(adagrad_specs(list(batches[0]), _DIM.value), threads=threads, **kw)
+  ps.lookup_many({t: np.unique(np.concatenate([b[t] for b in batches])) for t in batches[0]}, create=True, step=0)
+  return ps
 
 
-def step(ps, b, grads, i, cpu=None):
+def step(ps, b, g, i, cpu=None):
   """Seconds of one lookup_many + apply_many; adds the process's CPU seconds (all threads) to ``cpu[0]``."""
   c0, t0 = time.process_time(), time.perf_counter()
   ps.lookup_many(b, create=True, step=i)
-  ps.apply_many({t: (ids, grads[: len(ids)]) for t, ids in b.items()}, step=i)
+  ps.apply_many({t: (ids, g[: len(ids)]) for t, ids in b.items()}, step=i)
   t1 = time.perf_counter()
   if cpu is not None:
     cpu[0] += time.process_time() - c0
@@ -132,16 +126,13 @@ def main(argv):
   batches = criteo_batches(_WARMUP.value + _BATCHES.value, _BATCH.value)
   names = list(batches[0])
   rows = [sum(len(v) for v in b.values()) for b in batches]
-  grads = np.random.default_rng(1).standard_normal((_BATCH.value, _DIM.value)).astype(np.float32) * 1e-3
-  pss = [make_ps(names, _DIM.value, t) for t in threads]
-  union = {t: np.unique(np.concatenate([b[t] for b in batches])) for t in names}
-  for ps in pss:
-    ps.lookup_many(union, create=True, step=0)  # every row exists: the timed calls serve, as in a long run
+  g = grads(max(_BATCH.value, 8192), _DIM.value)  # the sweep's largest calls too
+  pss = [make_ps(batches, t) for t in threads]
   secs = np.zeros((len(batches), len(threads)))
   cpus = [[0.0] for _ in threads]
   for i, b in enumerate(batches):
     for j, ps in enumerate(pss):
-      secs[i, j] = step(ps, b, grads, i + 1, cpus[j] if i >= _WARMUP.value else None)
+      secs[i, j] = step(ps, b, g, i + 1, cpus[j] if i >= _WARMUP.value else None)
   secs = secs[_WARMUP.value :]
   snaps = [ps.snapshot() for ps in pss]
   identical = all(np.array_equal(s[t][k], snaps[0][t][k]) for s in snaps[1:] for t in names for k in snaps[0][t])
@@ -169,11 +160,8 @@ def main(argv):
     sweep = {}
     for n in (128, 512, 2048, 8192, 16384, 32768, 65536):
       small = criteo_batches(_WARMUP.value + 40, max(8, n // 8), seed=7)
-      pair = [make_ps(names, _DIM.value, 1), make_ps(names, _DIM.value, max(threads), min_rows=0)]
-      un = {t: np.unique(np.concatenate([b[t] for b in small])) for t in names}
-      for ps in pair:
-        ps.lookup_many(un, create=True, step=0)
-      ts = np.array([[step(ps, b, grads, i + 1) for ps in pair] for i, b in enumerate(small)])[_WARMUP.value :]
+      pair = [make_ps(small, 1), make_ps(small, max(threads), min_rows=0)]
+      ts = np.array([[step(ps, b, g, i + 1) for ps in pair] for i, b in enumerate(small)])[_WARMUP.value :]
       r = float(np.mean([sum(len(v) for v in b.values()) for b in small]))
       sweep[int(r)] = float(np.median(ts[:, 0] / ts[:, 1]))
       print(f"  {r:7.0f} rows a call: {max(threads)} threads are {sweep[int(r)]:.2f}x one", file=sys.stderr)

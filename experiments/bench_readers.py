@@ -1,25 +1,17 @@
 """Throughput of the Criteo and Avazu readers: records/s and MB/s of ``chunks`` + ``parse``.
 
-    python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--json_out=FILE]
+    python experiments/bench_readers.py [--lines=200000] [--chunk_records=8192] [--transfer] [--json_out=FILE]
 
-Writes, in a temporary directory, a Criteo-format file (tab-separated, 40 fields: a 0/1 label,
-13 integers with 20% missing and 5% negative, 26 8-hex-digit ids with 10% missing) and an
-Avazu-format file (CSV with the published header, values shaped like the published ones) of
-``--lines`` records each, plain and gzipped (level 6). For each file it times, best of
-``--repeats`` passes:
+Writes a Criteo TSV and an Avazu CSV file of ``--lines`` records (``harness.data``), plain and gzipped
+(level 6), and times over each, best of ``--repeats``: ``chunks`` alone (decompressing and cutting
+lines), and ``chunks`` + ``parse`` (what an input pipeline pays). MB/s counts the uncompressed text;
+``gz_mb_per_s`` the compressed file. ``naive`` is a line-by-line Python parse of the Criteo chunks,
+for scale. Then the compiled ``parse`` against ``parse_numpy`` on the same chunks, interleaved,
+median of at least 5: thread CPU a record, and records/s on 2 threads. ``--transfer``: what parsing
+Criteo chunks in worker processes would cost against threads (``transfer_*``, us a record).
 
-  read:  ``chunks`` alone (decompression and cutting into lines);
-  total: ``chunks`` + ``parse`` of every chunk (what a training input pipeline pays).
-
-MB/s counts the uncompressed text, so plain and ``.gz`` compare directly; ``gz_mb_per_s``
-counts the compressed file. For scale, ``naive`` is a line-by-line Python parse of the same
-Criteo chunks into the same columns (``str.split``, ``int``, ``int(x, 16)``), which the
-vectorised ``parse`` replaces. Last, for each format, the compiled ``parse`` against
-``parse_numpy`` (the numpy path it replaced) on the plain file's chunks, interleaved, median of at
-least 5 repeats: thread CPU per record on one thread, and records/s parsing the chunks on 2 threads.
-
-The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``,
-``..._mb_per_s``, ``..._parse_records_per_s`` (parse alone) and the parameters.
+The last stdout line is one JSON object: ``{format}_{plain|gz}_records_per_s``, ``..._mb_per_s``,
+``..._parse_records_per_s`` (parse alone), the comparisons and the parameters.
 """
 
 from __future__ import annotations
@@ -28,19 +20,22 @@ import concurrent.futures
 import gzip
 import itertools
 import json
+import multiprocessing
 import os
+import pickle
 import platform
-import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from multiprocessing import shared_memory
+from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import data, outputs
+from harness.stats import best_of, interleaved
 
 from recsys_jax.data import base
-from recsys_jax.data.avazu import HEADER, AvazuFormat
+from recsys_jax.data.avazu import AvazuFormat
 from recsys_jax.data.criteo import CriteoFormat
 
 _LINES = flags.DEFINE_integer("lines", 200_000, "Records per generated file.")
@@ -48,50 +43,7 @@ _CHUNK = flags.DEFINE_integer("chunk_records", 8192, "Records per chunk (the def
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes per file; the best is kept.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
-
-
-def _join_rows(columns: List[np.ndarray], sep: str) -> bytes:
-  """Joins string columns (equal length) into lines of text, one record a line."""
-  rows = zip(*(c.tolist() for c in columns))
-  return "".join(sep.join(r) + "\n" for r in rows).encode()
-
-
-def criteo_text(n: int, rng: np.random.Generator) -> bytes:
-  """``n`` Criteo records: label, 13 integers, 26 hex ids; some values missing or negative."""
-  cols = [np.where(rng.random(n) < 0.25, "1", "0")]
-  for _ in range(13):
-    v = (rng.pareto(1.0, n) * 3).astype(np.int64)
-    v = np.where(rng.random(n) < 0.05, -rng.integers(1, 4, n), v)
-    cols.append(np.where(rng.random(n) < 0.2, "", v.astype(str)))
-  for _ in range(26):
-    vocab = rng.integers(0, 2**32, 50_000)
-    ids = np.char.mod("%08x", vocab[np.minimum(rng.zipf(1.2, n), vocab.shape[0]) - 1])
-    cols.append(np.where(rng.random(n) < 0.1, "", ids))
-  return _join_rows(cols, "\t")
-
-
-def avazu_text(n: int, rng: np.random.Generator) -> bytes:
-  """A header and ``n`` Avazu records shaped like the published ones."""
-
-  def hex_ids(vocab: int) -> np.ndarray:
-    return np.char.mod("%08x", rng.integers(0, 2**32, vocab)[rng.integers(0, vocab, n)])
-
-  def ints(lo: int, hi: int) -> np.ndarray:
-    return rng.integers(lo, hi, n).astype(str)
-
-  hours = np.char.mod("1410%d", 2100 + 100 * rng.integers(0, 10, n) + rng.integers(0, 24, n))
-  cols = [
-    rng.integers(10**18, 10**19, n, dtype=np.uint64).astype(str),  # id
-    np.where(rng.random(n) < 0.17, "1", "0"),  # click
-    hours,  # hour: 14102100 .. 14103023
-    ints(1001, 1013),  # C1
-    ints(0, 8),  # banner_pos
-  ]
-  cols += [hex_ids(v) for v in (4_000, 7_000, 26, 8_000, 500, 36, 200_000, 1_000_000, 8_000)]
-  cols += [ints(0, 6), ints(0, 6), ints(375, 24_050), ints(120, 1_025), ints(20, 1_025)]
-  cols += [ints(112, 2_758), ints(0, 4), ints(33, 1_960), np.where(rng.random(n) < 0.5, "-1", ints(100_000, 100_250))]
-  cols += [ints(1, 256)]
-  return (",".join(HEADER) + "\n").encode() + _join_rows(cols, ",")
+_TRANSFER = flags.DEFINE_bool("transfer", False, "Also time parsing in worker processes against threads.")
 
 
 def naive_criteo(lines: List[bytes]) -> base.Columns:
@@ -108,15 +60,6 @@ def naive_criteo(lines: List[bytes]) -> base.Columns:
     "dense": base.log1p_dense(np.asarray(dense, np.int64)),
     "sparse": {f"C{j + 1}": base.hash_ints(c[:, j], f"C{j + 1}")[:, None] for j in range(26)},
   }
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
 
 
 def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int) -> Dict[str, float]:
@@ -144,40 +87,71 @@ def bench_file(fmt, path: str, text_bytes: int, n: int, chunk: int, repeats: int
   }
 
 
-def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int) -> Dict[str, float]:
-  """``parse`` (compiled kernel) against ``parse_numpy`` on the same chunks, interleaved, medians.
+def _parse_chunk(chunk):
+  return CriteoFormat().parse(chunk, base.BadRecords())
 
-  CPU: thread CPU time per record, parsing on this thread. Threads: records/s of wall time
-  parsing all chunks on 2 threads (what host workers get: the kernel holds no GIL).
-  """
+
+def compare_parse(name: str, fmt, chunks: List[base.RawChunk], repeats: int, processes: bool) -> Dict[str, float]:
+  """``parse`` (compiled) against ``parse_numpy`` on the same chunks, interleaved, medians: thread CPU
+  a record on this thread, and records/s on 2 threads (what host workers get). ``processes`` (Criteo):
+  also on 2 spawned processes (chunks sent, columns sent back, as ``concurrent.futures`` does it):
+  ``transfer_parse_{inline,threads_2,processes_2}_{wall,trainer_cpu}_us``, us a record."""
   n = sum(len(c) for c in chunks)
-  ways = {"compiled": fmt.parse, "numpy": fmt.parse_numpy}
-  cpu: Dict[str, List[float]] = {k: [] for k in ways}
-  wall2: Dict[str, List[float]] = {k: [] for k in ways}
+  spawn = multiprocessing.get_context("spawn")
+  procs = concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) if processes else None
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    for _ in range(max(repeats, 5)):
-      for way, parse in ways.items():
-        t0 = time.thread_time()
-        for c in chunks:
-          parse(c, base.BadRecords())
-        cpu[way].append((time.thread_time() - t0) / n * 1e6)
-        t0 = time.perf_counter()
-        list(pool.map(lambda c, parse=parse: parse(c, base.BadRecords()), chunks))
-        wall2[way].append(n / (time.perf_counter() - t0))
+    ways = {}
+    for way, parse in (("compiled", fmt.parse), ("numpy", fmt.parse_numpy)):
+      ways[way] = lambda parse=parse: [parse(c, base.BadRecords()) for c in chunks]
+      ways[f"{way}_2"] = lambda parse=parse: list(pool.map(lambda c: parse(c, base.BadRecords()), chunks))
+    if procs is not None:
+      list(procs.map(_parse_chunk, chunks[:2]))  # start them
+      ways["processes_2"] = lambda: list(procs.map(_parse_chunk, chunks))
+    t = interleaved(ways, max(repeats, 5))
   out = {}
-  for way in ways:
-    out[f"{name}_{way}_parse_cpu_us_per_record"] = round(float(np.median(cpu[way])), 3)
-    out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(float(np.median(wall2[way])), 1)
+  for way in ("compiled", "numpy"):
+    out[f"{name}_{way}_parse_cpu_us_per_record"] = round(1e6 * t[way]["thread"] / n, 3)
+    out[f"{name}_{way}_parse_2_threads_records_per_s"] = round(n / t[f"{way}_2"]["wall"], 1)
+  if procs is not None:
+    procs.shutdown()
+    for k, way in (("inline", "compiled"), ("threads_2", "compiled_2"), ("processes_2", "processes_2")):
+      out[f"transfer_parse_{k}_wall_us"] = round(1e6 * t[way]["wall"] / n, 3)
+      out[f"transfer_parse_{k}_trainer_cpu_us"] = round(1e6 * t[way]["process"] / n, 3)
   return out
 
 
-def print_json(result: Dict[str, object]) -> None:
-  """Prints ``result`` as the last stdout line, one JSON object; also writes it to ``--json_out``."""
-  line = json.dumps(result, sort_keys=True)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n")
-  print(line)
-  sys.stdout.flush()
+def transfer_costs(fmt, chunks: List[base.RawChunk]) -> Dict[str, float]:
+  """This thread's CPU a record (us, best of 3) moving parsed columns between processes by pickling (as
+  multiprocessing queues do) or through shared memory, and pickling the raw lines."""
+  n = sum(len(c) for c in chunks)
+  cols = [fmt.parse(c, base.BadRecords()) for c in chunks]
+  blobs = [pickle.dumps(c, protocol=5) for c in cols]
+  arrays = [a for c in cols for a in [c["label"], c["dense"], *c["sparse"].values()]]
+  shm = shared_memory.SharedMemory(create=True, size=sum(a.nbytes for a in arrays))
+  try:
+    views, at = [], 0
+    for a in arrays:
+      views.append(np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=at))
+      at += a.nbytes
+
+    def into_shm():
+      for v, a in zip(views, arrays):
+        v[...] = a
+
+    ways = {
+      "pickle_us": lambda: [pickle.dumps(c, protocol=5) for c in cols],
+      "unpickle_us": lambda: [pickle.loads(b) for b in blobs],
+      "shm_in_us": into_shm,
+      "shm_out_us": lambda: [np.array(v) for v in views],
+      "pickle_raw_lines_us": lambda: [pickle.dumps(c.payload, protocol=5) for c in chunks],
+    }
+    out = {f"transfer_{k}": round(1e6 * best_of(fn, 3, time.thread_time) / n, 3) for k, fn in ways.items()}
+    out["transfer_bytes_per_record"] = round(sum(len(b) for b in blobs) / n, 1)
+    views.clear()  # the views pin shm.buf: drop them before closing it
+  finally:
+    shm.close()
+    shm.unlink()
+  return out
 
 
 def main(argv):
@@ -188,8 +162,8 @@ def main(argv):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for name, fmt, make, file_name in (
-      ("criteo", CriteoFormat(), criteo_text, "day_0"),
-      ("avazu", AvazuFormat(), avazu_text, "train"),
+      ("criteo", CriteoFormat(), data.criteo_text, "day_0"),
+      ("avazu", AvazuFormat(), data.avazu_text, "train"),
     ):
       text = make(n, rng)
       plain = os.path.join(tmp, file_name)
@@ -208,7 +182,10 @@ def main(argv):
         chunks = list(fmt.chunks(plain, chunk))
         t = best_of(lambda chunks=chunks: [naive_criteo(c.payload) for c in chunks], repeats)
         result["criteo_naive_parse_records_per_s"] = round(n / t, 1)
-      result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats))
+      processes = name == "criteo" and _TRANSFER.value
+      result.update(compare_parse(name, fmt, list(fmt.chunks(plain, chunk)), repeats, processes))
+      if processes:
+        result.update(transfer_costs(fmt, list(fmt.chunks(plain, chunk))))
   result["cpu_count"] = os.cpu_count()
   result["machine"] = platform.processor() or platform.machine()
 
@@ -226,8 +203,13 @@ def main(argv):
   for name, way in itertools.product(("criteo", "avazu"), ("numpy", "compiled")):
     cpu, wall2 = result[f"{name}_{way}_parse_cpu_us_per_record"], result[f"{name}_{way}_parse_2_threads_records_per_s"]
     print(f"{name} parse, {way:8}: {cpu:.3f} us of CPU a record on 1 thread; {wall2:.0f} rec/s on 2 threads")
+  if _TRANSFER.value:
+    print("criteo, us a record:", ", ".join(f"{k[9:]} {v:.2f}" for k, v in result.items() if k.startswith("transfer_")))
   print(f"load average after the run: {os.getloadavg()}")
-  print_json(result)
+  line = json.dumps(result, sort_keys=True)
+  if _JSON_OUT.value:
+    outputs.write_text(_JSON_OUT.value, line + "\n")
+  print(line)
 
 
 if __name__ == "__main__":

@@ -1,50 +1,21 @@
 """Where parameter-server table capacity comes from: host RAM per row, and a disk tier beyond it.
 
-    python experiments/capacity.py [--full] [--ram_budget_gib=4] [--batches=12] [--json_out=FILE]
+    python experiments/capacity.py [--full] [--ram_budget_gib=4] [--batches=12] [--json_out=FILE] [--png_out=FILE]
 
-Checks the disaggregation claim (Cerebras weight streaming, Persia): embedding-table capacity
-is set by the host / storage tier, not by accelerator memory. Every measurement runs in a
-fresh worker process (this script re-run with ``--worker``), so its ``VmRSS`` / ``VmHWM``
-(from /proc/self/status) belong to that one table alone. All tables are dim 64 (``--dim``).
-
-1. Bytes per parameter (measured): a RAM-only table gets ``--rows_bpp`` rows (default 1M)
-   for adagrad/float32, rowwise_adagrad/float32 and adagrad/bfloat16. RSS growth per row and
-   per parameter (a parameter = one weight element) against the ideal: weights + optimizer
-   slots + 16 bytes of id map (8-byte id, 8-byte row number); overhead = measured / ideal.
-   Peak (VmHWM) growth is reported too: it includes the copy made when the arrays double.
-2. Largest RAM-only table: the rows MemAvailable (/proc/meminfo, read at start) would hold at
-   the measured bytes per row is an EXTRAPOLATION (printed as such). Then the largest
-   adagrad/float32 table whose measured peak growth fits ``--ram_budget_gib`` is actually
-   created (rows = budget / peak bytes per row of step 1, rounded down to 0.5M; 4 GiB -> 6M rows,
-   3.5 GiB peak RSS here) and timed like step 4.
-3. Tensorstore tier (measured): RAM cache of C rows (``--cache_rows``, default 128Ki) and
-   K x C rows in all, K in ``--tier_k`` (default 1,2,4,8), spilled to a zarr3 file store in a
-   temporary directory. Reported: peak RSS, rows/s, hit rate, disk bytes per tier row
-   (allocated blocks after close, by array; they include garbage, the old copies of rows read
-   back into RAM, and leave out chunks tensorstore skips because they equal the fill value, as
-   the all-zero Adagrad slots of rows never updated do) and RAM per tier row (RSS growth minus
-   the cache at step 1's bytes per row, per spilled row: the average, and the marginal slope
-   between the two largest K). The tiered capacity extrapolated from free disk and
-   MemAvailable is printed too, as an EXTRAPOLATION.
-4. Throughput against table size: RAM-only tables of ``--ram_rows`` (default 100k, 1M, 4M,
-   plus step 2's table) prefilled (untimed), then ``--batches`` timed batches (after
-   ``--warmup``) of 4096 x 26 ids drawn from Zipf(1.1) over all the table's rows, deduplicated,
-   one table; per batch one ``lookup_many`` (create=True) and one ``apply_many``; rows/s =
-   distinct rows / (lookup + apply seconds). The tier sizes of step 3 use the same workload.
-
-``--full``: C = 1Mi, ram rows 100k, 1M, 4M, 8M and a 6 GiB budget (about 3 GB on disk;
-peak RSS near 6.5 GiB; not run yet). Defaults take about 40 s on 2 cores (peak RSS 3.5 GiB).
-
-Prints one table per step (stderr), writes ``--json_out`` (default
-runs/experiments/capacity.json; the committed one is experiments/results/capacity.json) and
-``--png_out`` (throughput vs rows, RAM-only and tiered;
-RSS vs rows), and, last on stdout, one JSON line: bytes/param and overhead per config,
-largest measured RAM-only rows and rows/s, extrapolated RAM-only rows, and per tier K the
-peak RSS, rows/s and hit rate.
+Each table is built in a fresh worker process (this script with ``--worker``), so its RSS growth is
+that table's. [1] bytes per row and per parameter of a RAM-only table for three optimizer / storage
+configs, against the ideal (``overhead``); [2] the rows MemAvailable would hold (an EXTRAPOLATION),
+then the largest table whose peak fits ``--ram_budget_gib``, created and timed; [3] a RAM cache of
+``--cache_rows`` over the disk tier, K times that in all (``--tier_k``): peak RSS, rows/s, hit rate,
+bytes per spilled row, and the capacity free disk and RAM would allow (an EXTRAPOLATION); [4] rows/s
+of prefilled RAM-only tables of ``--ram_rows``: Zipf(1.1) batches, one ``lookup_many`` +
+``apply_many`` each. ``--full``: larger sizes. Prints a table per step (stderr), writes
+``--json_out`` and ``--png_out``, and last on stdout one JSON line of the headline figures.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -55,7 +26,8 @@ from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import data, outputs
+from harness.ps import grads, prefill, proc_bytes
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")
 _DIM = flags.DEFINE_integer("dim", 64, "Row width.")
@@ -73,30 +45,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", outputs.default("capacity.json"), "J
 _PNG_OUT = flags.DEFINE_string("png_out", outputs.default("capacity.png"), "Plot file.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement (a JSON job) and print JSON.")
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CONFIGS = [("adagrad", "float32"), ("rowwise_adagrad", "float32"), ("adagrad", "bfloat16")]
-
-
-def _status(key: str) -> int:
-  """A /proc/self/status memory field (VmRSS, VmHWM) in bytes."""
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(key)
-
-
-def _meminfo(key: str) -> int:
-  with open("/proc/meminfo") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(key)
-
-
-def _ids(ranks: np.ndarray) -> np.ndarray:
-  # Hashed ranks: ids spread over uint64 as real feature hashes are, not a dense 0..n range.
-  return ranks.astype(np.uint64) * _GOLDEN
 
 
 def _disk_bytes(path: str) -> Dict[str, int]:
@@ -110,33 +59,20 @@ def _disk_bytes(path: str) -> Dict[str, int]:
   return out
 
 
-def _ideal_row_bytes(opt: str, dtype: str, dim: int) -> int:
-  from recsys_jax.async_ps.optim import optimizers
-  from recsys_jax.embeddings.specs import storage_numpy_dtype
-
-  slots = optimizers.make(opt, learning_rate=0.05).init(1, dim)
-  return dim * storage_numpy_dtype(dtype).itemsize + sum(v.nbytes for v in slots.values()) + 16
-
-
 # -- the worker: one table, one process ----------------------------------------------------
-def _zipf_batches(n: int, vocab: int, alpha: float, samples: int, seed: int = 0) -> List[np.ndarray]:
-  cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -alpha)
-  cdf /= cdf[-1]
-  out = []
-  for b in range(n):
-    rng = np.random.default_rng([seed, b])
-    out.append(np.unique(_ids(np.minimum(np.searchsorted(cdf, rng.random(samples)), vocab - 1))))
-  return out
-
-
 def _worker(job: Dict) -> Dict:
+  from recsys_jax.async_ps.optim import optimizers
   from recsys_jax.async_ps.store.ps import ParameterServer
-  from recsys_jax.embeddings.specs import TableSpec
+  from recsys_jax.embeddings.specs import TableSpec, storage_numpy_dtype
 
   dim, rows, cache = job["dim"], job["rows"], job.get("cache", 0)
+  slots = optimizers.make(job["opt"], learning_rate=0.05).init(1, dim)
+  # The ideal row: its weights, its optimizer slots, and 16 bytes of id map (an 8-byte id, an 8-byte row number).
+  ideal = dim * storage_numpy_dtype(job["dtype"]).itemsize + sum(v.nbytes for v in slots.values()) + 16
   spec = TableSpec(name="t", dim=dim, optimizer=job["opt"], storage_dtype=job["dtype"], capacity=cache)
   # Workload drawn first, so its arrays are in the baseline and not counted as table bytes.
-  batches = _zipf_batches(job["warmup"] + job["batches"], rows, job["alpha"], job["samples"]) if job["time"] else []
+  n = job["warmup"] + job["batches"]
+  batches = [b["t00"] for b in data.zipf_batches(n, rows, job["alpha"], job["samples"], 1)] if job["time"] else []
   tmp = tempfile.TemporaryDirectory(prefix="capacity_tier_") if cache else None
   tier = {"driver": "file", "path": tmp.name} if tmp else None
   # Warm-up on a throwaway table: loading the compiled kernels (and tensorstore's drivers)
@@ -146,40 +82,36 @@ def _worker(job: Dict) -> Dict:
     tier=tier,
   )
   for s in range(1, 9):
-    w = _ids(np.arange(s * 1024, (s + 1) * 1024) % 5000)
+    w = data.hashed(np.arange(s * 1024, (s + 1) * 1024) % 5000, 0)
     warm.lookup_many({"w": w}, create=True, step=s)
     warm.apply_many({"w": (w, np.zeros((len(w), dim), np.float32))}, step=s)
   warm.close()
   del warm
   ps = ParameterServer([spec], tier=tier)
-  rss0, hwm0 = _status("VmRSS"), _status("VmHWM")
+  rss0, hwm0 = proc_bytes("VmRSS"), proc_bytes("VmHWM")
   t0 = time.perf_counter()
-  # Rarest first, one step per chunk: a bounded (LRU) table ends with its most frequent ids in
-  # RAM, as traffic would have left it. Chunks stay well under the cache's 20% eviction slack.
-  chunk = min(1 << 16, max(1024, cache // 8)) if cache else 1 << 16
-  step = 0
-  for a in range(rows, 0, -chunk):
-    step += 1
-    ps.lookup_many({"t": _ids(np.arange(max(0, a - chunk), a))}, create=True, step=step)
+  # Chunks stay well under the cache's 20% eviction slack.
+  first = prefill(ps, ["t"], rows, min(1 << 16, max(1024, cache // 8)) if cache else 1 << 16)
   out = {
     **job,
+    "ideal_row_bytes": ideal,
     "create_s": time.perf_counter() - t0,
     "rss_base": rss0,
-    "rss_growth": _status("VmRSS") - rss0,
-    "hwm_growth": _status("VmHWM") - hwm0,
+    "rss_growth": proc_bytes("VmRSS") - rss0,
+    "hwm_growth": proc_bytes("VmHWM") - hwm0,
     "ps_bytes": ps.stats()["t"]["bytes"],
   }
   if batches:
-    grads = np.random.default_rng(1).standard_normal((max(len(b) for b in batches), dim)).astype(np.float32) * 1e-3
+    g = grads(max(len(b) for b in batches), dim)
     t_lookup = t_apply = 0.0
     n = 0
     for i, b in enumerate(batches):
       if i == job["warmup"]:
         st0 = ps.stats()["t"]
       t1 = time.perf_counter()
-      ps.lookup_many({"t": b}, create=True, step=step + 1 + i)
+      ps.lookup_many({"t": b}, create=True, step=first + i)
       t2 = time.perf_counter()
-      ps.apply_many({"t": (b, grads[: len(b)])}, step=step + 1 + i)
+      ps.apply_many({"t": (b, g[: len(b)])}, step=first + i)
       t3 = time.perf_counter()
       if i >= job["warmup"]:
         t_lookup, t_apply, n = t_lookup + t2 - t1, t_apply + t3 - t2, n + len(b)
@@ -193,17 +125,15 @@ def _worker(job: Dict) -> Dict:
       ram_rows=int(st["rows"]),
       tier_rows=int(st["tier_rows"]),
     )
-  out["peak_rss"] = _status("VmHWM")
-  out["rss_end"] = _status("VmRSS")
+  out["peak_rss"] = proc_bytes("VmHWM")
+  out["rss_end"] = proc_bytes("VmRSS")
+  garbage = int(ps.shards[0]["t"].tier.stats()["garbage_rows"]) if tmp else 0
+  ps.close()  # flushes the tier's pending chunks, so the directory holds every row
   if tmp is not None:
-    garbage = ps.shards[0]["t"].tier.stats()["garbage_rows"]
-    ps.close()  # flushes the tier's pending chunks, so the directory holds every row
     out["disk_bytes_by_array"] = _disk_bytes(tmp.name)
     out["disk_bytes"] = sum(out["disk_bytes_by_array"].values())
-    out["disk_garbage_rows"] = int(garbage)
+    out["disk_garbage_rows"] = garbage
     tmp.cleanup()
-  else:
-    ps.close()
   return out
 
 
@@ -216,8 +146,7 @@ def _run_worker(job: Dict) -> Dict:
 
 
 # -- the driver ----------------------------------------------------------------------------
-def _log(msg: str = "") -> None:
-  print(msg, file=sys.stderr, flush=True)
+_log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
@@ -232,14 +161,13 @@ def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
   a.set(
     xscale="log", yscale="log", xlabel="table rows", ylabel="lookup+apply, M rows/s", title="Throughput vs table size"
   )
-  a.grid(alpha=0.3)
-  a.legend()
   b.plot([r["rows"] for r in ram], [r["peak_rss"] / 2**30 for r in ram], "o-", label="RAM only, peak RSS")
   b.plot([r["rows"] for r in ram], [r["rss_end"] / 2**30 for r in ram], "o--", label="RAM only, end RSS")
   b.plot([r["rows"] for r in tier], [r["peak_rss"] / 2**30 for r in tier], "s-", label="tier, peak RSS")
-  b.set(xlabel="table rows", ylabel="GiB", title="Process RSS vs table rows (adagrad, float32, dim 64)")
-  b.grid(alpha=0.3)
-  b.legend()
+  b.set(xlabel="table rows", ylabel="GiB", title="Process RSS vs table rows (adagrad, float32)")
+  for ax in (a, b):
+    ax.grid(alpha=0.3)
+    ax.legend()
   fig.tight_layout()
   outputs.save_figure(fig, path, dpi=110)
 
@@ -254,7 +182,7 @@ def main(argv):
   budget = _BUDGET.value if _BUDGET.value is not None else (6.0 if full else 4.0)
   ram_sizes = [int(x) for x in (_RAM_ROWS.value or (["100000", "1000000", "4000000"] + (["8000000"] if full else [])))]
   cache = _CACHE.value or ((1 << 20) if full else (1 << 17))
-  avail, total = _meminfo("MemAvailable"), _meminfo("MemTotal")
+  avail, total = proc_bytes("MemAvailable", "/proc/meminfo"), proc_bytes("MemTotal", "/proc/meminfo")
   base = dict(
     dim=dim,
     alpha=_ALPHA.value,
@@ -274,7 +202,7 @@ def main(argv):
   for opt, dtype in _CONFIGS:
     r = _run_worker({**base, "opt": opt, "dtype": dtype, "rows": _ROWS_BPP.value, "time": False})
     n = r["rows"]
-    ideal = _ideal_row_bytes(opt, dtype, dim)
+    ideal = r["ideal_row_bytes"]
     rec = {
       "rows": n,
       "ideal_bytes_per_row": ideal,
@@ -320,7 +248,7 @@ def main(argv):
 
   # 3. tier
   ks = [int(k) for k in _TIER_K.value]
-  _log(f"\n[3] tensorstore file tier, RAM cache {cache:,} rows, adagrad/float32 (measured)")
+  _log(f"\n[3] disk tier, RAM cache {cache:,} rows, adagrad/float32 (measured)")
   _log(
     f"{'K':>3s} {'rows':>11s} {'RAM rows':>9s} {'tier rows':>10s} {'peak GiB':>8s} {'RSS GiB':>8s} {'hit':>6s} "
     f"{'lookup/s':>9s} {'apply/s':>9s} {'rows/s':>9s} {'disk B/row':>10s} {'RAM B/tier row':>14s}"

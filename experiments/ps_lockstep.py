@@ -1,15 +1,13 @@
-"""bench_ps's ram configuration for several checkouts at once, batch by batch in turn, on a shared machine.
+"""bench_ps's ram configuration for several checkouts at once, batch by batch in turn, under one load.
 
     python experiments/ps_lockstep.py --rounds=120 [--rows=100000] old=/tmp/psb_4ff02be new=.
 
-Each ``name=path`` starts one process with ``PYTHONPATH=path`` (a ``git worktree add`` of the
-commit to compare), which builds and prefills its own PS as ``bench_ps.py`` does (26 tables of
-``--rows`` ids, 100k by default, dim 64, Adagrad) and then times one ``lookup_many`` + ``apply_many`` per line it is
-sent. The processes take turns (the order reversed every round) and a 256 MiB memcpy is timed
-every 4 rounds, so the load of the machine, which moves whole-run figures by 20-40% and more
-here, falls on every checkout alike. Prints, per checkout, the median per-batch lookup and
-apply rates (wall and thread CPU time) and the fraction of the median memcpy (bytes as
-``bench_ps.py`` counts them), after 3 untimed rounds, and last one JSON line of them. Issue 14 bisected bench_ps's drop with it.
+Each ``name=path`` starts a process whose ``recsys_jax`` is that checkout's (``PYTHONPATH=path``) and
+whose workload is this tree's ``harness`` (bench_ps's: 26 Adagrad tables of ``--rows`` ids, dim 64,
+prefilled). The processes time one ``lookup_many`` + ``apply_many`` each in turn (the order reversed
+every round), with a memcpy every 4 rounds, so the machine's load falls on every checkout alike.
+Prints per checkout the median lookup and apply rates (wall and thread CPU) and the fraction of the
+median memcpy, after 3 untimed rounds, and last one JSON line of them.
 """
 
 from __future__ import annotations
@@ -21,25 +19,26 @@ import subprocess
 import sys
 import time
 
-_ROW_BYTES = 7 * 64 * 4  # lookup: 2 rows; apply: gradient + row and slot read and written (bench_ps)
+from absl import app, flags
+from harness import data  # this tree's: the script's folder is first on sys.path
+from harness.ps import Memcpy, adagrad_specs, grads, prefill, row_bytes
+
+_ROUNDS = flags.DEFINE_integer("rounds", 120, "Rounds: each checkout times one batch a round.")
+_ROWS = flags.DEFINE_integer("rows", 100_000, "Ids per table.")
+_CHILD = flags.DEFINE_integer("child", 0, "(internal) serve batches of a PS of this many ids a table.")
+_DIM = 64
 
 
 def child(rows: int) -> None:
   """Serves 'go I' (time batch I) and 'memcpy' lines on stdin, one JSON answer each."""
-  import bench_ps  # from this checkout of the experiments (the script's folder), the PS from PYTHONPATH
-  import numpy as np
+  from recsys_jax.async_ps.store.ps import ParameterServer  # the checkout's: PYTHONPATH
 
-  from recsys_jax.async_ps.store.ps import ParameterServer
-  from recsys_jax.embeddings.specs import TableSpec
-
-  batches = bench_ps.zipf_batches(20, rows, 1.1, 4096, 26)
+  batches = data.zipf_batches(20, rows, 1.1, 4096, 26)
   names = list(batches[0])
-  kw = (("learning_rate", 0.05),)
-  ps = ParameterServer([TableSpec(name=t, dim=64, optimizer="adagrad", optimizer_kwargs=kw) for t in names])
-  step = bench_ps.prefill(ps, names, rows)
-  rng = np.random.default_rng(1)
-  grads = rng.standard_normal((max(len(v) for b in batches for v in b.values()), 64)).astype(np.float32) * 1e-3
-  mem = bench_ps.Memcpy(1)
+  ps = ParameterServer(adagrad_specs(names, _DIM))
+  step = prefill(ps, names, rows)
+  g = grads(max(len(v) for b in batches for v in b.values()), _DIM)
+  mem = Memcpy(1)
   print("ready", flush=True)
   for line in sys.stdin:
     cmd, i = line.split()
@@ -52,32 +51,22 @@ def child(rows: int) -> None:
     c0, t0 = time.thread_time(), time.perf_counter()
     ps.lookup_many(b, create=True, step=step)
     c1, t1 = time.thread_time(), time.perf_counter()
-    ps.apply_many({t: (ids, grads[: len(ids)]) for t, ids in b.items()}, step=step)
+    ps.apply_many({t: (ids, g[: len(ids)]) for t, ids in b.items()}, step=step)
     c2, t2 = time.thread_time(), time.perf_counter()
     rows = sum(len(v) for v in b.values())
     print(json.dumps({"rows": rows, "lw": t1 - t0, "aw": t2 - t1, "lc": c1 - c0, "ac": c2 - c1}), flush=True)
 
 
 def main(argv) -> None:
-  rounds, rows = 120, 100_000
-  trees = []
-  for a in argv:
-    if a.startswith("--rounds="):
-      rounds = int(a.split("=", 1)[1])
-    elif a.startswith("--rows="):  # ids per table (the test suite's tiny run takes fewer)
-      rows = int(a.split("=", 1)[1])
-    elif "=" in a:
-      trees.append(a.split("=", 1))
-    else:
-      raise SystemExit(f"expected name=path, --rounds=N or --rows=N, got {a!r}")
-  if not trees:
-    raise SystemExit(__doc__)
-  if rounds <= 3:
-    raise SystemExit(f"--rounds={rounds}: the first 3 rounds are not timed; give more")
+  trees = [a.split("=", 1) for a in argv[1:]]
+  if not trees or not all(len(t) == 2 for t in trees):
+    raise app.UsageError(f"expected name=path arguments, got {argv[1:]}")
+  if _ROUNDS.value <= 3:
+    raise app.UsageError(f"--rounds={_ROUNDS.value}: the first 3 rounds are not timed; give more")
   kids = {}
   for name, tree in trees:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rows)]
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={_ROWS.value}"]
     kids[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd="/")
   for name, k in kids.items():
     if k.stdout.readline().strip() != "ready":
@@ -90,7 +79,7 @@ def main(argv) -> None:
 
   res = {n: [] for n in kids}
   copies = []
-  for r in range(rounds):
+  for r in range(_ROUNDS.value):
     order = list(kids) if r % 2 == 0 else list(kids)[::-1]
     for n in order:
       res[n].append(ask(kids[n], f"go {r}"))
@@ -102,8 +91,8 @@ def main(argv) -> None:
   bw = statistics.median(copies)
   print(f"memcpy median {bw / 1e9:.1f} GB/s, max {max(copies) / 1e9:.1f} (n={len(copies)}), load {os.getloadavg()}")
 
-  def frac(lookup, apply):
-    return _ROW_BYTES / (1 / lookup + 1 / apply) / bw
+  def frac(lookup, apply):  # bytes moved per second over the memcpy's
+    return sum(row_bytes(_DIM)[:2]) / (1 / lookup + 1 / apply) / bw
 
   line = {"memcpy_bytes_per_s": bw, "load_avg": os.getloadavg()[0]}
   for n, v in res.items():
@@ -114,7 +103,6 @@ def main(argv) -> None:
       "apply_rows_per_s": med["aw"],
       "memcpy_fraction": frac(med["lw"], med["aw"]),
     }
-
     print(
       f"{n:12s} wall: lookup {med['lw'] / 1e6:5.2f}M apply {med['aw'] / 1e6:5.2f}M rows/s, "
       f"{frac(med['lw'], med['aw']):.3f} of memcpy | thread CPU: lookup {med['lc'] / 1e6:5.2f}M "
@@ -124,7 +112,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  if sys.argv[1:2] == ["--child"]:
-    child(int(sys.argv[2]))
-  else:
-    main(sys.argv[1:])
+  app.run(lambda argv: child(_CHILD.value) if _CHILD.value else main(argv))

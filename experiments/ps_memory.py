@@ -1,40 +1,20 @@
 """A PS server's memory per request and its first-request latency, measured on a real server process.
 
-    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--dim=64] [--concurrent=4] \
-      [--concurrent_mb=60] [--max_request_mb=0] [--server_flags='--max_inflight_mb=512'] [--latency]
+    python experiments/ps_memory.py [--sizes_mb=15,60,240] [--narrow_mb=60] [--dim=64] [--concurrent=4] \\
+      [--concurrent_mb=60] [--concurrent_push] [--max_request_mb=0] [--server_flags='--max_inflight_mb=512'] [--latency]
 
-Starts ``python -m recsys_jax.async_ps.server --port=0`` and talks to it through ``RemotePS``.
-For each size S (MiB of rows, dim ``--dim`` float32, so S / (4 dim) ids), it measures the
-server's resident memory around three calls:
-
-  create: a lookup of S MiB of new ids (the rows are created: the table grows by them);
-  lookup: the same lookup again (every row exists: what serving costs);
-  push:   S MiB of gradients for those ids (``step`` None: applied at once).
-
-Before each call the server's peak RSS (VmHWM) is reset (``/proc/PID/clear_refs``, 5), then
-``peak`` = VmHWM after the call - VmRSS before it; ``table`` = the growth of the tables' own
-bytes (``Stats``; 0 but for create); ``x_payload`` = (peak - table) / payload: what the request
-itself cost the server beyond what it stores, in units of its payload (the bytes of its request
-and its answer: ids and rows, or ids and gradients). Sizes in MiB.
-
-``--narrow_mb``: the same for a dim-2 table, where the request's ids (8 bytes each) are as large
-as the rows (S MiB of ids).
-
-``--concurrent`` clients each look up (``--concurrent_push``: push) ``--concurrent_mb`` MiB of
-existing rows at once: the server's peak for all of them together.
-
-``--latency``: with a fresh ``NUMBA_CACHE_DIR`` (nothing compiled on disk), then again with the
-cache it left (warm): seconds to the server's ``ready`` line, then the first lookup and push
-(Adagrad, dim 64, 1000 ids) and the second ones.
-
-``--max_request_mb`` is passed to ``RemotePS`` (its chunk size; 0: derived from the server),
-when this checkout's ``RemotePS`` has it. The last stdout line is one JSON object.
+Starts ``python -m recsys_jax.async_ps.server`` and calls it through ``RemotePS``: per size (MiB of
+rows; ``--narrow_mb``: of ids, dim 2) a ``create`` (new ids), a ``lookup`` (the same again) and a
+``push``, each with the server's peak RSS reset first (``/proc/PID/clear_refs``): ``peak_mb`` (VmHWM
+after - VmRSS before), ``table_mb`` (the tables' growth) and ``x_payload`` = (peak - table) / the
+bytes of the request and its answer. ``--concurrent`` clients call at once (their peak together);
+``--latency``: seconds to the ready line with a cold and a warm numba cache, and the first calls.
+The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import multiprocessing
 import os
@@ -47,6 +27,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 from absl import app, flags
+from harness.ps import proc_bytes
 
 from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
 from recsys_jax.embeddings.specs import TableSpec
@@ -57,7 +38,7 @@ _DIM = flags.DEFINE_integer("dim", 64, "Row width of the wide table.")
 _CONC = flags.DEFINE_integer("concurrent", 0, "Clients looking up at once (0: skip).")
 _CONC_MB = flags.DEFINE_integer("concurrent_mb", 60, "MiB of rows each concurrent client looks up or pushes.")
 _CONC_PUSH = flags.DEFINE_bool("concurrent_push", False, "The concurrent clients push instead of looking up.")
-_MAX_REQ = flags.DEFINE_float("max_request_mb", 0.0, "RemotePS max_request_mb (0: its default), if it has one.")
+_MAX_REQ = flags.DEFINE_float("max_request_mb", 0.0, "RemotePS max_request_mb (0: derived from the server).")
 _SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "Extra server flags, space-separated.")
 _LATENCY = flags.DEFINE_bool("latency", False, "Measure first-request latency with a cold and a warm numba cache.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 300.0, "RemotePS deadline per call.")
@@ -66,11 +47,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _status(pid: int, key: str) -> float:
-  with open(f"/proc/{pid}/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) / 1024.0  # kB -> MiB
-  raise KeyError(key)
+  """A memory field of process ``pid``'s /proc status, in MiB."""
+  return proc_bytes(key, f"/proc/{pid}/status") / _MIB
 
 
 def _reset_peak(pid: int) -> None:
@@ -101,10 +79,8 @@ def _stop(proc) -> None:
   proc.stdout.close()
 
 
-def _client(addr: str, specs, **kw) -> RemotePS:
-  if _MAX_REQ.value and "max_request_mb" in inspect.signature(RemotePS).parameters:
-    kw["max_request_mb"] = _MAX_REQ.value
-  return RemotePS([addr], specs, seed=1, timeout_s=_TIMEOUT.value, lookup_retries=0, **kw)
+def _client(addr: str, specs) -> RemotePS:
+  return RemotePS([addr], specs, seed=1, timeout_s=_TIMEOUT.value, lookup_retries=0, max_request_mb=_MAX_REQ.value)
 
 
 def _table_mb(ps: Optional[RemotePS]) -> float:

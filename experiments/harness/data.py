@@ -1,4 +1,4 @@
-"""Synthetic workloads: Zipf-distributed ids hashed as a reader hashes them, and Criteo-shaped text."""
+"""Synthetic workloads: Zipf-distributed ids hashed as a reader hashes them, and Criteo- and Avazu-shaped text."""
 
 from __future__ import annotations
 
@@ -55,3 +55,28 @@ def criteo_text(n: int, rng: np.random.Generator) -> bytes:
     ids = np.char.mod("%08x", vocab[np.minimum(rng.zipf(1.2, n), vocab.shape[0]) - 1])
     cols.append(np.where(rng.random(n) < 0.1, "", ids))
   return join_rows(cols, "\t")
+
+
+def avazu_text(n: int, rng: np.random.Generator) -> bytes:
+  """A header and ``n`` Avazu records shaped like the published ones (``recsys_jax.data.avazu.HEADER``)."""
+  from recsys_jax.data.avazu import HEADER
+
+  def hex_ids(vocab: int) -> np.ndarray:
+    return np.char.mod("%08x", rng.integers(0, 2**32, vocab)[rng.integers(0, vocab, n)])
+
+  def ints(lo: int, hi: int) -> np.ndarray:
+    return rng.integers(lo, hi, n).astype(str)
+
+  hours = np.char.mod("1410%d", 2100 + 100 * rng.integers(0, 10, n) + rng.integers(0, 24, n))
+  cols = [
+    rng.integers(10**18, 10**19, n, dtype=np.uint64).astype(str),  # id
+    np.where(rng.random(n) < 0.17, "1", "0"),  # click
+    hours,  # hour: 14102100 .. 14103023
+    ints(1001, 1013),  # C1
+    ints(0, 8),  # banner_pos
+  ]
+  cols += [hex_ids(v) for v in (4_000, 7_000, 26, 8_000, 500, 36, 200_000, 1_000_000, 8_000)]
+  cols += [ints(0, 6), ints(0, 6), ints(375, 24_050), ints(120, 1_025), ints(20, 1_025)]
+  cols += [ints(112, 2_758), ints(0, 4), ints(33, 1_960), np.where(rng.random(n) < 0.5, "-1", ints(100_000, 100_250))]
+  cols += [ints(1, 256)]
+  return (",".join(HEADER) + "\n").encode() + join_rows(cols, ",")

@@ -22,6 +22,7 @@ the places that hold the lock most.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import gc
 import os
 import shutil
@@ -31,7 +32,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 def thread_cpu() -> Dict[str, float]:
@@ -206,3 +207,36 @@ class GilSampler:
       "gc_count": self._gc.count,
       "thread_cpu_s": {k: round(v, 3) for k, v in sorted(thread_cpus.items(), key=lambda kv: -kv[1]) if v > 0},
     }
+
+
+def sampled(run: Callable[..., Any], first: int, last: int, sampler: Optional[GilSampler]) -> Tuple[Any, Any]:
+  """``run(on_metrics=...)`` (a run of the main job: ``functools.partial(train.train_and_evaluate, c, workdir)``)
+  with ``sampler`` running from its train record of step ``first`` to that of step ``last``, started and stopped
+  on a thread of its own so that the loop writing the records is not held up while py-spy attaches or stops.
+  Returns (what ``run`` returned, the sampler's figures: None without a sampler); raises what sampling raised."""
+  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gil-window")
+  started: List[concurrent.futures.Future] = []
+  stopped: List[concurrent.futures.Future] = []
+
+  def stop() -> None:
+    if started and not stopped:
+      stopped.append(pool.submit(sampler.stop))
+
+  def on_metrics(step: int, kind: str, values: Dict[str, Any]) -> None:
+    if kind == "train" and sampler is not None:
+      if step == first and not started:
+        started.append(pool.submit(sampler.start))
+      elif step == last:
+        stop()
+
+  try:
+    out = run(on_metrics=on_metrics)
+  finally:
+    stop()  # the run ended (or failed: its own error is the one raised) before its last record
+    pool.shutdown(wait=True)
+  if sampler is None:
+    return out, None
+  if not started:
+    raise RuntimeError(f"the interpreter lock was not sampled: no train record at step {first}")
+  started[0].result()  # raises what starting raised
+  return out, stopped[0].result()

@@ -28,14 +28,28 @@ def medians(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
   return out
 
 
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-  """The shortest wall time of ``repeats`` calls of ``fn``, in seconds: the run least disturbed by the machine."""
+def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+  """The shortest time of ``repeats`` calls of ``fn``, in seconds: the run least disturbed by the machine.
+  ``clock``: wall time by default; ``time.thread_time`` counts this thread's CPU."""
   times = []
   for _ in range(repeats):
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    times.append(time.perf_counter() - t0)
+    times.append(clock() - t0)
   return min(times)
+
+
+def interleaved(ways: Mapping[str, Callable[[], object]], repeats: int) -> Dict[str, Dict[str, float]]:
+  """Calls each of ``ways`` in turn, ``repeats`` rounds, so that a changing load falls on all alike: per
+  way, the median seconds of wall time (``wall``), this thread's CPU (``thread``) and the process's (``process``)."""
+  runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in ways}
+  clocks = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+  for _ in range(repeats):
+    for k, fn in ways.items():
+      t0 = {c: clock() for c, clock in clocks.items()}
+      fn()
+      runs[k].append({c: clock() - t0[c] for c, clock in clocks.items()})
+  return {k: {c: median_of(v, c) for c in clocks} for k, v in runs.items()}
 
 
 def quantiles(xs: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> Dict[str, float]:
@@ -46,9 +60,35 @@ def quantiles(xs: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> Dict[s
   return out
 
 
+def intervals(records: Sequence[Mapping[str, Any]], after: int = 0, upto: float = float("inf")) -> List[tuple]:
+  """(steps, record) of a run's train records (``train.read_metrics``) whose interval, the steps since
+  the record before, lies in (``after``, ``upto``]: each record's figures are over its interval."""
+  out, prev = [], 0
+  for r in records:
+    if after <= prev and r["step"] <= upto:
+      out.append((r["step"] - prev, r))
+    prev = r["step"]
+  return out
+
+
+def per_step(ivs: Sequence[tuple], key: str) -> float:
+  """``key`` of :func:`intervals`' records averaged per step, each record weighed by its steps (NaN where one lacks it)."""
+  return sum(k * r.get(key, float("nan")) for k, r in ivs) / sum(k for k, _ in ivs)
+
+
 def fmt(x: Optional[float], spec: str, none: str = "-") -> str:
   """``format(x, spec)``, or ``none`` for a missing figure."""
   return none if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, spec)
 
 
-__all__: List[str] = ["best_of", "fmt", "median", "median_of", "medians", "quantiles"]
+__all__: List[str] = [
+  "best_of",
+  "fmt",
+  "interleaved",
+  "intervals",
+  "median",
+  "median_of",
+  "medians",
+  "per_step",
+  "quantiles",
+]

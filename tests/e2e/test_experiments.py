@@ -62,8 +62,8 @@ SMOKE = {
     ["samples_per_sec_0", "ratio_1000", "report_ms_1000", "time_share_1000"],
   ),
   "bench_readers.py": (
-    ["--lines=2000", "--chunk_records=512", "--repeats=1", "--json_out={tmp}/bench_readers.json"],
-    [],
+    ["--lines=2000", "--chunk_records=512", "--repeats=1", "--transfer", "--json_out={tmp}/bench_readers.json"],
+    ["transfer_parse_processes_2_wall_us"],
   ),
   "bench_step.py": (["--batch_size=256", "--repeats=1"], []),
   "bench_tier_layout.py": (
