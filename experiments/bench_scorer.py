@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
 import numpy as np
+from harness import stats
 
 
 def main():
@@ -84,7 +84,7 @@ def main():
         t2 = time.perf_counter()
         enc.append(t1 - t0)
         pred.append(t2 - t1)
-      me, mp = statistics.median(enc) * 1e3, statistics.median(pred) * 1e3
+      me, mp = stats.median(enc) * 1e3, stats.median(pred) * 1e3
       result[f"{label} batch {b}"] = {"encode_ms": round(me, 3), "predict_ms": round(mp, 3)}
       print(
         f"{label:18s} batch {b:4d}: encode {me:7.2f} ms, predict {mp:7.2f} ms, {b / (me + mp) * 1e3:9.0f} records/s"

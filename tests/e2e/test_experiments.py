@@ -44,7 +44,8 @@ SMOKE = {
     ["--smoke", "--out={tmp}/bench_distributed.json"],
     ["1x1"],
   ),
-  # Three trainer launches (the base run, then 4 steps publishing off and on) beside a server and a client.
+  # Three trainer launches (the base run, then 4 steps publishing off and on) beside a server and a client;
+  # its --stream mode is tests/e2e/test_freshness_stream.py's (slow).
   "bench_freshness.py": (
     ["--base_steps=1", "--steps=4", "--publish_every_s=0.05", "--publish_dense_every_s=0.1", "--clients=1"]
     + ["--rate=20", "--set=eval_samples=256", "--set=eval_batch_size=256", "--json_out={tmp}/bench_freshness.json"],
@@ -393,26 +394,6 @@ def test_scorer_and_server_small(runs, request):
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   rec = last_json(p.stdout)
   assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
-  assert announced(p.stdout) == {str(out)}, p.stdout
-
-
-@pytest.mark.slow  # 20-25 s of four processes starting; the default suite runs bench_freshness's synthetic smoke
-def test_bench_freshness_stream_small(tmp_path):
-  """bench_freshness --stream (its SMOKE run is the synthetic mode): a writer feeds a stream for 6 s
-  of training beside the real server and one client process; the events (a new id, a label flip)
-  must move the server's scores, each once its rows are there, with no failed request and no
-  version going back. One measured run, no publishing-off runs (--ratio_pairs=0)."""
-  out = tmp_path / "fresh_stream.json"
-  args = ["--stream", "--duration_s=6", "--ratio_pairs=0", "--clients=1", "--rate=20", "--event_every_s=0.3"]
-  args += ["--publish_every_s=0.1", "--publish_dense_every_s=1", "--set=hot_rows_bytes=0", f"--json_out={out}"]
-  p = run_script("bench_freshness.py", args, tmp_path)
-  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-  rec = last_json(p.stdout)
-  main = rec["main"]
-  assert main["freshness_new"]["n"] >= 1 and main["freshness_flip"]["n"] >= 1, main
-  assert 0 < rec["freshness_p50_s"] <= rec["freshness_max_s"], rec
-  assert rec["failed"] == rec["versions_backwards"] == rec["unresolved"] == rec["moved_before_rows"] == 0, rec
-  assert main["requests"] > 0 and main["steps"] > 0, main
   assert announced(p.stdout) == {str(out)}, p.stdout
 
 

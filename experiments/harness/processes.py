@@ -1,0 +1,193 @@
+"""The processes a measurement runs beside itself: a training or launcher run to its end, a model server
+until it is stopped, and clients sending requests at a pace (threads, or processes over HTTP or gRPC)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def trainer(config: str, workdir: str, sets: Sequence[str], module: str = "recsys_jax.main") -> List[str]:
+  """The command line of a training run: ``python -m <module>`` of ``config`` in ``workdir``, with a
+  ``--config.<key=value>`` override for each of ``sets``."""
+  cmd = [sys.executable, "-m", module, f"--config={config}", f"--workdir={workdir}"]
+  return cmd + [f"--config.{kv}" for kv in sets]
+
+
+def run(cmd: Sequence[str], log: str, timeout_s: float = 1800) -> float:
+  """Runs ``cmd`` from the repository root to its end, its output to the file ``log``; returns its wall
+  seconds. Exits with the log's tail when it fails."""
+  t0 = time.perf_counter()
+  with open(log, "w") as f:
+    rc = subprocess.call(list(cmd), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s)
+  if rc != 0:
+    with open(log) as f:
+      raise SystemExit(f"{' '.join(cmd)} failed with exit {rc}:\n{f.read()[-3000:]}")
+  return time.perf_counter() - t0
+
+
+def summary(workdir: str) -> Dict[str, Any]:
+  """The summary.json a training run writes at its end."""
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f)
+
+
+class TrainedSteps:
+  """The newest step a training run's metrics.jsonl shows trained (read on from where the last read ended;
+  threads may share one)."""
+
+  def __init__(self, workdir: str):
+    self.path, self.offset, self.step = os.path.join(workdir, "metrics.jsonl"), 0, 0
+    self.lock = threading.Lock()
+
+  def read(self) -> int:
+    with self.lock:
+      try:
+        with open(self.path, "rb") as f:
+          f.seek(self.offset)
+          chunk = f.read()
+      except FileNotFoundError:
+        return self.step
+      end = chunk.rfind(b"\n") + 1
+      for line in chunk[:end].splitlines():
+        r = json.loads(line)
+        if r.get("kind") == "train":
+          self.step = max(self.step, int(r["step"]))
+      self.offset += end
+      return self.step
+
+
+def launch(config: str, workers: int, servers: int, workdir: str, sets: Sequence[str]) -> Dict[str, Any]:
+  """One ``python -m recsys_jax.launch`` run to its end: ``workers`` trainer processes and ``servers`` PS
+  server processes (0: the in-process PS), its log beside ``workdir``. Its summary's figures, and its wall time."""
+  cmd = trainer(config, workdir, ["progress_bar=False", *sets], module="recsys_jax.launch")
+  wall = run(cmd + [f"--num_ps={servers}", f"--num_workers={workers}"], workdir + ".log")
+  s = summary(workdir)
+  row = {"staleness": s["staleness"], "trainers": workers, "ps_servers": servers}
+  return row | {k: s[k] for k in ("samples_per_sec", "auc", "steps", "batch_size")} | {"wall_s": wall}
+
+
+def start_server(args: Sequence[str], log: Optional[str] = None, timeout_s: float = 600):
+  """Starts ``python -m recsys_jax.serve *args`` from the repository root (its stderr to the file ``log``,
+  else to this process's) and waits for its ``ready`` line. Returns the process and its ports by protocol."""
+  err = open(log, "w") if log else None
+  p = subprocess.Popen(
+    [sys.executable, "-m", "recsys_jax.serve", *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT
+  )
+  if err is not None:
+    err.close()  # the server has its own copy
+  end = time.monotonic() + timeout_s
+  while time.monotonic() < end and p.poll() is None:
+    if select.select([p.stdout], [], [], 1.0)[0]:
+      line = p.stdout.readline()  # "ready http=<host>:<port> grpc=<host>:<port> version=..."
+      if line.startswith("ready "):
+        threading.Thread(target=p.stdout.read, daemon=True).start()  # drains what follows
+        parts = dict(kv.split("=", 1) for kv in line.split()[1:])
+        return p, {k: int(v.rsplit(":", 1)[1]) for k, v in parts.items() if k in ("http", "grpc")}
+  p.kill()
+  p.wait()
+  raise SystemExit(f"the server did not start (exit {p.returncode}); its log: {log or 'above'}")
+
+
+def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
+  """SIGTERM to ``p`` (SIGKILL when it has not ended after ``timeout_s``); its exit code."""
+  if p.poll() is None:
+    p.terminate()
+  try:
+    return p.wait(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    return p.wait()
+
+
+def paced(
+  send: Callable[[int], Any], rate: float, done: Callable[[], bool], on_answer: Optional[Callable[[Any], None]] = None
+) -> Tuple[List[float], List[str]]:
+  """Calls ``send(k)``, k = 0, 1, ..., ``rate`` times a second (0: back to back) until ``done()``, asked
+  after each call. Returns the latency in seconds of each call answered and the error of each that failed;
+  ``on_answer`` sees each answer as it comes."""
+  lat: List[float] = []
+  failures: List[str] = []
+  k, nxt = 0, time.perf_counter()
+  while True:
+    t0 = time.perf_counter()
+    try:
+      answer = send(k)
+    except Exception as e:  # noqa: BLE001 - counted and shown
+      failures.append(f"{type(e).__name__}: {e}")
+    else:
+      lat.append(time.perf_counter() - t0)
+      if on_answer is not None:
+        on_answer(answer)
+    k += 1
+    if done():
+      return lat, failures
+    if rate:
+      nxt += 1.0 / rate
+      time.sleep(max(0.0, nxt - time.perf_counter()))
+
+
+def client(spec: Dict[str, Any], out: str, stopped: Any = None) -> None:
+  """A client process (a ``multiprocessing`` spawn target). Sends ``spec["bodies"]`` (JSON text) in turn to
+  the server on ``spec["port"]`` over ``spec["protocol"]`` (``http``, ``grpc``), ``spec["rate"]`` a second
+  (0: back to back): a warm-up from ``spec["start"]`` (epoch seconds) to ``spec["timed_from"]``, then timed
+  until ``spec["end"]`` or ``stopped`` (an event) is set. Writes to ``out`` (JSON) the timed requests'
+  ``latency_s`` and ``failures``; ``late``: it began after ``start``; ``span``: seconds from ``timed_from`` to
+  its last answer; with ``spec["versions"]``, ``backwards``: each answer whose dense or row version is
+  older than an earlier answer's."""
+  from recsys_jax.serving.client import GrpcClient, HttpClient
+
+  if spec["protocol"] == "http":
+    c = HttpClient("127.0.0.1", spec["port"], timeout=60)
+    post = lambda body: c.request("POST", "/v1/predict", body)  # noqa: E731
+  else:
+    c = GrpcClient(f"127.0.0.1:{spec['port']}", timeout=60)
+    post = lambda body: c.call("Predict", body)  # noqa: E731
+  bodies = [b.encode("utf-8") for b in spec["bodies"]]
+  last = {"dense_version": -1, "row_version": -1}
+  backwards: List[str] = []
+
+  def check(answer: Dict[str, Any]) -> None:
+    for key, before in last.items():
+      v = answer.get(key)
+      if v is None or v < before:
+        backwards.append(f"{key} {before} -> {v}")
+      else:
+        last[key] = v
+
+  late = time.time() > spec["start"]
+  time.sleep(max(0.0, spec["start"] - time.time()))
+  send = lambda k: post(bodies[k % len(bodies)])  # noqa: E731
+  paced(send, spec["rate"], lambda: time.time() >= spec["timed_from"])
+  done = lambda: time.time() >= spec["end"] or (stopped is not None and stopped.is_set())  # noqa: E731
+  lat, failures = paced(send, spec["rate"], done, check if spec.get("versions") else None)
+  span = max(spec["end"] if np.isfinite(spec["end"]) else 0.0, time.time()) - spec["timed_from"]
+  c.close()
+  with open(out, "w") as f:
+    json.dump({"latency_s": lat, "failures": failures, "late": late, "span": span, "backwards": backwards}, f)
+
+
+def draw_records(fields: Dict[str, str], n: int, rng: np.random.Generator) -> List[Dict[str, Any]]:
+  """``n`` records of a served model's ``fields`` (name -> kind, as ``/v1/model`` gives them), each value
+  drawn at random for its kind: floats, ints, lists of strings, strings."""
+
+  def value(kind: str) -> Any:
+    if kind in ("float", "dense"):
+      return float(np.round(rng.exponential(2.0), 3))
+    if kind == "int":
+      return int(rng.integers(0, 1000))
+    if kind == "list":
+      return [f"{v:08x}" for v in rng.integers(0, 1 << 20, int(rng.integers(1, 4)))]
+    return f"{int(rng.integers(0, 1 << 20)):08x}"
+
+  return [{f: value(k) for f, k in fields.items()} for _ in range(n)]
