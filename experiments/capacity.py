@@ -26,7 +26,7 @@ from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
-from harness import data, outputs
+from harness import data, jobs, outputs
 from harness.ps import grads, prefill, proc_bytes
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")
@@ -150,12 +150,7 @@ _log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, (a, b) = jobs.pyplot().subplots(1, 2, figsize=(11, 4.2))
   a.plot([r["rows"] for r in ram], [r["rows_per_s"] / 1e6 for r in ram], "o-", label="RAM only")
   a.plot([r["rows"] for r in tier], [r["rows_per_s"] / 1e6 for r in tier], "s-", label=f"tier, cache {cache:,} rows")
   a.set(
@@ -168,8 +163,7 @@ def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
   for ax in (a, b):
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
+  jobs.save_plot(fig, path)
 
 
 def main(argv):

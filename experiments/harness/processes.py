@@ -77,26 +77,32 @@ def launch(config: str, workers: int, servers: int, workdir: str, sets: Sequence
   return row | {k: s[k] for k in ("samples_per_sec", "auc", "steps", "batch_size")} | {"wall_s": wall}
 
 
-def start_server(args: Sequence[str], log: Optional[str] = None, timeout_s: float = 600):
-  """Starts ``python -m recsys_jax.serve *args`` from the repository root (its stderr to the file ``log``,
-  else to this process's) and waits for its ``ready`` line. Returns the process and its ports by protocol."""
+def start(module: str, args: Sequence[str], log: Optional[str] = None, env=None, timeout_s: float = 600):
+  """Starts ``python -m <module> *args`` from the repository root (its stderr to the file ``log``, else to
+  this process's) and waits for its line ``ready ...``. Returns the process and that line."""
   err = open(log, "w") if log else None
   p = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.serve", *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT
+    [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env
   )
   if err is not None:
     err.close()  # the server has its own copy
   end = time.monotonic() + timeout_s
   while time.monotonic() < end and p.poll() is None:
     if select.select([p.stdout], [], [], 1.0)[0]:
-      line = p.stdout.readline()  # "ready http=<host>:<port> grpc=<host>:<port> version=..."
+      line = p.stdout.readline()
       if line.startswith("ready "):
         threading.Thread(target=p.stdout.read, daemon=True).start()  # drains what follows
-        parts = dict(kv.split("=", 1) for kv in line.split()[1:])
-        return p, {k: int(v.rsplit(":", 1)[1]) for k, v in parts.items() if k in ("http", "grpc")}
+        return p, line
   p.kill()
   p.wait()
-  raise SystemExit(f"the server did not start (exit {p.returncode}); its log: {log or 'above'}")
+  raise SystemExit(f"{module} did not start (exit {p.returncode}); its log: {log or 'above'}")
+
+
+def start_server(args: Sequence[str], log: Optional[str] = None, timeout_s: float = 600):
+  """``start`` of ``recsys_jax.serve``: the process and its ports by protocol."""
+  p, line = start("recsys_jax.serve", args, log, timeout_s=timeout_s)
+  parts = dict(kv.split("=", 1) for kv in line.split()[1:])  # "ready http=<host>:<port> grpc=... version=..."
+  return p, {k: int(v.rsplit(":", 1)[1]) for k, v in parts.items() if k in ("http", "grpc")}
 
 
 def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
