@@ -59,8 +59,8 @@ def _disk_bytes(path: str) -> Dict[str, int]:
   return out
 
 
-# -- the worker: one table, one process ----------------------------------------------------
 def _worker(job: Dict) -> Dict:
+  """Builds (and with ``job["time"]`` times) one table in this process; its figures."""
   from recsys_jax.async_ps.optim import optimizers
   from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec, storage_numpy_dtype
@@ -145,7 +145,6 @@ def _run_worker(job: Dict) -> Dict:
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-# -- the driver ----------------------------------------------------------------------------
 _log = functools.partial(print, file=sys.stderr, flush=True)
 
 
