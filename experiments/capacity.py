@@ -321,13 +321,9 @@ def main(argv):
   )
   for r in tier:
     k = r["rows"] // cache
-    flat.update(
-      {
-        f"tier_k{k}_peak_rss_gib": r["peak_rss"] / 2**30,
-        f"tier_k{k}_rows_per_s": r["rows_per_s"],
-        f"tier_k{k}_hit_rate": r["hit_rate"],
-      }
-    )
+    flat[f"tier_k{k}_peak_rss_gib"] = r["peak_rss"] / 2**30
+    flat[f"tier_k{k}_rows_per_s"] = r["rows_per_s"]
+    flat[f"tier_k{k}_hit_rate"] = r["hit_rate"]
   print(json.dumps(flat))
 
 
