@@ -26,7 +26,7 @@ from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
-from harness import data, outputs
+from harness import data, jobs, outputs
 from harness.ps import grads, prefill, proc_bytes
 
 _FULL = flags.DEFINE_bool("full", False, "Larger sizes (see the module docstring).")
@@ -59,8 +59,8 @@ def _disk_bytes(path: str) -> Dict[str, int]:
   return out
 
 
-# -- the worker: one table, one process ----------------------------------------------------
 def _worker(job: Dict) -> Dict:
+  """Builds (and with ``job["time"]`` times) one table in this process; its figures."""
   from recsys_jax.async_ps.optim import optimizers
   from recsys_jax.async_ps.store.ps import ParameterServer
   from recsys_jax.embeddings.specs import TableSpec, storage_numpy_dtype
@@ -145,17 +145,11 @@ def _run_worker(job: Dict) -> Dict:
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-# -- the driver ----------------------------------------------------------------------------
 _log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, (a, b) = jobs.pyplot().subplots(1, 2, figsize=(11, 4.2))
   a.plot([r["rows"] for r in ram], [r["rows_per_s"] / 1e6 for r in ram], "o-", label="RAM only")
   a.plot([r["rows"] for r in tier], [r["rows_per_s"] / 1e6 for r in tier], "s-", label=f"tier, cache {cache:,} rows")
   a.set(
@@ -168,8 +162,7 @@ def _plot(path: str, ram: List[Dict], tier: List[Dict], cache: int) -> None:
   for ax in (a, b):
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
+  jobs.save_plot(fig, path)
 
 
 def main(argv):
@@ -328,13 +321,9 @@ def main(argv):
   )
   for r in tier:
     k = r["rows"] // cache
-    flat.update(
-      {
-        f"tier_k{k}_peak_rss_gib": r["peak_rss"] / 2**30,
-        f"tier_k{k}_rows_per_s": r["rows_per_s"],
-        f"tier_k{k}_hit_rate": r["hit_rate"],
-      }
-    )
+    flat[f"tier_k{k}_peak_rss_gib"] = r["peak_rss"] / 2**30
+    flat[f"tier_k{k}_rows_per_s"] = r["rows_per_s"]
+    flat[f"tier_k{k}_hit_rate"] = r["hit_rate"]
   print(json.dumps(flat))
 
 

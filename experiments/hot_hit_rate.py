@@ -2,18 +2,17 @@
 
     python experiments/hot_hit_rate.py [--warmup_steps=400] [--eval_steps=200] [--vocab_scale=1] [--out_dir=DIR]
 
-Draws batches from the synthetic generator with ``configs/default.py``'s data (``--vocab_scale``
-multiplies every vocabulary). For ``--warmup_steps`` steps each field's distinct ids go to a
-``FrequencyCounter``, as the trainer's host feed does; then, per budget, the hot set is chosen as
-the trainer chooses it: one ranking of all tables' candidates by count (ties: table, then id), the
-first ``budget // row_bytes`` rows (weights and the optimizer's slots: 128 B at dim 16 with
-adagrad). On the ``--eval_steps`` steps after the warm-up it measures the hit rate (share of id
-lookups whose row is hot), the distinct hot share (of each step's distinct rows) and the cold rows
-a step (what the host sends the device). The same for rankings by exact counts: ``oracle_`` (steps
-an id appeared in, what the sketch estimates) and ``oracle_occ_`` (occurrences).
+Draws batches with ``configs/default.py``'s synthetic data (``--vocab_scale`` multiplies every
+vocabulary), counts each field's distinct ids of ``--warmup_steps`` steps in a ``FrequencyCounter``
+as the trainer's feed does, then per budget chooses the hot set as the trainer does (one ranking of
+all tables' candidates by count, the first ``budget // row_bytes`` rows, optimizer slots included).
+On the ``--eval_steps`` steps after: the hit rate (share of id lookups whose row is hot), the
+distinct hot share (of each step's distinct rows) and the cold rows a step (what the host sends the
+device); the same for rankings by exact counts, ``oracle_`` (steps an id appeared in, what the
+sketch estimates) and ``oracle_occ_`` (occurrences).
 
-Prints one JSON line per budget and a summary line; writes them to ``<out_dir>/hot_hit_rate.json``
-and the curves to ``<out_dir>/hot_hit_rate.png``.
+Prints one JSON line per budget and a summary line, written to ``<out_dir>/hot_hit_rate.json``,
+and plots the curves in ``<out_dir>/hot_hit_rate.png``.
 """
 
 from __future__ import annotations

@@ -18,15 +18,13 @@ import functools
 import json
 import multiprocessing
 import os
-import select
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 from absl import app, flags
+from harness import processes
 from harness.ps import proc_bytes
 
 from recsys_jax.async_ps.client.remote import RemotePS, RemotePSError
@@ -43,7 +41,6 @@ _SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "Extra server flags, spa
 _LATENCY = flags.DEFINE_bool("latency", False, "Measure first-request latency with a cold and a warm numba cache.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 300.0, "RemotePS deadline per call.")
 _MIB = 1 << 20
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _status(pid: int, key: str) -> float:
@@ -57,26 +54,10 @@ def _reset_peak(pid: int) -> None:
 
 
 def _start(extra: List[str], env: Optional[Dict[str, str]] = None):
+  """A PS server: the process, its address and the seconds to its ready line."""
   t0 = time.monotonic()
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.async_ps.server", "--port=0", *extra],
-    stdout=subprocess.PIPE,
-    text=True,
-    cwd=_ROOT,
-    env=env,
-  )
-  ready, _, _ = select.select([proc.stdout], [], [], 600)
-  line = proc.stdout.readline() if ready else ""
-  if not line.startswith("ready "):
-    proc.kill()
-    raise RuntimeError(f"server did not start: {line!r}")
+  proc, line = processes.start("recsys_jax.async_ps.server", ["--port=0", *extra], env=env)
   return proc, line.split()[1], time.monotonic() - t0
-
-
-def _stop(proc) -> None:
-  proc.terminate()
-  proc.wait(timeout=30)
-  proc.stdout.close()
 
 
 def _client(addr: str, specs) -> RemotePS:
@@ -190,7 +171,7 @@ def _latency(extra: List[str]) -> Dict[str, Any]:
             ps.apply("t", ids, np.ones((1000, 64), np.float32))
             r[f"{what}_push_s"] = round(time.perf_counter() - t0, 3)
       finally:
-        _stop(proc)
+        processes.stop(proc)
       out[label] = r
       print("latency", label, json.dumps(r), flush=True)
   return out
@@ -217,7 +198,7 @@ def main(argv):
       if _CONC.value:
         result["concurrent"] = _concurrent(addr, proc.pid, _CONC.value, _CONC_MB.value, _DIM.value)
     finally:
-      _stop(proc)
+      processes.stop(proc)
   print(json.dumps(result))
 
 

@@ -1,22 +1,16 @@
 """How long this process holds the interpreter lock: py-spy's ``--gil`` sampling, attached to itself.
 
 Between :meth:`GilSampler.start` and :meth:`GilSampler.stop`, ``py-spy record --gil --nonblocking``
-samples this process ``rate`` times a second and keeps a stack only when some thread holds the
-GIL (the lock of CPython <= 3.12; one thread at a time). So ``samples / rate`` estimates the
-seconds the lock was held over the window, whichever threads held it, and ``gil_fraction`` =
-that / the window's wall time. Nothing else counts: a thread running compiled code that
-released the lock (numba ``nogil`` kernels, numpy's loops over large arrays, XLA) is not
-sampled, which is the point: the lock-held time is what no number of cores can run in
-parallel, so ``1 / gil_fraction`` bounds how much more work more cores could do.
+samples this process ``rate`` times a second and keeps a stack only when some thread holds the GIL.
+So ``samples / rate`` estimates the seconds the lock was held over the window, and ``gil_fraction``
+= that / the window's wall time. A thread running compiled code that released the lock (numba
+``nogil`` kernels, numpy's loops over large arrays, XLA) is not sampled: the lock-held time is what
+no number of cores can run in parallel, so ``1 / gil_fraction`` bounds how much more work more
+cores could do. ``top`` counts the samples per innermost frame (and per thread name).
 
-Attached by pid with ``--nonblocking`` (the process is not paused to be read), py-spy kept its
-rate within 2% here (3,039 samples of a thread busy in Python for 3 s at 1,000 a second; a
-sleeping process gives none). py-spy needs to read this process's memory: root, or ptrace
-allowed (``/proc/sys/kernel/yama/ptrace_scope`` 0, or ``CAP_SYS_PTRACE`` in a container);
-:meth:`start` raises with py-spy's own message when it cannot attach, never a silent zero.
-
-``top`` counts the samples per innermost frame (and per thread name), so a figure comes with
-the places that hold the lock most.
+py-spy needs to read this process's memory: root, or ptrace allowed (``/proc/sys/kernel/yama/ptrace_scope``
+0, or ``CAP_SYS_PTRACE`` in a container); :meth:`start` raises with py-spy's own message when it
+cannot attach, never a silent zero.
 """
 
 from __future__ import annotations
@@ -36,10 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 def thread_cpu() -> Dict[str, float]:
-  """CPU seconds (user + system) of every thread of this process so far, by thread name (Python's
-  name for its threads, ``native-<tid>`` for the others: XLA's, numba's, the runtime's), summed over
-  threads of one name with their numbers dropped (``host-worker_3`` counts as ``host-worker``).
-  Read from ``/proc/self/task/*/stat``; threads that ended are not counted."""
+  """CPU seconds (user + system) so far of this process's live threads, by name without its number
+  (``host-worker_3`` counts as ``host-worker``; threads Python did not start count as ``native``)."""
   names = {t.native_id: t.name for t in threading.enumerate()}
   tick = os.sysconf("SC_CLK_TCK")
   out: Dict[str, float] = collections.defaultdict(float)
@@ -56,19 +48,15 @@ def thread_cpu() -> Dict[str, float]:
 
 
 def minor_faults() -> int:
-  """This process's minor page faults so far (``/proc/self/stat``): each first touch of a page the
-  kernel must map and zero, what every fresh large numpy array costs (glibc maps allocations of
-  128 KB and more afresh unless they reuse freed memory)."""
+  """This process's minor page faults so far: first touches of pages the kernel maps and zeroes, what
+  every fresh large numpy array costs."""
   with open("/proc/self/stat") as f:
     return int(f.read().rsplit(")", 1)[1].split()[7])  # minflt, field 10
 
 
 class GcTimer:
-  """Seconds spent in the cyclic garbage collector, per generation, while installed (``gc.callbacks``).
-
-  A collection runs on whichever thread allocated past the threshold, holding the interpreter
-  lock throughout: a full one over a trainer's heap (jax and flax objects) took 90-150 ms here,
-  which a lock figure must be able to tell apart."""
+  """Seconds spent in the cyclic garbage collector, and collections, per generation, while entered.
+  A collection holds the interpreter lock throughout, so a lock figure must tell it apart."""
 
   def __init__(self):
     self.seconds = [0.0, 0.0, 0.0]
@@ -95,15 +83,10 @@ class GilSamplerError(RuntimeError):
 
 
 class GilSampler:
-  """py-spy ``--gil`` attached to this process between ``start`` and ``stop``.
-
-  Args:
-    rate: samples a second (py-spy's ``--rate``).
-    raw_out: also keep py-spy's raw stacks here (one ``stack count`` line each), for a flame graph.
-    native: sample native frames too (``--native``: slower; shows which C function holds the lock).
-    gil_only: True: only samples of the thread holding the lock (the figure); False: every running
-      thread's (a CPU profile, for finding where the time goes; ``gil_s`` then counts every thread).
-  """
+  """py-spy ``--gil`` attached to this process between ``start`` and ``stop``, ``rate`` samples a second.
+  ``raw_out``: also keep py-spy's raw stacks there, for a flame graph; ``native``: sample native frames
+  too (slower); ``gil_only=False``: every running thread's samples, a CPU profile (``gil_s`` then counts
+  every thread)."""
 
   def __init__(self, rate: int = 500, raw_out: Optional[str] = None, native: bool = False, gil_only: bool = True):
     self.rate, self.raw_out, self.native, self.gil_only = int(rate), raw_out, native, gil_only
@@ -114,8 +97,7 @@ class GilSampler:
 
   def start(self, attach_timeout_s: float = 20.0) -> "GilSampler":
     """Attaches py-spy; returns once it samples (py-spy announces it)."""
-    # The environment's own scripts first: a venv's python run without activating it has py-spy
-    # beside it, not on PATH.
+    # a venv's python run without activating it has py-spy beside it, not on PATH
     exe = shutil.which("py-spy", path=sysconfig.get_path("scripts")) or shutil.which("py-spy")
     if exe is None:
       raise GilSamplerError("py-spy is not installed (pip install -r requirements.txt): no interpreter-lock figure")
@@ -148,20 +130,13 @@ class GilSampler:
     return self
 
   def stop(self, top: int = 12) -> Dict[str, Any]:
-    """Stops sampling; returns the window's figures.
-
-    Returns:
-      ``gil_s`` (samples / rate), ``wall_s`` (the window), ``gil_fraction``, ``cpu_s`` (this
-      process's CPU time over the window, every thread), ``samples``, ``rate``, and ``top`` /
-      ``top_threads``: the innermost frames and the threads that held the lock most, as
-      ``[name, share of the samples]``; ``thread_cpu_s``: CPU seconds over the window per thread
-      name (``thread_cpu``), the lock held or not; ``minor_faults`` over the window; ``gc_s`` and
-      ``gc_count``: the garbage collector's seconds and collections per generation (``GcTimer``).
-    """
+    """Stops sampling; the window's figures: ``gil_s`` (samples / rate), ``wall_s``, ``gil_fraction``,
+    ``cpu_s`` (every thread), ``top`` / ``top_threads`` (the frames and threads that held the lock most,
+    as ``[name, share of the samples]``), ``thread_cpu_s``, ``minor_faults``, ``gc_s`` and ``gc_count``."""
     if self._proc is None:
       raise GilSamplerError("stop() before start()")
     wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._cpu0
-    threads = {k: v - self._threads0.get(k, 0.0) for k, v in thread_cpu().items()}
+    thread_cpus = {k: v - self._threads0.get(k, 0.0) for k, v in thread_cpu().items()}
     faults = minor_faults() - self._faults0
     self._gc.__exit__()
     self._proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
@@ -170,7 +145,6 @@ class GilSampler:
     except subprocess.TimeoutExpired:
       self._proc.kill()
       raise GilSamplerError("py-spy did not stop within 60 s of SIGINT") from None
-    thread_cpus = threads
     frames: collections.Counter = collections.Counter()
     threads: collections.Counter = collections.Counter()
     samples = 0

@@ -18,15 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def trainer(config: str, workdir: str, sets: Sequence[str], module: str = "recsys_jax.main") -> List[str]:
-  """The command line of a training run: ``python -m <module>`` of ``config`` in ``workdir``, with a
-  ``--config.<key=value>`` override for each of ``sets``."""
+  """The command line of a training run of ``config`` in ``workdir``, ``sets``: ``key=value`` overrides."""
   cmd = [sys.executable, "-m", module, f"--config={config}", f"--workdir={workdir}"]
   return cmd + [f"--config.{kv}" for kv in sets]
 
 
 def run(cmd: Sequence[str], log: str, timeout_s: float = 1800) -> float:
-  """Runs ``cmd`` from the repository root to its end, its output to the file ``log``; returns its wall
-  seconds. Exits with the log's tail when it fails."""
+  """Runs ``cmd`` from the repository root, its output to ``log``; its wall seconds. Exits with the log's tail
+  when it fails."""
   t0 = time.perf_counter()
   with open(log, "w") as f:
     rc = subprocess.call(list(cmd), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s)
@@ -43,8 +42,7 @@ def summary(workdir: str) -> Dict[str, Any]:
 
 
 class TrainedSteps:
-  """The newest step a training run's metrics.jsonl shows trained (read on from where the last read ended;
-  threads may share one)."""
+  """The newest step a training run's metrics.jsonl shows trained, read incrementally; threads may share one."""
 
   def __init__(self, workdir: str):
     self.path, self.offset, self.step = os.path.join(workdir, "metrics.jsonl"), 0, 0
@@ -68,8 +66,8 @@ class TrainedSteps:
 
 
 def launch(config: str, workers: int, servers: int, workdir: str, sets: Sequence[str]) -> Dict[str, Any]:
-  """One ``python -m recsys_jax.launch`` run to its end: ``workers`` trainer processes and ``servers`` PS
-  server processes (0: the in-process PS), its log beside ``workdir``. Its summary's figures, and its wall time."""
+  """A ``recsys_jax.launch`` run of ``workers`` trainers and ``servers`` PS servers (0: in-process) to its end:
+  its summary's figures and its wall time."""
   cmd = trainer(config, workdir, ["progress_bar=False", *sets], module="recsys_jax.launch")
   wall = run(cmd + [f"--num_ps={servers}", f"--num_workers={workers}"], workdir + ".log")
   s = summary(workdir)
@@ -77,26 +75,32 @@ def launch(config: str, workers: int, servers: int, workdir: str, sets: Sequence
   return row | {k: s[k] for k in ("samples_per_sec", "auc", "steps", "batch_size")} | {"wall_s": wall}
 
 
-def start_server(args: Sequence[str], log: Optional[str] = None, timeout_s: float = 600):
-  """Starts ``python -m recsys_jax.serve *args`` from the repository root (its stderr to the file ``log``,
-  else to this process's) and waits for its ``ready`` line. Returns the process and its ports by protocol."""
+def start(module: str, args: Sequence[str], log: Optional[str] = None, env=None, timeout_s: float = 600):
+  """Starts ``python -m <module> *args`` from the repository root (its stderr to the file ``log``, else to
+  this process's) and waits for its line ``ready ...``. Returns the process and that line."""
   err = open(log, "w") if log else None
   p = subprocess.Popen(
-    [sys.executable, "-m", "recsys_jax.serve", *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT
+    [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env
   )
   if err is not None:
     err.close()  # the server has its own copy
   end = time.monotonic() + timeout_s
   while time.monotonic() < end and p.poll() is None:
     if select.select([p.stdout], [], [], 1.0)[0]:
-      line = p.stdout.readline()  # "ready http=<host>:<port> grpc=<host>:<port> version=..."
+      line = p.stdout.readline()
       if line.startswith("ready "):
         threading.Thread(target=p.stdout.read, daemon=True).start()  # drains what follows
-        parts = dict(kv.split("=", 1) for kv in line.split()[1:])
-        return p, {k: int(v.rsplit(":", 1)[1]) for k, v in parts.items() if k in ("http", "grpc")}
+        return p, line
   p.kill()
   p.wait()
-  raise SystemExit(f"the server did not start (exit {p.returncode}); its log: {log or 'above'}")
+  raise SystemExit(f"{module} did not start (exit {p.returncode}); its log: {log or 'above'}")
+
+
+def start_server(args: Sequence[str], log: Optional[str] = None, timeout_s: float = 600):
+  """``start`` of ``recsys_jax.serve``: the process and its ports by protocol."""
+  p, line = start("recsys_jax.serve", args, log, timeout_s=timeout_s)
+  parts = dict(kv.split("=", 1) for kv in line.split()[1:])  # "ready http=<host>:<port> grpc=... version=..."
+  return p, {k: int(v.rsplit(":", 1)[1]) for k, v in parts.items() if k in ("http", "grpc")}
 
 
 def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
@@ -113,9 +117,8 @@ def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
 def paced(
   send: Callable[[int], Any], rate: float, done: Callable[[], bool], on_answer: Optional[Callable[[Any], None]] = None
 ) -> Tuple[List[float], List[str]]:
-  """Calls ``send(k)``, k = 0, 1, ..., ``rate`` times a second (0: back to back) until ``done()``, asked
-  after each call. Returns the latency in seconds of each call answered and the error of each that failed;
-  ``on_answer`` sees each answer as it comes."""
+  """Calls ``send(k)``, k = 0, 1, ..., ``rate`` times a second (0: back to back) until ``done()``; the
+  latency of each call answered (each answer also to ``on_answer``) and the error of each that failed."""
   lat: List[float] = []
   failures: List[str] = []
   k, nxt = 0, time.perf_counter()
@@ -138,13 +141,11 @@ def paced(
 
 
 def client(spec: Dict[str, Any], out: str, stopped: Any = None) -> None:
-  """A client process (a ``multiprocessing`` spawn target). Sends ``spec["bodies"]`` (JSON text) in turn to
-  the server on ``spec["port"]`` over ``spec["protocol"]`` (``http``, ``grpc``), ``spec["rate"]`` a second
-  (0: back to back): a warm-up from ``spec["start"]`` (epoch seconds) to ``spec["timed_from"]``, then timed
-  until ``spec["end"]`` or ``stopped`` (an event) is set. Writes to ``out`` (JSON) the timed requests'
-  ``latency_s`` and ``failures``; ``late``: it began after ``start``; ``span``: seconds from ``timed_from`` to
-  its last answer; with ``spec["versions"]``, ``backwards``: each answer whose dense or row version is
-  older than an earlier answer's."""
+  """A client process (a spawn target): sends ``spec["bodies"]`` in turn to ``spec["port"]`` over
+  ``spec["protocol"]`` (``http``, ``grpc``), ``spec["rate"]`` a second, untimed from ``spec["start"]`` (epoch
+  seconds), timed from ``spec["timed_from"]`` until ``spec["end"]`` or ``stopped`` is set. Writes to ``out``
+  ``latency_s``, ``failures``, ``late`` (began after ``start``), ``span`` (``timed_from`` to the last answer)
+  and, with ``spec["versions"]``, ``backwards``: answers whose dense or row version went back."""
   from recsys_jax.serving.client import GrpcClient, HttpClient
 
   if spec["protocol"] == "http":
@@ -178,8 +179,7 @@ def client(spec: Dict[str, Any], out: str, stopped: Any = None) -> None:
 
 
 def draw_records(fields: Dict[str, str], n: int, rng: np.random.Generator) -> List[Dict[str, Any]]:
-  """``n`` records of a served model's ``fields`` (name -> kind, as ``/v1/model`` gives them), each value
-  drawn at random for its kind: floats, ints, lists of strings, strings."""
+  """``n`` records of random values for a served model's ``fields`` (name -> kind, as ``/v1/model`` gives them)."""
 
   def value(kind: str) -> Any:
     if kind in ("float", "dense"):

@@ -14,8 +14,7 @@ import numpy as np
 HEADER = "label,d1,c1,c2,item\n"
 KNOWN = 200  # ids the base files teach with label 0; the flip events turn their labels over
 EVENT_RECORDS = 4  # records of one event (one id)
-# configs/tiny.py on these files (with data.eval_files and data.stream_dir); log_every: a writer paces itself
-# on the steps metrics.jsonl shows
+# configs/tiny.py on these files (with data.eval_files and data.stream_dir); a writer paces itself on log_every
 SETS = ["log_every=5", "eval_samples=256", "eval_batch_size=256", "data.name=csv", "data.stream_poll_s=0.02"]
 SETS += ["data.dense=('d1',)", "data.categorical=('c1','c2','item')", "data.chunk_records=512"]
 
@@ -39,7 +38,7 @@ def records(lines: List[str]) -> List[Dict[str, Any]]:
 
 
 def put(stream: str, name: str, lines: List[str]) -> float:
-  """Writes a stream file under a name the reader ignores and renames it into place; the time it counts."""
+  """Writes a stream file under a name the reader ignores, renames it into place; the time it counts."""
   tmp = os.path.join(stream, f".{name}.inprogress")
   with open(tmp, "w") as f:
     f.write(HEADER + "\n".join(lines) + "\n")
@@ -49,7 +48,7 @@ def put(stream: str, name: str, lines: List[str]) -> float:
 
 def base_files(stream: str, batch_size: int, rng: np.random.Generator, files: int = 4) -> int:
   """Writes the base files (the known ids with label 0, ten records each, and traffic) into ``stream``;
-  their records, two whole batches' worth per 100 known ids (a run on them ends at a file's end)."""
+  their records, whole batches (a run on them ends at a file's end)."""
   lines = [f"0,3,u{j % 7},v{j % 11},k{j}" for j in range(KNOWN) for _ in range(10)]
   n = -(-len(lines) // batch_size) * batch_size * 2
   lines += traffic(rng, n - len(lines))
@@ -86,7 +85,7 @@ class Prober:
     self.thread = threading.Thread(target=self._loop, daemon=True)
 
   def prepare(self, n: int):
-    """The ``n``-th event (a new id with label 1, or in turn a known id with its label turned over) and its lines."""
+    """The ``n``-th event (in turn a new id with label 1, a known id's label turned over) and its lines."""
     if n % 2 == 0:
       kind, item, label = "new", f"n{n}", 1
     else:

@@ -1,7 +1,7 @@
 """The disk tier's rows as zarr3 files in several layouts, read two ways: tensorstore, and the same bytes with preadv.
 
-Imported by ``bench_tier_layout.py`` (and its test); not a script. A ``Layout`` is one table's rows
-(``fields``: name -> width in float32 columns) stored as uncompressed zarr3 arrays under a folder:
+A ``Layout`` is one table's rows (``fields``: name -> width in float32 columns) stored as uncompressed
+zarr3 arrays under a folder:
 
 * ``separate``: one array per field, as ``TierStore`` stores them (``weights/``, ``slot_<name>/``),
   chunks of ``chunk_rows`` rows x all columns;
@@ -56,6 +56,7 @@ class Layout:
     self.name = f"{kind} c{chunk_rows}" if kind != "sharded" else f"sharded s{shard_rows} i{inner_rows}"
     self.root = os.path.join(root, self.name.replace(" ", "_"))
     self.row_bytes = sum(self.fields.values()) * _ITEM
+    self.n_chunks = -(-rows // self.chunk_rows)  # files per field
 
   def like(self, root: str) -> "Layout":
     """The same layout under another folder."""
@@ -110,21 +111,18 @@ class Layout:
     futures = {f: ts.open({**self.spec(f), **extra}, context=context, **kw) for f in self.fields}
     return {f: fut.result() for f, fut in futures.items()}
 
-  def n_files(self) -> int:
-    return len(self.fields) * -(-self.rows // self.chunk_rows)
-
   def file(self, field: str, chunk: int) -> str:
     """The file of chunk (or shard) ``chunk`` of ``field``: zarr3's default key encoding, ``c/<i>/<j>``."""
     return os.path.join(self.root, field, "c", str(chunk), "0")
 
   def files(self) -> List[str]:
-    return [self.file(f, c) for f in self.fields for c in range(-(-self.rows // self.chunk_rows))]
+    return [self.file(f, c) for f in self.fields for c in range(self.n_chunks)]
 
   def index_bytes(self) -> int:
     """The bytes of every shard index (0 unless sharded): 16 per inner chunk and a 4-byte checksum per shard."""
     if self.kind != "sharded":
       return 0
-    return self.n_files() * (16 * (self.chunk_rows // self.inner_rows) + 4)
+    return len(self.fields) * self.n_chunks * (16 * (self.chunk_rows // self.inner_rows) + 4)
 
   def index_cache_context(self) -> Dict[str, Any]:
     """``CONTEXT`` plus a ``cache_pool#index`` that holds every shard index (1.25x their bytes and 256 KiB)."""
@@ -147,14 +145,10 @@ def read_ts(arrays: Mapping[str, ts.TensorStore], rows: np.ndarray, batch: Optio
 
 
 class FloorReader:
-  """Reads rows from a ``Layout``'s files with ``os.preadv``: the bytes a read of those rows must fetch.
-
-  Chunked layouts: each row's byte range in its chunk file. Sharded: each inner chunk's byte range (its
-  offset from the shard's index, read here once), then the rows gathered from the inner chunks. The files
-  a read needs are either held open beforehand (``open_files``: a plain-file store would hold them) or
-  each opened and closed around the reads in it, as tensorstore's file kvstore does. ``read`` may run in
-  several threads at once (on files held open).
-  """
+  """Reads rows from a ``Layout``'s files with ``os.preadv``: the bytes a read of those rows must fetch
+  (see the module's docstring). The files are either held open beforehand (``open_files``, as a
+  plain-file store would) or each opened and closed around its reads, as tensorstore's file kvstore
+  does. ``read`` may run in several threads at once on files held open."""
 
   def __init__(self, layout: Layout):
     self.layout = layout
@@ -165,7 +159,7 @@ class FloorReader:
       want = layout.inner_rows * layout.row_bytes
       for f in layout.fields:
         offs = []
-        for s in range(-(-layout.rows // layout.chunk_rows)):
+        for s in range(layout.n_chunks):
           with open(layout.file(f, s), "rb") as fh:
             fh.seek(-(16 * per + 4), os.SEEK_END)
             index = np.frombuffer(fh.read(16 * per), "<u8").reshape(per, 2)
