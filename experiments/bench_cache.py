@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import json
 import os
 import platform
 import tempfile
@@ -224,10 +223,7 @@ def main(argv):
   if tr:
     print(f"training configs/tiny.py one epoch, samples/s: tsv {tr['tsv']:,.0f}, warm cache {tr['warm']:,.0f}")
     print(f"  (the run filling the cache: {tr['fill']:,.0f}); warm / tsv {tr['ratio']:.2f}")
-  line = json.dumps(result, sort_keys=True)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n")
-  print(line)
+  outputs.emit(result, _JSON_OUT.value, sort_keys=True)
 
 
 if __name__ == "__main__":

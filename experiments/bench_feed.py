@@ -31,13 +31,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 from absl import app, flags
-from harness import outputs
+from harness import jobs, outputs
 from harness.data import criteo_text
 from harness.gil import GilSampler, sampled  # py-spy --gil attached to this process
 from harness.ps import Memcpy
 from harness.stats import intervals, per_step
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SOURCES = flags.DEFINE_list("sources", ["tsv", "cache", "synthetic"], "Sources: tsv, cache, synthetic.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["2048", "8192", "65536"], "Batch sizes.")
@@ -256,11 +254,7 @@ def print_table(results: List[Dict[str, Any]]) -> None:
 def plot_workers(results: List[Dict[str, Any]], path: str) -> None:
   """Per (source, batch, step): samples/s against the worker counts (left), and each stage's ms a batch
   beside the batch's own time (right): the stage whose line meets the batch's time bounds samples/s."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = jobs.pyplot()
   series: Dict[tuple, List[Dict[str, Any]]] = {}
   for r in results:
     if r["label"] == "new":
@@ -281,8 +275,7 @@ def plot_workers(results: List[Dict[str, Any]], path: str) -> None:
     for ax in (left, right):
       ax.set_xticks(w)
       ax.grid(alpha=0.3)
-  fig.tight_layout()
-  outputs.save_figure(fig, path, dpi=110)
+  jobs.save_plot(fig, path)
 
 
 def schedule(records: int, batch: int, workers: int) -> Dict[str, int]:
@@ -302,7 +295,7 @@ def sweep(data_dir: str, bw: float, failed: List[str]) -> Dict[tuple, List[Dict[
   """(source, batch, label, workers, step) -> each run's figures, the runs interleaved; a line in ``failed`` per failure."""
   workers = [int(w) for w in (_WORKERS.value or sorted({1, len(os.sched_getaffinity(0))}))]
   files = criteo_files(data_dir, _RECORDS.value) if {"tsv", "cache"} & set(_SOURCES.value) else None
-  codes = [("new", _ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
+  codes = [("new", outputs.ROOT)] + ([("base", os.path.abspath(_BASELINE.value))] if _BASELINE.value else [])
   common = {
     "first_timed": _WARMUP.value,
     "files": files,

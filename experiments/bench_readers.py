@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import itertools
-import json
 import multiprocessing
 import os
 import pickle
@@ -206,10 +205,7 @@ def main(argv):
   if _TRANSFER.value:
     print("criteo, us a record:", ", ".join(f"{k[9:]} {v:.2f}" for k, v in result.items() if k.startswith("transfer_")))
   print(f"load average after the run: {os.getloadavg()}")
-  line = json.dumps(result, sort_keys=True)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n")
-  print(line)
+  outputs.emit(result, _JSON_OUT.value, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -171,10 +171,7 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
 
 
 def _emit(res: Dict[str, Any]) -> None:
-  line = json.dumps(res)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n", mode="a")
-  print(line, flush=True)
+  outputs.emit(res, _JSON_OUT.value, mode="a")
 
 
 def main(argv):

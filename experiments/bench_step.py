@@ -25,15 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from harness import stats
+from harness import outputs, stats
 from ml_collections import config_flags
 
 from recsys_jax.embeddings import pooling
 from recsys_jax.models import dlrm
 from recsys_jax.training import job as job_lib
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "dlrm.py"), "The job's config.")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", os.path.join(outputs.ROOT, "configs", "dlrm.py"), "The job's config."
+)
 _BATCH = flags.DEFINE_integer("batch_size", 8192, "Batch size.")
 _BOTTOM = flags.DEFINE_integer("bottom", 16, "Width of the one bottom MLP layer (0: the config's MLPs).")
 _TOP = flags.DEFINE_integer("top", 16, "Width of the one top MLP hidden layer (0: the config's MLPs).")

@@ -176,7 +176,9 @@ def run_job(name: str, workdir: str, args: List[str], env: Dict[str, str]) -> Di
     "hit_rate": ps.get("cache_hit_rate", ps["hit_rate"]),
     "evictions": ps["evictions"],
     "lookup_ms": ps["lookup_ms"],
-    "loop_wait_ms_per_step": jobs.per_step([r for r in recs if r["kind"] == "train"], "host_wait_ms"),
+    "loop_wait_ms_per_step": stats.per_step(
+      stats.intervals([r for r in recs if r["kind"] == "train"]), "host_wait_ms", 0.0
+    ),
     "tier_wait_s": s["ps_tier_wait_s"],
     "tier_wait_ms_per_step": 1e3 * s["ps_tier_wait_s"] / max(1, s["steps_this_run"]),
     **{k: ps[k] for k in READ_AHEAD_KEYS if k in ps},

@@ -28,7 +28,6 @@ no hot (``*_hot``, ``*_nohot``, ``hot_sps_ratio``, ``ps_rows_ratio``: to set aga
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -61,9 +60,10 @@ _LOG_EVERY = flags.DEFINE_integer("log_every", 0, "Steps between the PS runs' re
 
 def run_figures(summary: Dict[str, Any], recs: List[Dict[str, Any]], first: int) -> Dict[str, Any]:
   """One PS run's figures from its summary and train records; per-step counts from step ``first`` on."""
-  out: Dict[str, Any] = {f"{stage}_ms": jobs.per_step(recs, f"host_{stage}_ms") for stage in STAGES}
+  every, after = stats.intervals(recs), stats.intervals(recs, after=first) or stats.intervals(recs)
+  out: Dict[str, Any] = {f"{stage}_ms": stats.per_step(every, f"host_{stage}_ms", 0.0) for stage in STAGES}
   rows, row_bytes, batch_bytes = (
-    jobs.per_step(recs, f"{k}_per_step", since=first) for k in ("rows", "place_row_bytes", "place_batch_bytes")
+    stats.per_step(after, f"{k}_per_step", 0.0) for k in ("rows", "place_row_bytes", "place_batch_bytes")
   )
   steps = max(1, recs[-1]["step"] if recs else 0)
   hot = summary.get("hot") or {}
@@ -385,10 +385,7 @@ def main(argv):
   )
   print_hot_table(cmp, hv, f, f0)
 
-  line = json.dumps(result)
-  if _JSON_OUT.value:
-    outputs.write_text(_JSON_OUT.value, line + "\n")
-  print(line, flush=True)
+  outputs.emit(result, _JSON_OUT.value)
 
 
 if __name__ == "__main__":

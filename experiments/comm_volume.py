@@ -36,8 +36,6 @@ from harness import jobs, outputs
 from recsys_jax.parallel import mics
 from recsys_jax.parallel.mesh import make_mesh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 VARIANTS = ["mics", "every", "naive"]
 LOSS_BYTES = 4  # the f32 loss, all-reduced over all devices once per step
 # The plot's bars: (label, variant, figure, colour).
@@ -194,7 +192,7 @@ def main(argv=None):
     dims=dims,
     compile_s=round(elapsed, 1),
     device=str(jax.devices()[0].platform),
-    png=os.path.relpath(args.png, ROOT),
+    png=os.path.relpath(args.png, outputs.ROOT),
     rows=[
       {k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "by_op"}) for k, v in row.items()}
       for row in rows

@@ -19,7 +19,7 @@ import os
 import tempfile
 
 from absl import app, flags
-from harness import outputs, processes
+from harness import jobs, outputs, processes
 
 _CONFIG = flags.DEFINE_string("config", "configs/dlrm.py", "The config every run uses.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps per run.")
@@ -51,11 +51,7 @@ def main(argv):
     mode = "sync (k=0)" if r["staleness"] == 0 else f"hybrid (k={r['staleness']})"
     ps = "in-process" if r["ps_servers"] == 0 else str(r["ps_servers"])
     print(f"| {mode} | {r['trainers']} | {ps} | {r['samples_per_sec']:,.0f} | {r['samples_per_sec'] / base:.2f} |")
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = jobs.pyplot()
   labels = ["in-process" if s == 0 else f"{w} tr x {s} PS" for k, w, s in settings if k == 0]
   fig, ax = plt.subplots(figsize=(8, 4))
   for j, k in enumerate((0, 4)):
@@ -64,8 +60,7 @@ def main(argv):
   ax.set_xticks([i + 0.2 for i in range(len(labels))], labels)
   ax.set(ylabel="samples/s", title=f"{config} on {os.cpu_count()} CPU cores, loopback")
   ax.legend()
-  fig.tight_layout()
-  outputs.save_figure(fig, _OUT_T.value + ".png", dpi=110)
+  jobs.save_plot(fig, _OUT_T.value + ".png")
   outputs.write_json(_OUT_T.value + ".json", {"config": config, "steps": steps, "rows": rows})
   print(json.dumps({f"k{r['staleness']}_{r['trainers']}x{r['ps_servers']}": round(r["samples_per_sec"]) for r in rows}))
 

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 RUNS = os.path.join("runs", "experiments")
 
 
@@ -54,3 +55,12 @@ def save_figure(fig: Any, path: str, **kwargs: Any) -> str:
   _parent(path)
   fig.savefig(path, **kwargs)
   return wrote(path)
+
+
+def emit(result: Any, path: str | None = None, mode: str = "w", sort_keys: bool = False) -> None:
+  """Prints ``result`` as one JSON line (a script's last word), written (``mode="a"``: appended) to
+  ``path`` first if given."""
+  line = json.dumps(result, sort_keys=sort_keys)
+  if path:
+    write_text(path, line + "\n", mode)
+  print(line, flush=True)

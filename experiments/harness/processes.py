@@ -14,7 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import outputs
+
+ROOT = outputs.ROOT
 
 
 def trainer(config: str, workdir: str, sets: Sequence[str], module: str = "recsys_jax.main") -> List[str]:

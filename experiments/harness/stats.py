@@ -71,9 +71,10 @@ def intervals(records: Sequence[Mapping[str, Any]], after: int = 0, upto: float 
   return out
 
 
-def per_step(ivs: Sequence[tuple], key: str) -> float:
-  """``key`` of :func:`intervals`' records averaged per step, each record weighed by its steps (NaN where one lacks it)."""
-  return sum(k * r.get(key, float("nan")) for k, r in ivs) / sum(k for k, _ in ivs)
+def per_step(ivs: Sequence[tuple], key: str, missing: float = float("nan")) -> float:
+  """``key`` of :func:`intervals`' records averaged per step, each record weighed by its steps
+  (``missing`` where one lacks it: NaN, or 0 for a count a record leaves out when it is 0)."""
+  return sum(k * r.get(key, missing) for k, r in ivs) / max(1, sum(k for k, _ in ivs))
 
 
 def fmt(x: Optional[float], spec: str, none: str = "-") -> str:
