@@ -1,7 +1,7 @@
 """The files of a checkpoint's save below orbax: its parts written and checked, a failure's cause
 in one line, and the named points of a save at which tests kill the process or fill the disk.
 
-Used by :mod:`recsys_jax.checkpoint`; the fault points do nothing unless their environment
+Used by ``recsys_jax.checkpoint``; the fault points do nothing unless their environment
 variable names them (tests/test_checkpoint.py).
 """
 

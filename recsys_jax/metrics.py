@@ -55,7 +55,7 @@ def calibration(labels: np.ndarray, probs: np.ndarray) -> float:
 
 
 def auc_float32(labels: np.ndarray, scores: np.ndarray) -> float:
-  """Exact ROC AUC of float32 scores, as :func:`auc` gives it (ties count half), about 10x faster.
+  """Exact ROC AUC of float32 scores, as ``auc`` gives it (ties count half), about 10x faster.
 
   Each (score, label) pair is packed into one int64 whose order is the score's (``score_keys``),
   so one radix sort of integers, no argsort, orders the records (``auc_of_keys``). Counts are exact integers; only the final division is floating point.
@@ -69,7 +69,7 @@ def auc_float32(labels: np.ndarray, scores: np.ndarray) -> float:
 def score_keys(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
   """int64 keys that order as the float32 scores do, with the 0/1 label in the lowest bit.
 
-  A progressive-validation window (:mod:`recsys_jax.online.progressive`) packs each batch as it
+  A progressive-validation window (``recsys_jax.online.progressive``) packs each batch as it
   arrives and keeps the keys, so a report only sorts them (``auc_of_keys``).
 
   Raises:

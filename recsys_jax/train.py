@@ -5,7 +5,7 @@ One step of data flows one way:
   -> device_put -> jitted train_step (dense update + row gradients) -> pusher thread -> PS.
 
 ``train_and_evaluate(config, workdir)`` is the whole job; ``main.py`` only parses flags. The
-parts it is assembled from live in :mod:`recsys_jax.training` (one module each); the names
+parts it is assembled from live in ``recsys_jax.training`` (one module each); the names
 below are re-exported so ``from recsys_jax import train; train.build_job(...)`` keeps working.
 """
 
@@ -36,24 +36,25 @@ from recsys_jax.training.steps import AsyncDenseState, make_eval_step, make_trai
 from recsys_jax.training.validation import dense_optimizer, validate_config
 from recsys_jax.training.writers import MetricsCallback, Progress, format_summary, read_metrics, say
 
+# The public entry points first: the API reference lists the names in this order.
 __all__ = [
-  "AsyncDenseState",
-  "HostPipeline",
-  "Job",
-  "NonFiniteLossError",
-  "Prepared",
+  "train_and_evaluate",
   "build_job",
+  "evaluate",
+  "validate_config",
+  "read_metrics",
+  "format_summary",
+  "Job",
   "build_ps",
   "build_specs",
-  "dense_optimizer",
-  "evaluate",
-  "format_summary",
-  "make_eval_step",
-  "make_train_step",
   "parse_kvstore",
-  "read_metrics",
-  "train_and_evaluate",
-  "validate_config",
+  "dense_optimizer",
+  "make_train_step",
+  "make_eval_step",
+  "AsyncDenseState",
+  "NonFiniteLossError",
+  "HostPipeline",
+  "Prepared",
 ]
 
 

@@ -1,7 +1,7 @@
 """Builds the parameter server a config asks for: in-process shards or a remote-PS client.
 
-``config.ps.kind`` picks ``local`` (:class:`~recsys_jax.async_ps.store.ps.ParameterServer`) or
-``remote`` (:class:`~recsys_jax.async_ps.client.remote.RemotePS`); both offer one interface, so
+``config.ps.kind`` picks ``local`` (``ParameterServer``) or
+``remote`` (``RemotePS``); both offer one interface, so
 the trainer cannot tell which it has. No jax here: the trainer passes in its process index
 and count.
 """

@@ -8,7 +8,7 @@ The published training file (``train``, often gzipped) starts with the header::
 then one record per line, comma-separated, never quoted. The Kaggle ``test`` file has no
 ``click`` column and is refused by the header check.
 
-Preprocessing (what :meth:`AvazuFormat.parse` returns):
+Preprocessing (what ``AvazuFormat.parse`` returns):
 
 - ``label`` = ``click`` (0 or 1); ``dense`` has no columns; ``id`` is dropped (unique per row).
 - ``hour`` (YYMMDDHH, the year being 20YY) is replaced by two categorical features:
@@ -20,15 +20,15 @@ Preprocessing (what :meth:`AvazuFormat.parse` returns):
   ``'01005'`` differ). An empty value is hashed like any other string (the empty string),
   giving one stable id per column; the published data has none.
 
-Bad records (reported to :class:`base.BadRecords` under these field names): a line without
+Bad records (reported to ``base.BadRecords`` under these field names): a line without
 exactly 24 fields (``'num_fields'``), a ``click`` other than ``0``/``1`` (``'click'``), an
 ``hour`` that is not 8 digits making a real date and an hour 00-23 (``'hour'``). A file whose
-header differs from the one above raises :class:`HeaderError` naming the file and the first
+header differs from the one above raises ``HeaderError`` naming the file and the first
 differing column, whatever the bad-record policy.
 
 A chunk whose lines are all well formed is parsed by a compiled kernel
-(:mod:`recsys_jax.data.text_kernels`, one pass, no GIL held); one with a bad line by
-:meth:`AvazuFormat.parse_numpy`, vectorised with the helpers of :mod:`recsys_jax.data.criteo`,
+(``recsys_jax.data.text_kernels``, one pass, no GIL held); one with a bad line by
+``AvazuFormat.parse_numpy``, vectorised with the helpers of ``recsys_jax.data.criteo``,
 which finds and reports them. Both give the same columns bit for bit.
 """
 
@@ -78,7 +78,7 @@ class HeaderError(ValueError):
 
 
 def check_header(path: str) -> None:
-  """Raises :class:`HeaderError` unless ``path`` starts with the Avazu header line.
+  """Raises ``HeaderError`` unless ``path`` starts with the Avazu header line.
 
   Args:
     path: an Avazu CSV file, plain or ``.gz``.
@@ -115,7 +115,7 @@ class AvazuFormat:
       chunk_records: lines per chunk (the last may be shorter).
 
     Returns:
-      An iterator of raw chunks; the first record is line 2. It raises :class:`HeaderError`
+      An iterator of raw chunks; the first record is line 2. It raises ``HeaderError``
       when iteration starts, if the header differs.
     """
     check_header(path)
@@ -146,7 +146,7 @@ class AvazuFormat:
     }
 
   def parse_numpy(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
-    """:meth:`parse` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on."""
+    """``parse`` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on."""
     lines = chunk.payload
     if not lines:
       return base.empty_columns(self.schema)

@@ -9,8 +9,8 @@ quickly) and how to parse a raw chunk into *columns*:
 
 ``sparse_weights`` holds, for a feature whose bags have variable length or per-id weights,
 the weight of each slot (0 = padding); a feature absent from it has weight 1 everywhere.
-Bad records are reported to a :class:`BadRecords`, which either raises (naming file, line and
-field) or counts them and drops the record. :mod:`recsys_jax.data.stream` turns a format and a
+Bad records are reported to a ``BadRecords``, which either raises (naming file, line and
+field) or counts them and drops the record. ``recsys_jax.data.stream`` turns a format and a
 list of files into shuffled, resumable, per-process batches.
 """
 
@@ -111,12 +111,12 @@ class BadRecords:
 
 
 Fault = Tuple[int, str, str]
-"""A bad record as a :class:`Recorder` keeps it: (line, field, why); its file is its chunk's."""
+"""A bad record as a ``Recorder`` keeps it: (line, field, why); its file is its chunk's."""
 
 
 class Recorder(BadRecords):
   """Collects the bad records of one chunk (the first ``limit``, all if None) without logging or
-  raising, to be reported later to the run's :class:`BadRecords` by :func:`replay`: a chunk parsed
+  raising, to be reported later to the run's ``BadRecords`` by ``replay``: a chunk parsed
   on a worker thread, or read back from the preprocessed cache, then counts, logs and raises
   exactly as parsing it there and then would have."""
 
@@ -188,7 +188,7 @@ def first_line(path: str) -> bytes:
 
 
 _BLOCK = 1 << 18
-"""Bytes read at a time by :func:`text_chunks` (256 KiB cut fastest: 64 KiB and 1 MiB within 10%,
+"""Bytes read at a time by ``text_chunks`` (256 KiB cut fastest: 64 KiB and 1 MiB within 10%,
 4 MiB 2x slower, each block a fresh allocation)."""
 
 
@@ -352,7 +352,7 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
 
 
 def take_records(cols: Columns, index: np.ndarray) -> Columns:
-  """Records ``index`` (an int array) of every column, the sparse ids as a :class:`Gathered`: not
+  """Records ``index`` (an int array) of every column, the sparse ids as a ``Gathered``: not
   copied out here but where they are used (the dedup reads them from ``cols``). The columns of
   ``cols`` must not change while the result is in use."""
   out = take_columns({k: v for k, v in cols.items() if k != "sparse"}, index)

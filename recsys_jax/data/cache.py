@@ -1,6 +1,6 @@
 """The preprocessed binary cache: parsed chunks of text and Parquet files, kept on disk for later epochs and runs.
 
-:class:`CachedFormat` wraps a :class:`base.Format`. It works at the granularity of the raw chunk,
+``CachedFormat`` wraps a ``base.Format``. It works at the granularity of the raw chunk,
 the unit the stream splits between processes and resumes at, so a stream reads the same records
 in the same order with the same bad-record counts through the cache as from the source, for every
 process count and reading position: a chunk is either parsed from the source, or read back from
@@ -12,9 +12,9 @@ Layout, under ``config.data.cache_dir``::
       <format key>-<source key>/        format key: the format's class, parameters, chunk_records
         source.json                       and the source of the parsing code; source key: the
         manifest.json                     file's size, mtime_ns and a hash of its first MiB
-        000000.chunk, 000001.chunk, ...   one parsed chunk each (:mod:`recsys_jax.data.chunkfile`)
+        000000.chunk, 000001.chunk, ...   one parsed chunk each (``recsys_jax.data.chunkfile``)
 
-The first pass over a source cuts it (:meth:`Format.chunks`), parses the chunks this process
+The first pass over a source cuts it (``Format.chunks``), parses the chunks this process
 takes and writes each one to its file; the process that cuts the source to its end writes the
 manifest (chunk count, first line and records of each chunk). With a valid manifest, ``chunks``
 yields references without opening the source: no line cutting, and ``parse`` reads the chunk's
@@ -197,7 +197,7 @@ class CachedFormat:
       chunk_records: records per chunk.
 
     Returns:
-      An iterator of raw chunks whose payloads :meth:`parse` reads from the cache or parses.
+      An iterator of raw chunks whose payloads ``parse`` reads from the cache or parses.
     """
     try:
       directory = self.source_dir(path, chunk_records)
@@ -229,7 +229,7 @@ class CachedFormat:
     """Reads a chunk from its cache file, or parses it (and writes the file); bad records go to ``bad``.
 
     Args:
-      chunk: a chunk from :meth:`chunks` (or a raw chunk of the inner format, parsed uncached).
+      chunk: a chunk from ``chunks`` (or a raw chunk of the inner format, parsed uncached).
       bad: the bad-record policy; it sees the same reports as when parsing the source.
 
     Returns:

@@ -1,14 +1,14 @@
 """One parsed chunk on disk: its columns as raw arrays, its bad records, and a checksum.
 
-The preprocessed cache (:mod:`recsys_jax.data.cache`) keeps each parsed raw chunk in one file::
+The preprocessed cache (``recsys_jax.data.cache``) keeps each parsed raw chunk in one file::
 
     MAGIC (8 bytes) | header length (uint32 LE) | crc32 of the header (uint32 LE) | header (JSON)
     | zero padding to a multiple of 64 | data: the arrays, each at a multiple of 64 bytes
 
 The header lists every array (name such as ``label``, ``dense``, ``sparse/C1``,
 ``sparse_weights/genres``; dtype; shape; offset in the data), the data's length and checksum,
-and the chunk's bad records: their total and the first :data:`MAX_FAULTS` of them as
-``(line, field, why)``, so that reading the chunk reports them to a :class:`base.BadRecords`
+and the chunk's bad records: their total and the first ``MAX_FAULTS`` of them as
+``(line, field, why)``, so that reading the chunk reports them to a ``base.BadRecords``
 exactly as parsing it would (same count, same first messages, same error under 'error').
 
 Raw arrays read with one ``readinto``, not Arrow IPC or ``np.memmap``: Arrow IPC reads no
@@ -75,7 +75,7 @@ def write_chunk(path: str, cols: base.Columns, faults: Sequence[Fault], bad_coun
   Args:
     path: the chunk file.
     cols: the parsed columns (``label``, ``dense``, ``sparse``, optional ``sparse_weights``).
-    faults: ``(line, field, why)`` of the chunk's first bad records (at most :data:`MAX_FAULTS` kept).
+    faults: ``(line, field, why)`` of the chunk's first bad records (at most ``MAX_FAULTS`` kept).
     bad_count: how many bad records the chunk had in all.
 
   Returns:
@@ -115,7 +115,7 @@ def write_chunk(path: str, cols: base.Columns, faults: Sequence[Fault], bad_coun
 
 
 def read_chunk(path: str, verify: bool = True, mmap: bool = False) -> Tuple[base.Columns, List[Fault], int]:
-  """Reads a chunk file written by :func:`write_chunk`.
+  """Reads a chunk file written by ``write_chunk``.
 
   Args:
     path: the chunk file.

@@ -9,9 +9,9 @@ Both publish one record per line, tab-separated, no header (Kaggle ``train.txt``
 are 8-hex-digit strings (hashes published by Criteo), possibly empty. The Kaggle ``test.txt``
 has no label column and is not read by this format.
 
-Preprocessing (what :meth:`CriteoFormat.parse` returns):
+Preprocessing (what ``CriteoFormat.parse`` returns):
 
-- ``dense[:, i] = log(1 + max(I, 0))`` (:func:`base.log1p_dense`). A missing value becomes 0,
+- ``dense[:, i] = log(1 + max(I, 0))`` (``base.log1p_dense``). A missing value becomes 0,
   the same as a value of 0 or a negative one: the model gets no separate "missing" signal for
   dense features, which is the usual DLRM/DCN preprocessing of these logs.
 - ``sparse['Cj'][:, 0] = base.hash_ints(int(value, 16), 'Cj')``: the hex string is read as an
@@ -21,15 +21,15 @@ Preprocessing (what :meth:`CriteoFormat.parse` returns):
   never equal the id of a present value of that field: ``hash_ints`` is a bijection per field
   and -1 is outside the range [0, 2**32) of 8-hex-digit values.
 
-Bad records (reported to :class:`base.BadRecords` under these field names): a line without
+Bad records (reported to ``base.BadRecords`` under these field names): a line without
 exactly ``1 + num_dense + num_categorical`` fields (``'num_fields'``), a label other than
 ``0``/``1`` (``'label'``), a dense value that is not an optionally signed decimal integer of at
 most 32 characters (``'I5'``), a categorical that is not 1 to 8 hex digits (``'C7'``). A line
 with several faults is reported once, for the first of them in that order.
 
-A chunk is parsed by a compiled kernel (:mod:`recsys_jax.data.text_kernels`: one pass over its
+A chunk is parsed by a compiled kernel (``recsys_jax.data.text_kernels``: one pass over its
 bytes, no GIL held; ``experiments/bench_readers.py`` times it against numpy) when every line in
-it is well formed; a chunk with a bad line goes to :meth:`CriteoFormat.parse_numpy`, which finds
+it is well formed; a chunk with a bad line goes to ``CriteoFormat.parse_numpy``, which finds
 and reports them. The kernel's columns are bit for bit those of ``parse_numpy``, the reference.
 """
 
@@ -47,7 +47,7 @@ from recsys_jax.hashing import name_seed, splitmix64
 _NEWLINE = 10
 _PAD = 64
 """Zero bytes before a chunk's first line, so that a word ending up to this many bytes before a
-field's end lies inside the buffer; it bounds the values :func:`hash_fields` does in bulk."""
+field's end lies inside the buffer; it bounds the values ``hash_fields`` does in bulk."""
 _MAX_DENSE_CHARS = 32
 _MAX_HEX_DIGITS = 8
 NO_FAULT = np.iinfo(np.int64).max
@@ -111,7 +111,7 @@ def split_fields(lines: Sequence[bytes], sep: bytes, num_fields: int) -> FieldSp
     num_fields: the number of fields a well-formed line has.
 
   Returns:
-    A :class:`FieldSplit`; lines with another number of fields are listed in ``bad_rows``.
+    A ``FieldSplit``; lines with another number of fields are listed in ``bad_rows``.
   """
   n = len(lines)
   text = np.frombuffer(b"\n".join(lines), np.uint8)
@@ -341,7 +341,7 @@ class CriteoFormat:
     self._cat_seeds = np.asarray([name_seed(name) for name in self.cat_names], np.uint64)
 
   def cache_params(self) -> Dict[str, int]:
-    """What the parsed columns depend on besides the code (for :mod:`recsys_jax.data.cache`)."""
+    """What the parsed columns depend on besides the code (for ``recsys_jax.data.cache``)."""
     return {"num_dense": self.num_dense, "num_categorical": self.num_categorical}
 
   def chunks(self, path: str, chunk_records: int) -> Iterator[base.RawChunk]:
@@ -381,14 +381,14 @@ class CriteoFormat:
     }
 
   def parse_numpy(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
-    """:meth:`parse` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on.
+    """``parse`` with numpy alone: the path for chunks with bad lines, and the reference the kernel is tested on.
 
     Vectorised over the chunk: the lines are joined into one byte buffer, the delimiters located
     once, and the last 8 bytes of every field read as one big-endian uint64 (an unaligned strided
     view of the buffer), which is checked and decoded 8 characters at a time with SWAR ("SIMD
     within a register") arithmetic; the rare longer dense values are decoded one by one. The
-    helpers (:func:`split_fields`, :func:`field_words`, :func:`hash_fields`, :func:`first_fault`,
-    :func:`report_faults`) are shared with :mod:`recsys_jax.data.avazu`.
+    helpers (``split_fields``, ``field_words``, ``hash_fields``, ``first_fault``,
+    ``report_faults``) are shared with ``recsys_jax.data.avazu``.
     """
     lines = chunk.payload
     if not lines:

@@ -1,6 +1,6 @@
 """CSV lines of the generic tabular reader as fields: decoding, splitting, numbers.
 
-Records are single physical lines (see :mod:`recsys_jax.data.tabular`): a line that is not
+Records are single physical lines (see ``recsys_jax.data.tabular``): a line that is not
 UTF-8, does not split, leaves a quote open or holds a field longer than ``MAX_FIELD_CHARS`` is a
 fault of that line alone.
 """

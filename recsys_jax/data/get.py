@@ -4,7 +4,7 @@
 
 downloads GroupLens' ml-latest-small archive, checks it and unpacks it into
 ``DIR/movielens-latest-small`` (default ``DIR``: ``$RECSYS_JAX_DATA``, else ``./data``). A config
-whose ``data.path`` is '' finds it there (:func:`find_movielens`); any other directory holding
+whose ``data.path`` is '' finds it there (``find_movielens``); any other directory holding
 ``ratings.csv`` and ``movies.csv`` works with ``--config.data.path=DIR``.
 
 The data set's licence (research use, no commercial use, redistribution only under the same
@@ -69,7 +69,7 @@ def is_movielens(directory: str) -> bool:
 
 def find_movielens(path: str = "") -> str:
   """The MovieLens directory to read: ``path`` itself (any directory: the reader names a file missing in it), or
-  for '' the first of :func:`data_roots` holding ratings.csv and movies.csv.
+  for '' the first of ``data_roots`` holding ratings.csv and movies.csv.
 
   Raises:
     DataNotFound: one line naming what was tried and the command that gets the data.

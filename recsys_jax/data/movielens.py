@@ -1,6 +1,6 @@
 """MovieLens ratings as click-through records: user, movie, genres and the user's earlier movies.
 
-:class:`MovieLensFormat` reads a MovieLens directory (``ratings.csv``: userId,movieId,rating,timestamp;
+``MovieLensFormat`` reads a MovieLens directory (``ratings.csv``: userId,movieId,rating,timestamp;
 ``movies.csv``: movieId,title,genres, e.g. ``ml-latest-small``) once, in memory, and serves one
 record per rating, labelled ``rating >= 4``. The records are sorted by (timestamp, userId, movieId)
 and split in time, so evaluation asks about the future of what training saw: with
@@ -225,7 +225,7 @@ class MovieLensFormat:
     """The chunk's columns (a copy: callers may write to them); bad lines went to the loader's ``bad``.
 
     Args:
-      chunk: a raw chunk from :meth:`chunks`.
+      chunk: a raw chunk from ``chunks``.
       bad: unused; malformed lines were reported when the files were loaded.
 
     Returns:

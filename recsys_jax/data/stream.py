@@ -4,7 +4,7 @@ Order of one epoch, for a process ``i`` of ``P``:
 
 1. the sources, permuted by ``(seed, epoch)`` (in the given order without ``shuffle``);
 2. each source cut into raw chunks of ``chunk_records`` consecutive records
-   (:meth:`Format.chunks`); the chunks of all sources in a row are numbered ``g = 0, 1, ...``
+   (``Format.chunks``); the chunks of all sources in a row are numbered ``g = 0, 1, ...``
    and process ``i`` takes those with ``g % P == i`` (a split per process: disjoint, and
    together the whole epoch);
 3. the process's chunks grouped in *windows* of ``window_chunks`` consecutive chunks; the
@@ -21,7 +21,7 @@ the skipped-record count as it stood at the start of that window, so nothing is 
 
 With an ``executor`` (the trainer's host worker threads), chunks are parsed on it up to one
 window ahead of the window being read, across epoch boundaries, each with its own
-:class:`base.Recorder`; the stream reports their bad records in chunk order as it reaches
+``base.Recorder``; the stream reports their bad records in chunk order as it reaches
 them, so batches, positions and bad-record counts, messages and errors are the same as
 without one, for any number of workers. Memory is then about three windows.
 """
@@ -62,7 +62,7 @@ class Stream:
     epochs: epochs to read (None: forever); the last batch of the last epoch may be short.
     executor: a ``concurrent.futures`` executor to parse chunks ahead on (None: parse each
       window when it is reached, on the reading thread).
-    times: a :class:`recsys_jax.training.stage_times.StageTimes` (or anything with its
+    times: a ``recsys_jax.training.stage_times.StageTimes`` (or anything with its
       ``time(stage)``) that times each chunk's parse as ``parse``; None: not timed.
   """
 

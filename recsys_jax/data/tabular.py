@@ -1,8 +1,8 @@
 """Generic CSV and Parquet click logs: declared columns become a label, dense and sparse features.
 
-:class:`TabularFormat` reads files whose columns are named (a CSV header line, or the Parquet
+``TabularFormat`` reads files whose columns are named (a CSV header line, or the Parquet
 schema) and turns the columns the config declares into the reader contract of
-:mod:`recsys_jax.data.base`: a binary label, dense features (log1p or raw), one-hot categorical
+``recsys_jax.data.base``: a binary label, dense features (log1p or raw), one-hot categorical
 features, multi-hot bags (kind ``'pooled'``) and ordered sequences (kind ``'sequence'``).
 
 Values are hashed through their text form (``hash_strings`` of the string), so the integer 123 in
@@ -11,7 +11,7 @@ the field's own missing id (the hash of the empty string).
 
 CSV records are single physical lines (so that line numbers stay exact and a file can be cut into
 chunks without parsing): a quoted field may hold the delimiter and doubled quotes, as in Python's
-:mod:`csv` module, but not a newline; a line that leaves a quote open is reported as a bad record
+``csv`` module, but not a newline; a line that leaves a quote open is reported as a bad record
 and the lines after it are read as records of their own.
 """
 
@@ -63,7 +63,7 @@ class TabularFormat:
   order. Both are padded at the end with weight 0; empty tokens (``a||b``, a trailing separator) are
   dropped, so an empty value is an empty bag. A fourth element of a multi-hot or sequence spec
   names a table the feature shares (e.g. a history of items and the ``item`` column): its ids are
-  then hashed as that table's field's, and its :class:`~recsys_jax.data.base.FeatureInfo` reads it.
+  then hashed as that table's field's, and its ``FeatureInfo`` reads it.
   """
 
   def __init__(
@@ -119,7 +119,7 @@ class TabularFormat:
     self._layouts: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
 
   def cache_params(self) -> Dict[str, Any]:
-    """What the parsed columns depend on besides the code (for :mod:`recsys_jax.data.cache`)."""
+    """What the parsed columns depend on besides the code (for ``recsys_jax.data.cache``)."""
     return {
       "file_type": self.file_type,
       "label": self.label,
@@ -220,11 +220,11 @@ class TabularFormat:
     """Parses a raw chunk into columns; bad records go to ``bad`` and are dropped.
 
     Args:
-      chunk: a raw chunk from :meth:`chunks`.
+      chunk: a raw chunk from ``chunks``.
       bad: the bad-record policy (raises on the first bad record under ``'error'``).
 
     Returns:
-      Columns as :mod:`recsys_jax.data.base` defines them, in record order, bad records left out.
+      Columns as ``recsys_jax.data.base`` defines them, in record order, bad records left out.
     """
     if self.file_type == "csv":
       lines, values, faults = self._csv_values(chunk)

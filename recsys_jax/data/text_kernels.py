@@ -1,6 +1,6 @@
 """Compiled one-pass parsing of well-formed Criteo and Avazu chunks: the fast path of their ``parse``.
 
-:func:`criteo_columns` and :func:`avazu_columns` walk a chunk's joined bytes once, byte by byte,
+``criteo_columns`` and ``avazu_columns`` walk a chunk's joined bytes once, byte by byte,
 decoding and hashing each field as they go. They are compiled with numba (``nogil``, cached in
 ``__pycache__``, compiled on the first call), so host worker threads parse chunks side by side;
 the numpy path (``parse_numpy``, kept as the reference) holds the GIL between its many small

@@ -7,7 +7,7 @@ grid (four sizes per octave). The jitted step receives that array and an ``inver
 batch a run compiles once or twice per group.
 
 The distinct ids of a table and each id's place among them are found by a compiled kernel
-(:func:`unique_inverse`: one pass through a hash table, then a sort of the distinct ids only),
+(``unique_inverse``: one pass through a hash table, then a sort of the distinct ids only),
 which gives exactly ``np.unique(ids, return_inverse=True)`` at a fraction of its cost (most
 tables see far fewer distinct ids than ids) and drops the GIL, so batches can be
 deduplicated on several threads at once (``recsys_jax/training/feed.py``).
@@ -126,7 +126,7 @@ def _dedup_own_tables(ids_list, index, bounds, gathered, inverse, hints, slots, 
   L]); returns each table's sorted distinct ids and the last generation used.
 
   The ids of feature ``t`` are ``ids_list[t]`` (uint64 [B, L], contiguous), or with ``gathered``,
-  the records of pieces (a :class:`Gathered`'s): piece ``p``'s are ``index[bounds[p]:bounds[p +
+  the records of pieces (a ``Gathered``'s): piece ``p``'s are ``index[bounds[p]:bounds[p +
   1]]`` of ``ids_list[p * T + t]`` (uint64 [W, L]: a shuffle window's column). Those are copied
   into ``buf`` (uint64 [>= B * L]) first, the rows a few records ahead prefetched: read where the
   table's dedup reads them next, in cache, rather than gathered on another thread for every
@@ -245,14 +245,14 @@ def dedup_own_tables(
 
   Args:
     sparse: feature name -> uint64 ids [B, L] (one L for all the features named); a
-      :class:`Gathered` is read from its pieces' sources, not gathered first.
+      ``Gathered`` is read from its pieces' sources, not gathered first.
     names: the features, in the order of the inverse's F axis (and of their tables' rows).
     key: names the group (its tables), so that its hash tables are sized from its last batch's
       distinct ids (None: not remembered).
 
   Returns:
     ``(each table's sorted distinct ids, the inverse int32 [B, F, L])``: table ``t``'s rows follow
-    those of the tables before it, as in :func:`dedup`.
+    those of the tables before it, as in ``dedup``.
   """
   gathered = isinstance(sparse, Gathered)
 
@@ -348,7 +348,7 @@ def dedup(
 
   Args:
     sparse: feature name -> uint64 ids [B, L] with L <= the feature's ``max_len``; a
-      :class:`Gathered` is read where its records are, not gathered first, where it can be.
+      ``Gathered`` is read where its records are, not gathered first, where it can be.
     features: the feature specs, in model order.
     tables: table specs by name.
     sparse_weights: optional feature name -> float32 [B, L]; 0 marks padding.

@@ -5,9 +5,9 @@ ids of a feature are ``window[feature][index]`` (or, for a batch that spans two 
 the first window's then the second's). Copying them out for every feature on the reading thread
 (26 random gathers of 65,536 ids at Criteo's shape, 14 ms a batch on a busy machine, one thread
 for all batches) and deduplicating them later on a worker reads every id twice, the second time
-from memory. :class:`Gathered` keeps the windows and the indices instead: the dedup reads each
+from memory. ``Gathered`` keeps the windows and the indices instead: the dedup reads each
 feature's ids straight from the windows, on the worker, table by table
-(:func:`recsys_jax.embeddings.dedup.dedup`), and anything else that asks for a feature's ids
+(``recsys_jax.embeddings.dedup.dedup``), and anything else that asks for a feature's ids
 gets the gathered array (made once, then kept).
 """
 

@@ -1,18 +1,18 @@
 """The hot set: which ids of which tables live on the device, in which slot (host bookkeeping).
 
-Each row-width group of tables (the groups of :mod:`recsys_jax.embeddings.dedup`) has a fixed
+Each row-width group of tables (the groups of ``recsys_jax.embeddings.dedup``) has a fixed
 number of device slots, its capacity: a static shape, so the jitted step compiles once. The
 tables of a group share its slots, so a table gets as many as its ids earn by frequency: the
 budget is split across tables by measured access, without per-table tuning (``choose``).
 
-For a step, :meth:`HotSet.split` turns a deduplicated group into its cold part (the rows the
+For a step, ``HotSet.split`` turns a deduplicated group into its cold part (the rows the
 parameter server looks up, laid end to end as without a hot set) and the hot slots the step
 touches. The step gathers ``concat(cold rows, hot_table[hot_idx])`` and the remapped inverse
 indexes it: entry ``i < bucket`` is cold row ``i``, entry ``bucket + j`` is hot slot
 ``hot_idx[j]``. So hot rows never travel host -> device; only their slot numbers do (4 bytes
 instead of 4 * dim).
 
-Nothing here touches a device or the PS: :mod:`recsys_jax.training.hot_rows` does.
+Nothing here touches a device or the PS: ``recsys_jax.training.hot_rows`` does.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class HotSet:
     self._ids, self._slots, self._used = ids_of, slots_of, used
 
   def plan(self, chosen: Mapping[str, np.ndarray]) -> Swap:
-    """The moves that make ``chosen`` (table -> ids, as :func:`choose` gives) the hot set.
+    """The moves that make ``chosen`` (table -> ids, as ``choose`` gives) the hot set.
 
     Rows that stay keep their slots; leaving rows free theirs; arriving rows take the lowest
     free slots, tables in group order, ids ascending (the same on every process).

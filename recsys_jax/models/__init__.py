@@ -10,7 +10,7 @@ embeddings, sequences=None)`` and returns float32 logits [B]; none of them sees 
 - ``sequences``: None, or feature name -> (float32 [B, L, D], bool mask [B, L], True at real
   items). DIN attends over its ``history``; everything else (and every other model) treats a
   sequence as one more pooled feature of the same name, its masked mean
-  (:func:`~recsys_jax.models.layers.pool_sequences`).
+  (``pool_sequences``).
 
 Models with the class attribute ``linear_terms = True`` (DeepFM, Wide & Deep) also need a
 per-id scalar weight per pooled feature ``f``: the trainer adds a dim-1 feature
@@ -24,9 +24,9 @@ from ``config.model.kwargs``.
 
 The convention: the model named ``x`` is the module ``recsys_jax.models.x``, whose module-level
 ``MODEL`` is its class; a module without ``MODEL`` (``layers``) is a helper, not a model. Nothing
-lists the models by hand: :func:`names` scans the package (and the directories in the environment
-variable ``RECSYS_JAX_MODELS_PATH``, for models kept outside it), :func:`get` imports one, and
-:func:`arguments` reads its constructor arguments from its dataclass fields. docs/models.md shows
+lists the models by hand: ``names`` scans the package (and the directories in the environment
+variable ``RECSYS_JAX_MODELS_PATH``, for models kept outside it), ``get`` imports one, and
+``arguments`` reads its constructor arguments from its dataclass fields. docs/models.md shows
 a model added as one module plus one config.
 """
 
@@ -41,14 +41,15 @@ import flax.linen as nn
 
 from recsys_jax.models.layers import LINEAR_SUFFIX, MLP, pool_sequences, split_linear
 
+# The public entry points first: the API reference lists the names in this order.
 __all__ = [
-  "LINEAR_SUFFIX",
-  "MLP",
-  "PATH_VARIABLE",
-  "Argument",
-  "arguments",
   "get",
   "names",
+  "arguments",
+  "Argument",
+  "PATH_VARIABLE",
+  "LINEAR_SUFFIX",
+  "MLP",
   "pool_sequences",
   "split_linear",
 ]
@@ -108,7 +109,7 @@ def arguments(name: str) -> Dict[str, Argument]:
   dataclass fields, less flax's own ``parent`` and ``name``, in declaration order.
 
   Raises:
-    ValueError: ``name`` is no model (as :func:`get`).
+    ValueError: ``name`` is no model (as ``get``).
   """
   cls = get(name)
   hints = typing.get_type_hints(cls)

@@ -139,7 +139,7 @@ def linear_inputs(
     sequences: the model's ``sequences`` argument.
 
   Returns:
-    (main, linear) as :func:`split_linear`, sequences pooled.
+    (main, linear) as ``split_linear``, sequences pooled.
 
   Raises:
     ValueError: if a pooled feature has no linear term, or a linear term has no feature.

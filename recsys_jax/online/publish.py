@@ -1,7 +1,7 @@
 """Publishing fresh rows and dense parameters for the model server, between checkpoints.
 
 Every ``config.publish_every_s`` seconds the training loop hands the publisher one cut, taken as a
-checkpoint takes its own (:meth:`recsys_jax.training.run_checkpoints.RunCheckpoints.save`): the
+checkpoint takes its own (``recsys_jax.training.run_checkpoints.RunCheckpoints.save``): the
 lookups of later steps are held (``StalenessGate.hold``), the pushes of every step up to the cut
 are applied (``Pusher.flush``). The rows of every id touched since the previous publish (the ids
 each step pushed, and the hot rows each step trained on the device, by their slots) are then read: the cold ones
@@ -11,7 +11,7 @@ table's storage dtype as a write-back into the PS would round them (the PS is no
 write-back imports every hot row with its slots, most of a publish's cost). Then the lookups go
 on; the rows are written to disk by a background thread. Every ``config.publish_dense_every_s``
 seconds the cut also carries the dense parameters. The files and their index are
-:mod:`recsys_jax.async_ps.snapshot.published`.
+``recsys_jax.async_ps.snapshot.published``.
 
 The set of ids touched is the publisher's own, apart from the PS's change tracking, which
 belongs to the checkpoints' incremental snapshots (a publish changes nothing they write).

@@ -1,8 +1,8 @@
 """Counting the collectives of a compiled module, inside and across partition groups.
 
-:func:`collectives` and :func:`comm_volume` read a compiled module's HLO text and count the
+``collectives`` and ``comm_volume`` read a compiled module's HLO text and count the
 bytes of its collectives per device, inside and across groups, to check the figures of
-:mod:`recsys_jax.parallel.mics_sync`. Analysis, not training: the tests and
+``recsys_jax.parallel.mics_sync``. Analysis, not training: the tests and
 ``experiments/comm_volume.py`` use it, the trainer does not.
 """
 
@@ -275,7 +275,7 @@ def collectives(hlo_text: str, mesh: Mesh, group_axis: str = GROUP_AXIS) -> list
     group_axis: the axis of the partition group.
 
   Returns:
-    A list of :class:`Collective`.
+    A list of ``Collective``.
   """
   comps: dict = {}
   entry, current = None, None

@@ -2,11 +2,11 @@
 
 Split by job; this module re-exports the names its callers use:
 
-- :mod:`recsys_jax.parallel.mics_layout`: the mesh axes, and parameters and optimizer state
+- ``recsys_jax.parallel.mics_layout``: the mesh axes, and parameters and optimizer state
   sharded inside a partition group (``fsdp``) and replicated across groups (``replica``);
-- :mod:`recsys_jax.parallel.mics_sync`: the 2-hop gradient sync with micro-step accumulation,
+- ``recsys_jax.parallel.mics_sync``: the 2-hop gradient sync with micro-step accumulation,
   and a self-contained optimizer step on the flat layout;
-- :mod:`recsys_jax.parallel.hlo_collectives`: the collectives of a compiled module and the
+- ``recsys_jax.parallel.hlo_collectives``: the collectives of a compiled module and the
   bytes they move inside and across groups (analysis, for the tests and experiments).
 
 The dense optimizer state's host offload (``config.optimizer.state_memory='pinned_host'``) is

@@ -1,20 +1,20 @@
 """MiCS (Zhang et al., VLDB 2023) layout: parameters sharded inside small groups, replicated across them.
 
-The mesh of :mod:`recsys_jax.parallel.mesh` has axes ``('replica', 'fsdp')``. Dense parameters
+The mesh of ``recsys_jax.parallel.mesh`` has axes ``('replica', 'fsdp')``. Dense parameters
 and their optimizer state are sharded only inside a *partition group* of ``p`` devices (the
 ``fsdp`` axis) and replicated across the ``r = N / p`` groups (the ``replica`` axis). The batch
-is split over both axes (:data:`DATA_SPEC`).
+is split over both axes (``DATA_SPEC``).
 
 Two layouts. The trainer keeps parameters in their own shapes, each sharded along the
-dimension its ``PartitionSpec`` names (:func:`group_dims`; the trainer gets the specs from the
+dimension its ``PartitionSpec`` names (``group_dims``; the trainer gets the specs from the
 logical axis rules, so its state and checkpoints keep the model's shapes) or replicated in the
 group when that does not divide. The flat layout, for the tests and
 ``experiments/comm_volume.py``: every parameter leaf is flattened to 1-D and zero-padded to a
-multiple of ``p`` (:class:`MiCSLayout`), so any shape is shardable and the pytree structure is
+multiple of ``p`` (``MiCSLayout``), so any shape is shardable and the pytree structure is
 kept (optax masks and labels still apply). The padding gets zero gradients and stays zero
 under the elementwise optimizers.
 
-The gradient sync that runs on these shards is :mod:`recsys_jax.parallel.mics_sync`.
+The gradient sync that runs on these shards is ``recsys_jax.parallel.mics_sync``.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class MiCSLayout:
     return jax.tree.unflatten(self.treedef, out)
 
   def unpack(self, vectors):
-    """Inverse of :meth:`pack`: drops the padding and restores the shapes (traceable).
+    """Inverse of ``pack``: drops the padding and restores the shapes (traceable).
 
     Args:
       vectors: the pytree of full (gathered) padded 1-D vectors.
@@ -140,8 +140,8 @@ def shard_params(params, mesh: Mesh):
     mesh: a mesh with axes ``('replica', 'fsdp')``.
 
   Returns:
-    ``(shards, layout)``: the padded 1-D vectors placed with :func:`shard_sharding`, and the
-    :class:`MiCSLayout` that maps them back.
+    ``(shards, layout)``: the padded 1-D vectors placed with ``shard_sharding``, and the
+    ``MiCSLayout`` that maps them back.
   """
   layout = MiCSLayout.from_params(params, mesh.shape[GROUP_AXIS])
   params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -154,7 +154,7 @@ def gather_params(shards, layout: MiCSLayout, mesh: Optional[Mesh] = None):
 
   Args:
     shards: the padded 1-D vectors (e.g. the step's new parameters).
-    layout: their :class:`MiCSLayout`.
+    layout: their ``MiCSLayout``.
     mesh: if given, the result is replicated over it; else jit's default placement.
 
   Returns:
@@ -172,7 +172,7 @@ def opt_state_specs(tx: optax.GradientTransformation, layout: MiCSLayout):
 
   Args:
     tx: the optax transformation.
-    layout: the parameters' :class:`MiCSLayout`.
+    layout: the parameters' ``MiCSLayout``.
 
   Returns:
     A pytree of ``PartitionSpec`` matching ``tx.init``'s output.
@@ -183,12 +183,12 @@ def opt_state_specs(tx: optax.GradientTransformation, layout: MiCSLayout):
 
 
 def init_opt_state(tx: optax.GradientTransformation, shards, layout: MiCSLayout, mesh: Mesh):
-  """``tx.init`` on the shards, placed as :func:`opt_state_specs` says.
+  """``tx.init`` on the shards, placed as ``opt_state_specs`` says.
 
   Args:
     tx: the optax transformation.
-    shards: the parameter shards from :func:`shard_params`.
-    layout: their :class:`MiCSLayout`.
+    shards: the parameter shards from ``shard_params``.
+    layout: their ``MiCSLayout``.
     mesh: the mesh.
 
   Returns:

@@ -1,8 +1,8 @@
 """The MiCS gradient sync: micro-step accumulation inside a group, one all-reduce across groups.
 
-Parameters and optimizer state are laid out as :mod:`recsys_jax.parallel.mics_layout` says
+Parameters and optimizer state are laid out as ``recsys_jax.parallel.mics_layout`` says
 (sharded over ``fsdp``, replicated over ``replica``). One optimizer step of
-:func:`make_mics_step` runs, per device:
+``make_mics_step`` runs, per device:
 
 1. all-gather the parameter shards inside the group (``fsdp``);
 2. for each of ``micro_steps`` micro-batches: gradients of ``loss_fn`` on the full parameters,
@@ -20,11 +20,11 @@ the gradient's transpose inserts an all-reduce over ``replica`` into every micro
 ``jit`` with gradient accumulation does too). ``vary_over_replica=False`` builds that naive
 variant, for tests and the communication experiment.
 
-Two ways in. :func:`accumulate_gradients` is the sync itself, called inside a ``shard_map``
+Two ways in. ``accumulate_gradients`` is the sync itself, called inside a ``shard_map``
 on parameters in their own shapes, sharded as
-:func:`~recsys_jax.parallel.mics_layout.group_dims` says; it also sums the gradients of inputs
-replicated on every device (the trainer's embedding rows) once per step. :func:`make_mics_step`
-is a self-contained step on the flat :class:`~recsys_jax.parallel.mics_layout.MiCSLayout`, for
+``group_dims`` says; it also sums the gradients of inputs
+replicated on every device (the trainer's embedding rows) once per step. ``make_mics_step``
+is a self-contained step on the flat ``MiCSLayout``, for
 the tests and ``experiments/comm_volume.py``.
 
 Gradients accumulate in the parameters' dtype. ``tx`` must be elementwise (sgd, momentum, adam(w), adagrad, rmsprop, lion, ...):
@@ -52,7 +52,7 @@ Bytes per device and optimizer step (``M`` = parameter bytes, ``s`` = micro-step
 
 plus a 4-byte all-reduce of the loss over all devices.
 
-:mod:`recsys_jax.parallel.hlo_collectives` counts the bytes of a compiled step's collectives,
+``recsys_jax.parallel.hlo_collectives`` counts the bytes of a compiled step's collectives,
 to check those figures.
 """
 
@@ -94,7 +94,7 @@ def accumulate_gradients(
     loss_fn: ``loss_fn(full_params, extras, micro_batch) -> scalar`` mean loss of a micro-batch.
     params: the device's local parameters: shards over ``fsdp`` where ``dims`` names a
       dimension, else the full leaf; replica-invariant.
-    dims: :func:`group_dims` of the parameters' specs.
+    dims: ``group_dims`` of the parameters' specs.
     micro_batches: this device's part of the batch, each leaf with a leading micro-step axis.
     extras: other differentiated inputs (e.g. the embedding rows of the step's unique ids), or
       None: replicated on every device (``extras_replicated``), their gradients summed over all
@@ -182,7 +182,7 @@ def make_mics_step(
   vary_over_replica: bool = True,
   donate: bool = True,
 ):
-  """Builds the jitted MiCS optimizer step on the flat :class:`MiCSLayout`.
+  """Builds the jitted MiCS optimizer step on the flat ``MiCSLayout``.
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch) -> scalar``, the *mean* loss over the micro-batch,
@@ -190,7 +190,7 @@ def make_mics_step(
     tx: an elementwise optax transformation (see the module docstring).
     mesh: a mesh with axes ``('replica', 'fsdp')``; ``mesh.shape['fsdp']`` must equal
       ``layout.group_size``.
-    layout: the :class:`MiCSLayout` of the parameter shards.
+    layout: the ``MiCSLayout`` of the parameter shards.
     micro_steps: micro-batches per optimizer step (gradient accumulation).
     gather_every_micro_step: all-gather the parameters in every micro-step (ZeRO-3/MiCS
       style) instead of once per optimizer step before the micro-step loop.
@@ -202,7 +202,7 @@ def make_mics_step(
   Returns:
     ``step(shards, opt_state, batch) -> (new_shards, new_opt_state, metrics)``, jitted.
     ``batch`` is a pytree of arrays whose leading axis is the global batch, split over
-    ``('replica', 'fsdp')`` (:data:`DATA_SPEC`); its size must be a multiple of
+    ``('replica', 'fsdp')`` (``DATA_SPEC``); its size must be a multiple of
     ``num_devices * micro_steps``. ``metrics['loss']`` is the mean loss over the global batch
     (before the update).
   """

@@ -7,7 +7,7 @@ is compiled once per (batch bucket, rows bucket) and never per request. The forw
 only rows of real ids and each record's score depends on that record alone (the models here
 have no batch statistics at inference), so the padding changes no score; the tests check it.
 
-The dedup is the trainer's (:func:`recsys_jax.embeddings.dedup.dedup`), so the rows array and
+The dedup is the trainer's (``recsys_jax.embeddings.dedup.dedup``), so the rows array and
 inverse index have the layout the training eval step reads.
 """
 
@@ -44,7 +44,7 @@ class _Dim:
 @dataclasses.dataclass(frozen=True)
 class LoadedCheckpoint:
   """A checkpoint of a training run, loaded for serving (``scorer.load_scorer``): what the
-  :class:`BatchScorer` built from it receives, for what comes after the load (exporting an
+  ``BatchScorer`` built from it receives, for what comes after the load (exporting an
   artifact, following published deltas, reporting)."""
 
   workdir: str
@@ -84,7 +84,7 @@ class Encoded:
 
 
 class BatchScorer:
-  """A ``Scorer`` (:mod:`recsys_jax.serving.api`) from its parts; immutable once built.
+  """A ``Scorer`` (``recsys_jax.serving.api``) from its parts; immutable once built.
 
   Args:
     version: e.g. ``"step-200"``.
@@ -92,7 +92,7 @@ class BatchScorer:
     features: the feature specs in model order (linear-term features included).
     table_dims: table name -> row width.
     aliases: feature -> the feature whose ids it reads (models with first-order terms).
-    rows: a :class:`recsys_jax.serving.rows.snapshot_rows.SnapshotRows` (``lookup_many``).
+    rows: a ``recsys_jax.serving.rows.snapshot_rows.SnapshotRows`` (``lookup_many``).
     forward: ``(rows: {str(dim): [U, dim]}, batch: {"dense", "inverse", "weights"}) -> logits [B]``.
     max_batch: the most records one ``predict`` call pads to (a power of two); more are split.
     checkpoint: the training checkpoint it was loaded from (``scorer.load_scorer``); None for an
@@ -102,7 +102,7 @@ class BatchScorer:
     traces: compilations of its forward so far, by kind (``"eval"``), a dict the forward updates.
 
   A version derived from it (``derive``) may change these and what the fresh-rows follower keeps
-  (:mod:`recsys_jax.serving.fresh`): ``base``, the checkpoint's scorer its rows build on, and
+  (``recsys_jax.serving.fresh``): ``base``, the checkpoint's scorer its rows build on, and
   ``last_seq``, the last delta applied.
   """
 

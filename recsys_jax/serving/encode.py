@@ -11,14 +11,14 @@ the two record by record).
 
 - ``criteo``: ``I1``..``I13`` an int or a decimal string, ``C1``..``C26`` a hex string (``""`` or
   null: missing); each record becomes one TSV line (label 0) parsed by
-  :class:`recsys_jax.data.criteo.CriteoFormat`.
+  ``recsys_jax.data.criteo.CriteoFormat``.
 - ``avazu``: every column of the file but ``id`` and ``click``, strings (ints accepted and
   written in decimal; null: the empty field); one CSV line each, parsed by
-  :class:`recsys_jax.data.avazu.AvazuFormat`.
+  ``recsys_jax.data.avazu.AvazuFormat``.
 - ``csv`` / ``parquet``: the declared dense columns (number, numeric string, or null), categorical
   columns (string or int, or null) and bag columns (a list of strings/ints, or one string holding
   the separator as in the CSV, or null: an empty bag); the records become an Arrow table parsed by the same
-  :class:`recsys_jax.data.tabular.TabularFormat` (its Parquet path: a CSV value and the same value
+  ``recsys_jax.data.tabular.TabularFormat`` (its Parquet path: a CSV value and the same value
   in Parquet give one id, so both file types are served the same way).
 - ``synthetic``: ``dense_00``.. floats (the model's inputs as the generator makes them) and
   ``cat_00``.. uint64 ids (an int, or a list of 1..max_len ints for a multi-hot field); the
@@ -26,7 +26,7 @@ the two record by record).
 - ``movielens`` is refused: its features (the user's earlier ratings) are built from the
   whole ratings history, not from one record.
 
-A record the parser rejects raises :class:`RequestError` with the parser's reason and field.
+A record the parser rejects raises ``RequestError`` with the parser's reason and field.
 """
 
 from __future__ import annotations

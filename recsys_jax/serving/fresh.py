@@ -1,12 +1,12 @@
 """Fresh rows without reloads: the model server applies the trainer's row deltas between batches.
 
-The trainer publishes (:mod:`recsys_jax.online.publish`) the rows touched since its previous
+The trainer publishes (``recsys_jax.online.publish``) the rows touched since its previous
 publish every second or so, and its dense parameters less often, into a publish directory with an
-index (:mod:`recsys_jax.async_ps.snapshot.published`). :class:`FreshModelHolder` serves a
+index (``recsys_jax.async_ps.snapshot.published``). ``FreshModelHolder`` serves a
 checkpoint (its *base*, loaded as ``ModelHolder`` loads one) with those deltas over it: every
 ``every_s`` seconds it reads the index, reads the deltas that continue the line of the rows it
 serves (each checked against the CRC32s of the index and of its manifest) into a new
-:class:`OverlayRows` (the base's rows, with the newest delta row of each id over them), and swaps
+``OverlayRows`` (the base's rows, with the newest delta row of each id over them), and swaps
 in a new version that shares everything else with the old one, in one assignment. A batch takes
 the version once, so its scores, its ``row_version`` (the step of the newest delta applied) and its
 ``dense_version`` (the step of the dense parameters) come from one consistent state. Nothing is

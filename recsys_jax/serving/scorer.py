@@ -2,12 +2,12 @@
 
 ``load_scorer(workdir)`` rebuilds what the run was built from (``<workdir>/config.json``:
 reader schema, table and feature specs, the model), restores the dense parameters of a
-checkpoint through orbax (checked against their CRC32s, :meth:`Checkpointer.read_dense`), and
+checkpoint through orbax (checked against their CRC32s, ``Checkpointer.read_dense``), and
 serves the tables from the checkpoint's PS snapshot chain on demand
-(:class:`recsys_jax.serving.rows.snapshot_rows.SnapshotRows`), from files the version holds for as
-long as it lives (:mod:`recsys_jax.serving.rows.held`: hard links under ``<workdir>/serving_held``,
+(``recsys_jax.serving.rows.snapshot_rows.SnapshotRows``), from files the version holds for as
+long as it lives (``recsys_jax.serving.rows.held``: hard links under ``<workdir>/serving_held``,
 so the trainer's rotation deleting the chain changes nothing it reads). The forward is the training eval step
-(:func:`recsys_jax.training.steps.make_eval_step`), jitted, so scores cannot drift from the
+(``recsys_jax.training.steps.make_eval_step``), jitted, so scores cannot drift from the
 trainer's evaluation. Nothing the trainer wrote is changed, moved or deleted.
 
 ``newest_step(workdir)`` is cheap (a directory listing and a few small JSON files): the front
@@ -182,8 +182,8 @@ def load_scorer(
     verify: check every snapshot array's CRC32 at load (one pass over the chain, one part in RAM).
 
   Returns:
-    A :class:`recsys_jax.serving.batching.BatchScorer` (``version`` ``"step-<step>"``) whose
-    ``checkpoint`` (:class:`recsys_jax.serving.batching.LoadedCheckpoint`) says what it was loaded
+    A ``recsys_jax.serving.batching.BatchScorer`` (``version`` ``"step-<step>"``) whose
+    ``checkpoint`` (``recsys_jax.serving.batching.LoadedCheckpoint``) says what it was loaded
     from, and ``traces`` its forward compilations so far.
 
   Raises:

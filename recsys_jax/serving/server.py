@@ -71,7 +71,7 @@ class Serving:
   Args:
     workdir: the training run's directory.
     load, newest: ``serving.scorer.load_scorer`` and ``newest_step`` (or a test's own).
-    options: how it listens, batches, reloads and follows a trainer (:class:`ServerOptions`).
+    options: how it listens, batches, reloads and follows a trainer (``ServerOptions``).
     steps, signature: ``serving.scorer.complete_steps`` and ``step_signature`` (``reload.ModelHolder``).
   """
 

@@ -2,11 +2,11 @@
 
 ``config.host_workers`` threads (-1: one per core; 0: none) share the host's reading work:
 
-- the reader's stream parses raw chunks on them, a window ahead (:mod:`recsys_jax.data.stream`;
+- the reader's stream parses raw chunks on them, a window ahead (``recsys_jax.data.stream``;
   the synthetic reader generates whole batches on them);
 - a *feeder* thread draws the reader's batches in order (cutting files into chunks, gathering
   each batch's records) and hands each batch's ``prepare`` (per-table dedup) to them;
-- the prefetcher (:class:`recsys_jax.training.pipeline.Prefetcher`) takes the prepared batches
+- the prefetcher (``recsys_jax.training.pipeline.Prefetcher``) takes the prepared batches
   in step order, waits on the staleness gate, looks their rows up and places them.
 
 Data flows one way, and nothing a worker computes depends on which worker computes it or when:
@@ -130,7 +130,7 @@ class Feed:
 
   def close(self) -> None:
     """Stops the feeder, drops what was prepared ahead and shuts the workers down (a running
-    task finishes first; none is waited for); waiting consumers get :class:`FeedClosed`."""
+    task finishes first; none is waited for); waiting consumers get ``FeedClosed``."""
     self._stop.set()
     if self.pool is not None:
       self.pool.shutdown(wait=False, cancel_futures=True)

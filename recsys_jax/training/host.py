@@ -1,6 +1,6 @@
 """The host half of a step: dedup, PS lookup, placement on the mesh, and the push back.
 
-The host workers (:mod:`recsys_jax.training.feed`) read the batches and run ``prepare``
+The host workers (``recsys_jax.training.feed``) read the batches and run ``prepare``
 (dedup) ahead of the loop; the prefetcher takes them in step order and runs ``lookup`` within
 the staleness bound and ``place``, which puts the batch and its rows on the devices; the
 pusher runs ``push_step`` when the device step is done. Nothing here is traced by jax.
@@ -134,7 +134,7 @@ class HostPipeline:
     kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
     self.pinned_host = bool(pinned_host) and "pinned_host" in kinds and jax.default_backend() != "cpu"
     self.hot: Optional[HotRows] = None
-    """The run's :class:`recsys_jax.training.hot_rows.HotRows`, if it keeps hot rows on the device."""
+    """The run's ``recsys_jax.training.hot_rows.HotRows``, if it keeps hot rows on the device."""
     self.times = StageTimes()
     """Where a training step's host time goes (stage_times.py): recorded here, written with each train record."""
 
@@ -311,7 +311,7 @@ class HostPipeline:
   def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
     """Prepares training steps [start, config.num_steps) from the reader's ``position`` on; each
     stage's time goes to ``self.times``. If the reader ends first (a stream gone idle), the step
-    after its last batch raises :class:`EndOfData`; a reader's failure raises :class:`DataError`."""
+    after its last batch raises ``EndOfData``; a reader's failure raises ``DataError``."""
     feed = Feed(self.workers)
     times = self.times
     stop = last_step(config.num_steps)

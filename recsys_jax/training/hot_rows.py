@@ -5,7 +5,7 @@ large share of all lookups) are the rows that staleness hurts most: read k steps
 row has missed up to k updates. They are also most of the bytes the host sends the device at
 every step. So the most frequent ids of every table live on the device, in one table per row
 width (``HotSet`` says which id is in which slot), and train synchronously inside the jitted
-step with the PS's optimizer math (:mod:`recsys_jax.embeddings.device_optimizers`); the other
+step with the PS's optimizer math (``recsys_jax.embeddings.device_optimizers``); the other
 rows go through the PS with staleness k.
 
 The flow of a step does not change direction: the prefetcher thread splits each step's distinct

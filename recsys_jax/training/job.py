@@ -56,7 +56,7 @@ class Job:
 
 
 def build_ps(config: ml_collections.ConfigDict, tables: Sequence[TableSpec], workdir: Optional[str] = None) -> RowStore:
-  """The PS ``config.ps`` asks for, for this trainer process (:func:`recsys_jax.async_ps.factory.build_ps`)."""
+  """The PS ``config.ps`` asks for, for this trainer process (``recsys_jax.async_ps.factory.build_ps``)."""
   return factory.build_ps(config, tables, workdir, process_index=jax.process_index(), process_count=jax.process_count())
 
 

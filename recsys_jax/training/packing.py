@@ -3,11 +3,11 @@
 A training step's inputs are a dozen arrays (the cold rows of each row width, the hot slots, the
 dense features, the labels, the inverse indices, the pooling weights), and ``device_put`` makes
 one host-to-device copy of each: on a GPU, many small copies from pageable memory run far below
-the bus's speed (jax issues #16905, #21438). :func:`pack` lays them out in two arrays of 4-byte
+the bus's speed (jax issues #16905, #21438). ``pack`` lays them out in two arrays of 4-byte
 words, one replicated over the mesh (the rows and hot slots: every device reads all of them) and
 one split over it by record (everything with a batch axis: ``[B, words per record]``), and the
-jitted step takes them apart (:func:`unpack`: slices and bitcasts, exact) before its first use.
-The layout (where each array lies, its shape and dtype) rides along as a :class:`Packed`
+jitted step takes them apart (``unpack``: slices and bitcasts, exact) before its first use.
+The layout (where each array lies, its shape and dtype) rides along as a ``Packed``
 pytree's static part, so the step compiles once per layout, as it compiled once per shape before.
 
 Only 4-byte dtypes are packed (float32, int32, uint32): a tree with another is placed as it is.
@@ -107,7 +107,7 @@ def empty(shapes, by_record: bool) -> Tuple[Packed, Any]:
 
 def unpack(x):
   """The tree ``pack`` packed, from its words (jax, inside the jitted step); anything that is not
-  a :class:`Packed` is returned as it is."""
+  a ``Packed`` is returned as it is."""
   if not isinstance(x, Packed):
     return x
   layout, words = x.layout, x.words

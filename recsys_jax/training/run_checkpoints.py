@@ -1,6 +1,6 @@
 """A run's checkpoints: resuming from the latest one, and saving one consistent cut.
 
-:class:`recsys_jax.checkpoint.Checkpointer` writes and reads (dense state, PS snapshot,
+``recsys_jax.checkpoint.Checkpointer`` writes and reads (dense state, PS snapshot,
 meta); this adds what a run must agree on to resume (batch size, trainer processes, data
 source) and the reader positions of the steps not yet saved, so a checkpoint after step t
 holds the position just after batch t.
@@ -51,7 +51,7 @@ class RunCheckpoints:
 
   def restore_latest(self, state, ps: RowStore, announce: bool = True) -> Tuple[Any, int, Any]:
     """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
-    aside, each named in one line: :meth:`recsys_jax.checkpoint.Checkpointer.restore_newest_intact`).
+    aside, each named in one line: ``recsys_jax.checkpoint.Checkpointer.restore_newest_intact``).
     ``announce``: say "resumed from ..." (a run resuming; ``build_job`` says its own line).
 
     Returns:

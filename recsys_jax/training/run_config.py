@@ -1,7 +1,7 @@
 """The run's config beside its checkpoints: ``<workdir>/config.json``, and reading it back.
 
-A workdir names what it was trained with, so a scorer (:mod:`recsys_jax.serving.scorer`) can
-rebuild reader schema, table specs and model from the workdir alone (:mod:`recsys_jax.serving`). The file is written by the
+A workdir names what it was trained with, so a scorer (``recsys_jax.serving.scorer``) can
+rebuild reader schema, table specs and model from the workdir alone (``recsys_jax.serving``). The file is written by the
 trainer at the start of a run (process 0), through a temporary file and a rename, so it is
 either absent or whole.
 

@@ -1,13 +1,13 @@
 """Where the host's time goes: wall and CPU seconds per stage of the training pipeline.
 
-The pipeline records them itself (:class:`recsys_jax.training.host.HostPipeline`, the reader's
+The pipeline records them itself (``recsys_jax.training.host.HostPipeline``, the reader's
 stream, the prefetcher), and every train record of metrics.jsonl carries them as milliseconds per
 step since the last record (``host_<stage>_ms`` and ``host_<stage>_cpu_ms``), so a benchmark
 (``experiments/bench_feed.py``) or a person reading TensorBoard sees the same figures without
 wrapping anything. Stages run on different threads and overlap, so their sum exceeds the wall
 time of a step; a record holds what ran since the last one (the host works a few steps ahead of
 the loop), divided by the steps trained in that interval. CPU is the thread CPU clock of the thread
-doing the stage (:data:`thread_time`: ``time.thread_time``'s clock, read without the interpreter lock).
+doing the stage (``thread_time``: ``time.thread_time``'s clock, read without the interpreter lock).
 
 - ``read``: drawing the reader's next batch (with host workers: the feeder thread cutting files,
   gathering the batch's records and waiting for parses; without, the parsing too);

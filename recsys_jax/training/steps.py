@@ -42,7 +42,7 @@ def init_state(config, model, schema: Schema, features, tables_by_name, mesh):
 
   Returns:
     ``(state, shardings, opt_state_on_device)``: the last is None unless the optimizer state
-    lives in host memory (:mod:`recsys_jax.parallel.offload`).
+    lives in host memory (``recsys_jax.parallel.offload``).
   """
   dense = np.zeros((2, schema.num_dense), np.float32)
   embs = {f.name: np.zeros((2, tables_by_name[f.table].dim), np.float32) for f in features if f.kind == "pooled"}
@@ -104,7 +104,7 @@ def make_train_step(
 ):
   """Returns train_step(state, hot, rows, batch) -> (state, hot, row grads, metrics), to be jitted.
 
-  The dense sync is MiCS's (:mod:`recsys_jax.parallel.mics`): parameters and optimizer state
+  The dense sync is MiCS's (``recsys_jax.parallel.mics``): parameters and optimizer state
   sharded over ``fsdp`` as ``state_specs`` say and replicated over ``replica``; each device
   runs ``micro_steps`` micro-batches of its part of the batch, reduce-scattering the parameter
   gradients inside its group every micro-step; once per step they are all-reduced across
@@ -118,11 +118,11 @@ def make_train_step(
   the rows are not one replicated array: every device gets its process's rows (split over the
   mesh like the batch) and returns its own row gradients, which the process sums on the host.
 
-  Hot rows (:mod:`recsys_jax.training.hot_rows`): ``hot`` holds a device table per row width
+  Hot rows (``recsys_jax.training.hot_rows``): ``hot`` holds a device table per row width
   (``{"w": [H, D], "slots": {...}}``, replicated) and ``rows`` is ``{"cold": row width -> the
   PS's rows, "hot_idx": row width -> int32 hot slots of this step, padded with H}``. The step
   reads ``concat(cold rows, w[hot_idx])``, which the remapped inverse indexes, and updates the
-  hot rows it touched with ``hot_opts[width]`` (a :mod:`recsys_jax.embeddings.device_optimizers`
+  hot rows it touched with ``hot_opts[width]`` (a ``recsys_jax.embeddings.device_optimizers``
   optimizer: the PS's math) on their gradient summed over the global batch: synchronously, like
   the dense part. Only the cold rows' gradients go back to the host. With one trainer process
   the update is sparse (the touched slots only); with several, each process touches its own
@@ -132,7 +132,7 @@ def make_train_step(
   ``predictions``: the metrics also hold ``logits`` [B] and ``label`` [B] of the global batch
   (replicated by the jit's out_shardings), the logits being those of the forward pass the
   gradients come from: the model's scores of the batch with the parameters and rows before this
-  step's update, which progressive validation (:mod:`recsys_jax.online.progressive`) needs,
+  step's update, which progressive validation (``recsys_jax.online.progressive``) needs,
   at no second forward pass.
 
   ``update`` False: the step scores and leaves everything as it was: the dense state and hot rows

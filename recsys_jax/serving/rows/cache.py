@@ -1,5 +1,5 @@
 """A fixed number of embedding rows of one width, CLOCK replacement: the bounded cache in front of
-:class:`~recsys_jax.serving.rows.snapshot_rows.SnapshotRows`' reads, so RSS stays bounded whatever the
+``SnapshotRows``' reads, so RSS stays bounded whatever the
 table size."""
 
 from __future__ import annotations

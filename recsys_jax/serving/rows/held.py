@@ -1,11 +1,11 @@
 """The files a served version holds on to, so that storage going away changes none of its scores.
 
-The scorer hard-links (:func:`hold`; a copy where the filesystem cannot link) every file of its
+The scorer hard-links (``hold``; a copy where the filesystem cannot link) every file of its
 checkpoint and PS chain into a directory of its own before anything is read, so the trainer's
 rotation deleting ``ps_snapshots/<name>`` frees nothing the version reads, and the load's checks
 (CRC32 of every array) run on the held files, the ones later reads get. The held directory goes
 when the version is dropped (``SnapshotRows``' ``owns``). Each serving process holds under a
-directory of its own (:func:`hold_root`), and removes those of this host's dead processes (a
+directory of its own (``hold_root``), and removes those of this host's dead processes (a
 server that was killed cannot remove its own).
 """
 

@@ -1,14 +1,14 @@
 """Embedding rows for serving, read from a checkpoint's PS snapshot chain on demand.
 
-The trainer's PS snapshots (:mod:`recsys_jax.async_ps.snapshot.directory`) hold every table as parts of at
+The trainer's PS snapshots (``recsys_jax.async_ps.snapshot.directory``) hold every table as parts of at
 most 16k rows (zarr3 arrays ``ids`` and ``weights``, float32). A chain is one full snapshot and
 the incremental ones after it; for an id, the newest snapshot that names it wins (a row, or
 ``deleted``: then the id has no row).
 
-:class:`SnapshotRows` keeps in RAM only an index per table: its ids sorted (uint64) with, for
+``SnapshotRows`` keeps in RAM only an index per table: its ids sorted (uint64) with, for
 each, the part (uint32) and the row in that part (uint32) of its newest row, **16 bytes per id**.
 Rows are read through tensorstore when asked for, one read per part touched, behind a
-:class:`~recsys_jax.serving.rows.cache.RowCache` of a fixed number of rows (CLOCK replacement), so
+``RowCache`` of a fixed number of rows (CLOCK replacement), so
 RSS stays bounded whatever the table size. An id without a row reads what the trainer's evaluation reads for it (a read-only
 PS lookup): its initial value from (table, id, seed), rounded to the table's storage dtype, or
 zeros for a table with admission. Nothing is created.
@@ -20,7 +20,7 @@ few rows cannot check a whole-array CRC, so the whole array is checked once; sna
 never rewritten, so what was checked is what later reads get). ``verify=False`` skips the
 weights pass (the load then reads only the ids).
 
-A served version reads files it holds (:mod:`~recsys_jax.serving.rows.held`); the held directory
+A served version reads files it holds (``held``); the held directory
 goes when the version is dropped (``owns``). A read that still fails (someone deleted the held
 files, or a chunk of a snapshot that stores every chunk is missing: tensorstore would read it as
 zeros) raises ``SnapshotGone`` naming the snapshot, never a fill value.
@@ -158,12 +158,12 @@ class SnapshotRows:
     chain: snapshot directories, oldest first (one full, then incremental ones; in-process or
       RemotePS snapshots).
     tables: per table name, ``{"name", "dim", "initializer", "init_scale", "storage_dtype",
-      "admission"}`` (:func:`table_info`).
+      "admission"}`` (``table_info``).
     seed: the run's seed (rows are initialised from (table, id, seed)).
     cache_bytes: RAM for cached rows over all tables, split in proportion to each table's rows
       in the chain x its row bytes (a table never gets more slots than it has rows).
     verify: read every weights array once at load and check its CRC32.
-    owns: a directory of held files (:func:`~recsys_jax.serving.rows.held.hold`) the chain lies
+    owns: a directory of held files (``hold``) the chain lies
       in, removed when this object goes (the version is dropped) or at exit.
   """
 
@@ -296,7 +296,7 @@ class SnapshotRows:
 
 
 def table_info(spec) -> Dict[str, Any]:
-  """What :class:`SnapshotRows` needs of a ``TableSpec`` (JSON-able, for an exported artifact)."""
+  """What ``SnapshotRows`` needs of a ``TableSpec`` (JSON-able, for an exported artifact)."""
   return {
     "name": spec.name,
     "dim": int(spec.dim),
