@@ -22,6 +22,7 @@ server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
 import ast
+import difflib
 import errno
 import faulthandler
 import os
@@ -86,8 +87,35 @@ def _no_such_field(e: Exception, argv) -> str:
   return f"{flag or '--config.' + key}: the config has no field {key!r}; {hint}"
 
 
+def _config_file_error(argv):
+  """One line for a ``--config`` file that is not there (absl's ``--config=X`` or ``--config X``, the last
+  one given), with the nearest file name beside it; None when it exists. ml_collections would defer the
+  error to the config's first use and report it over five lines, under the name ``config_config``."""
+  path = None
+  for i, a in enumerate(argv[1:], 1):
+    if a == "--":
+      break
+    name, eq, value = a.lstrip("-").partition("=")
+    if a.startswith("-") and name == "config":
+      path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+  file = (path or "").split(":", 1)[0]  # 'file.py:arg' passes arg to get_config
+  if not file or os.path.isfile(file):
+    return None
+  if os.path.isdir(file):
+    return f"--config={path}: {file} is a directory, not a config file"
+  directory, base = os.path.split(file)
+  names = os.listdir(directory or ".") if os.path.isdir(directory or ".") else []
+  near = difflib.get_close_matches(base, names, n=1)
+  hint = f"; did you mean {os.path.join(directory, near[0])}?" if near else ""
+  return f"--config={path}: the file {file} does not exist{hint}"
+
+
 def _parse_flags(argv):
   """absl's flag parsing, exiting with ``EXIT_CONFIG`` rather than 1 on a bad flag: one ``error:`` line."""
+  missing = _config_file_error(argv)
+  if missing:
+    print(f"error: {missing}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
   if "--helpconfig" in argv[1:]:  # before parsing: it needs no --config, and a bad override should not hide it
     from configs import fields  # beside default.py, whose comments it reads
 

@@ -92,6 +92,23 @@ def test_a_bad_config_flag_is_one_error_line(flag, line, tmp_path):
   assert os.listdir(tmp_path) == []  # nothing started
 
 
+@pytest.mark.parametrize(
+  "args",
+  [
+    ["--config=configs/tinny.py"],
+    ["--config", "configs/tinny.py", "--config.batch_size=3"],
+    ["--config=configs/tinny.py", "--helpconfig"],
+  ],
+)
+def test_a_config_file_that_does_not_exist_is_one_error_line(args, tmp_path):
+  r = main(*args, f"--workdir={tmp_path}")
+  assert r.returncode == 2
+  assert r.stderr.splitlines() == [
+    "error: --config=configs/tinny.py: the file configs/tinny.py does not exist; did you mean configs/tiny.py?"
+  ]
+  assert os.listdir(tmp_path) == []  # nothing started
+
+
 def test_model_specific_fields_carry_their_meaning_from_the_model():
   r = main("--config=configs/dcn_v2.py", "--helpconfig")
   assert r.returncode == 0, r.stderr
