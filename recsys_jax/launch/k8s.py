@@ -4,6 +4,9 @@
         [--image=registry.example.com/recsys-jax:v1] [--with_secret] [--config.<field>=<value> ...] > job.yaml
     kubectl apply -f job.yaml
 
+The flags are absl's, as every command's here (``--flagfile``, ``--nowith_secret``; ``--help`` lists them);
+a bad one is one ``error:`` line and exit status 2.
+
 The objects are those of ``deploy/k8s/ps-statefulset.yaml`` and ``deploy/k8s/trainer-job.yaml`` (read
 as templates; their comments explain each setting), with the counts that must agree set together
 (replicas, ``--num_shards``, the trainers' PS addresses and the init container's list; the
@@ -19,7 +22,6 @@ No Kubernetes cluster has run these; they are checked against the API's OpenAPI 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import secrets
@@ -28,8 +30,10 @@ import sys
 from typing import Any, Sequence
 
 import yaml
+from absl import flags
 
 from recsys_jax.launch.cli import ps_argv, split_argv, trainer_argv
+from recsys_jax.launch.supervisor import EXIT_CONFIG
 
 # deploy/k8s beside the package (the repository, or an image that copies it whole: see deploy/k8s/README.md).
 TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deploy", "k8s")
@@ -45,6 +49,21 @@ PYTHON = "python"  # the image's interpreter, on its PATH
 # A StatefulSet pod's name ends with its ordinal (ps-1): the shell takes it from $HOSTNAME.
 SHARD_FROM_HOSTNAME = '--shard_index="${HOSTNAME##*-}"'
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+# The command's absl flags live apart from absl's global FLAGS: the launcher's (``cli``, imported above for
+# its command lines) are there, some under the same names with other meanings.
+FLAGS = flags.FlagValues()
+_NUM_PS = flags.DEFINE_integer("num_ps", 2, "PS servers (StatefulSet replicas).", flag_values=FLAGS)
+_NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Trainer processes (Indexed Job completions).", flag_values=FLAGS)
+_CONFIG = flags.DEFINE_string(
+  "config", "configs/dlrm.py", "The trainers' --config, relative to /app.", flag_values=FLAGS
+)
+_IMAGE = flags.DEFINE_string("image", "recsys-jax:latest", "The image of every container.", flag_values=FLAGS)
+_WITH_SECRET = flags.DEFINE_bool(
+  "with_secret", False, "Also a Secret ps-token with a fresh random token.", flag_values=FLAGS
+)
+_HELP = flags.DEFINE_bool("help", False, "Print this help.", short_name="h", flag_values=FLAGS)
 
 
 def load(name: str, directory: str = TEMPLATES) -> list[dict[str, Any]]:
@@ -148,28 +167,37 @@ def dump(docs: Sequence[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m recsys_jax.launch.k8s``: prints the manifests on stdout."""
+  """``python -m recsys_jax.launch.k8s``: prints the manifests on stdout.
+
+  Args:
+    argv: the arguments after the program name (default: ``sys.argv[1:]``): absl flags (``--flagfile``
+      too), the trainers' ``--config.<field>=<value>`` overrides.
+
+  Returns:
+    0, or 2 (``EXIT_CONFIG``) for bad flags or counts, after one ``error:`` line on stderr.
+  """
   own, overrides, extra = split_argv([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
-  parser = argparse.ArgumentParser(prog="python -m recsys_jax.launch.k8s", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--num_ps", type=int, default=2, help="PS servers (StatefulSet replicas)")
-  parser.add_argument("--num_workers", type=int, default=2, help="trainer processes (Indexed Job completions)")
-  parser.add_argument("--config", default="configs/dlrm.py", help="the trainers' --config, relative to /app")
-  parser.add_argument("--image", default="recsys-jax:latest", help="the image of every container")
-  parser.add_argument("--with_secret", action="store_true", help="also a Secret ps-token with a fresh random token")
-  args = parser.parse_args(own[1:])
-  if extra:
-    parser.error(f"unexpected arguments after --: {extra}")
+  FLAGS.unparse_flags()  # each call starts from the defaults
   try:
+    rest = FLAGS(own)
+    if _HELP.value:
+      print(__doc__.strip(), FLAGS.get_help().strip(), sep="\n\n")
+      return 0
+    if extra:
+      raise ValueError(f"unexpected arguments after --: {extra}")
+    if rest[1:]:
+      raise ValueError(f"unexpected arguments: {rest[1:]}")
     docs = render(
-      args.num_ps,
-      args.num_workers,
-      config=args.config,
-      image=args.image,
+      _NUM_PS.value,
+      _NUM_WORKERS.value,
+      config=_CONFIG.value,
+      image=_IMAGE.value,
       overrides=overrides,
-      with_secret=args.with_secret,
+      with_secret=_WITH_SECRET.value,
     )
-  except ValueError as e:
-    parser.error(str(e))
+  except (flags.Error, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_CONFIG
   sys.stdout.write(dump(docs))
   return 0
 

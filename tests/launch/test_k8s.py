@@ -212,3 +212,37 @@ def test_the_command_line(tmp_path):
     [sys.executable, "-m", "recsys_jax.launch.k8s", "--num_ps=0"], cwd=ROOT, capture_output=True, text=True, timeout=60
   )
   assert bad.returncode == 2 and "at least one PS server" in bad.stderr
+
+
+def test_the_command_line_takes_absl_flags(tmp_path, capsys):
+  """absl's syntax, as every other command of the project: a flagfile, ``--noflag`` and ``--flag=false``."""
+  flagfile = tmp_path / "k8s.flags"
+  flagfile.write_text("--num_ps=3\n--num_workers=2\n--with_secret\n")
+  assert k8s.main([f"--flagfile={flagfile}", "--nowith_secret", "--config.num_steps=7"]) == 0
+  docs = list(yaml.safe_load_all(capsys.readouterr().out))
+  assert docs == k8s.render(3, 2, overrides=["--config.num_steps=7"])
+  assert k8s.main(["--with_secret=false"]) == 0  # and a second call starts from the defaults again
+  assert list(yaml.safe_load_all(capsys.readouterr().out)) == k8s.render(2, 2)
+
+
+@pytest.mark.parametrize(
+  "argv, line",
+  [
+    (["--num_pss=3"], "error: Unknown command line flag 'num_pss'. Did you mean: num_ps ?"),
+    (["--num_ps=x"], "error: flag --num_ps=x: invalid literal for int() with base 10: 'x'"),
+    (["--num_ps=0"], "error: need at least one PS server and one trainer, got num_ps=0, num_workers=2"),
+    (["--", "--x"], "error: unexpected arguments after --: ['--x']"),
+  ],
+)
+def test_a_bad_flag_is_one_error_line_and_exit_2(argv, line, capsys):
+  assert k8s.main(argv) == 2
+  out, err = capsys.readouterr()
+  assert not out and err.splitlines() == [line]
+
+
+def test_help_lists_the_flags(capsys):
+  assert k8s.main(["--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("Kubernetes manifests for a job")
+  for name in ("--num_ps", "--num_workers", "--config", "--image", "--[no]with_secret"):
+    assert name in out, name
