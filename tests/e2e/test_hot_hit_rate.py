@@ -67,7 +67,9 @@ def test_hot_hit_rate_small_run_matches_a_plain_loop(tmp_path):
   with open(tmp_path / "hot_hit_rate.json") as f:
     assert [json.loads(line) for line in f] == lines
   assert (tmp_path / "hot_hit_rate.png").stat().st_size > 10_000
-  wrote = [line for line in proc.stdout.splitlines() if line.startswith("wrote ")]  # experiments/harness/outputs.py's lines
+  wrote = [
+    line for line in proc.stdout.splitlines() if line.startswith("wrote ")
+  ]  # experiments/harness/outputs.py's lines
   assert wrote == [f"wrote {tmp_path / 'hot_hit_rate.json'}", f"wrote {tmp_path / 'hot_hit_rate.png'}"], proc.stdout
   records, summary = lines[:-1], lines[-1]
   assert summary["summary"] and summary["row_bytes"] == 128 and summary["fields"] == 26
