@@ -241,8 +241,10 @@ class DirectoryStream:
   def _file_chunks(self, name: str, first_chunk: int) -> Iterator[Any]:
     """The file's chunks from ``first_chunk`` on, then ``(name, None, None)``, or ``(name, None, error)``
     if it cannot be read to its end: the error is raised or counted in its place in chunk order."""
-    chunks = self.fmt.chunks(os.path.join(self.directory, name), self.chunk_records)
     try:
+      # Inside the try: a format that reads a header when asked for the chunks (CSV) raises here
+      # for a file without one (empty, or not text), which is then the file's one bad record.
+      chunks = self.fmt.chunks(os.path.join(self.directory, name), self.chunk_records)
       for i, chunk in enumerate(chunks):
         if i >= first_chunk:  # the earlier ones are cut, not parsed
           yield name, i, chunk
