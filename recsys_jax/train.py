@@ -168,6 +168,7 @@ def _resume(config, workdir: str, job: Job):
   """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
   tables, publisher)``, from the newest intact checkpoint (a config its checkpoints do not fit is
   named) or fresh; the publisher of rows for serving (``config.publish_every_s``) starts there."""
+  run_config.verify(workdir)  # a damaged config file stops the run before any checkpoint is touched
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
