@@ -395,5 +395,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     f"model, data   {s.get('model')}, {s.get('data')} ({s['eval_samples']:,} eval records)",
   ]
   if s.get("bad_records_skipped"):
-    lines.append(f"bad records   {s['bad_records_skipped']:,} skipped, e.g. {s['bad_record_examples'][0]}")
+    examples = s.get("bad_record_examples") or []
+    # A resumed run's count starts at its checkpoint's; the examples are those this run met.
+    said = f", e.g. {examples[0]}" if examples else " (counted by the run before the resume; its log names them)"
+    lines.append(f"bad records   {s['bad_records_skipped']:,} skipped{said}")
   return "\n".join(lines)
