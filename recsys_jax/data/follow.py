@@ -35,7 +35,9 @@ trained files bounds the position; a new file under that name is then read as a 
 **Bad input.** A malformed record is named (path and line) and handled by ``on_bad_record``:
 ``'error'`` stops the run (the trainer saves the step reached first), ``'skip'`` drops and counts
 it. A file that cannot be read to its end (a damaged gzip) is named with the last line read;
-under ``'skip'`` the rest of it counts as one bad record and the stream goes on with the next file.
+under ``'skip'`` the rest of it counts as one bad record and the stream goes on with the next file;
+so does a file that cannot be cut into records at all (an empty CSV file, or one whose header is
+not text or lacks the columns).
 
 One trainer process only: several processes would have to agree on the arrival order and on
 where the stream ends (``build_reader`` refuses it).
