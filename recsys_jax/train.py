@@ -238,7 +238,7 @@ def train_and_evaluate(
       gate.decide(done)  # step done's ids may now be resolved ahead, unless held
       pusher.push(t, Push.of(p, g_rows, m, scoring=config.device_step == "score"))
       publisher.cut(done, state, pusher)  # if due: this cut's rows for serving, then the lookups go on
-      progress.bar.update(1)
+      progress.advance(t, p.position)  # the bar, and on a stream a line per file
       if progress.log_due(done):
         pusher.flush(t)
         progress.log_train(done, pre, ps, hot, host.times)
