@@ -194,11 +194,16 @@ def _log_to_workdir(workdir: str, process_id: int):
     except (OSError, ValueError):
       pass
 
-  class _Stream:  # absl's handler writes to .stream and flushes it
+  class _Stream:  # absl's handler writes to .stream, flushes it, and closes it at exit
     def write(self, text):
       write(text)
 
     def flush(self):
+      pass
+
+    def close(self):
+      # logging's shutdown at exit closes every handler's stream; the log stays open for what
+      # Python reports after it (the unraisable hook below), and the process's end closes it.
       pass
 
   logging.get_absl_handler().python_handler.stream = _Stream()

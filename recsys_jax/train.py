@@ -169,6 +169,7 @@ def _resume(config, workdir: str, job: Job):
   """The run's checkpoints and its start: ``(ckpts, dense state, first step, reader position, hot
   tables, publisher)``, from the newest intact checkpoint (a config its checkpoints do not fit is
   named) or fresh; the publisher of rows for serving (``config.publish_every_s``) starts there."""
+  run_config.verify(workdir)  # a damaged config file stops the run before any checkpoint is touched
   ckpts = RunCheckpoints(workdir, config)
   state, start, position = ckpts.restore_latest(job.state, job.ps)
   run_config.record(workdir, config, say)  # once restored: it names the config (a scorer rebuilds the model)
@@ -238,7 +239,7 @@ def train_and_evaluate(
       gate.decide(done)  # step done's ids may now be resolved ahead, unless held
       pusher.push(t, Push.of(p, g_rows, m, scoring=config.device_step == "score"))
       publisher.cut(done, state, pusher)  # if due: this cut's rows for serving, then the lookups go on
-      progress.bar.update(1)
+      progress.advance(t, p.position)  # the bar, and on a stream a line per file
       if progress.log_due(done):
         pusher.flush(t)
         progress.log_train(done, pre, ps, hot, host.times)

@@ -162,3 +162,23 @@ def test_helpconfig_lists_the_models_and_a_required_model_argument():
   text = fields.describe("configs/din.py")
   assert "Name of the candidate-item pooled feature, e.g. 'movie'. (din's argument; required)" in text
   assert "The models: dcn_v2, deepfm, din, dlrm, wide_deep." in text
+
+
+def test_a_clean_run_ends_without_a_traceback(tmp_path):
+  """Nothing in a clean run's stderr or trainer log reads as a failure: no traceback, no exception
+  ignored at exit (the log's stream is closed by logging's shutdown at exit, as any handler's is)."""
+  workdir = tmp_path / "run"
+  r = main(
+    "--config=configs/tiny.py",
+    "--config.num_steps=2",
+    "--config.eval_samples=512",
+    "--config.eval_batch_size=512",
+    f"--workdir={workdir}",
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  (log,) = glob.glob(str(workdir / "trainer_p*.log"))
+  with open(log) as f:
+    text = f.read()
+  for where, out in (("stderr", r.stderr), ("log", text)):
+    for bad in ("Traceback", "Exception ignored"):
+      assert bad not in out, (where, out[-3000:])

@@ -35,7 +35,9 @@ trained files bounds the position; a new file under that name is then read as a 
 **Bad input.** A malformed record is named (path and line) and handled by ``on_bad_record``:
 ``'error'`` stops the run (the trainer saves the step reached first), ``'skip'`` drops and counts
 it. A file that cannot be read to its end (a damaged gzip) is named with the last line read;
-under ``'skip'`` the rest of it counts as one bad record and the stream goes on with the next file.
+under ``'skip'`` the rest of it counts as one bad record and the stream goes on with the next file;
+so does a file that cannot be cut into records at all (an empty CSV file, or one whose header is
+not text or lacks the columns).
 
 One trainer process only: several processes would have to agree on the arrival order and on
 where the stream ends (``build_reader`` refuses it).
@@ -241,8 +243,10 @@ class DirectoryStream:
   def _file_chunks(self, name: str, first_chunk: int) -> Iterator[Any]:
     """The file's chunks from ``first_chunk`` on, then ``(name, None, None)``, or ``(name, None, error)``
     if it cannot be read to its end: the error is raised or counted in its place in chunk order."""
-    chunks = self.fmt.chunks(os.path.join(self.directory, name), self.chunk_records)
     try:
+      # Inside the try: a format that reads a header when asked for the chunks (CSV) raises here
+      # for a file without one (empty, or not text), which is then the file's one bad record.
+      chunks = self.fmt.chunks(os.path.join(self.directory, name), self.chunk_records)
       for i, chunk in enumerate(chunks):
         if i >= first_chunk:  # the earlier ones are cut, not parsed
           yield name, i, chunk

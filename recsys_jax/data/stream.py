@@ -18,6 +18,8 @@ the next record is record ``offset`` of window ``window``; a stream restarted at
 cuts (without parsing) and drops the chunks of the earlier windows and continues with
 exactly the records the uninterrupted stream would have read next. ``bad_records`` restores
 the skipped-record count as it stood at the start of that window, so nothing is counted twice.
+A bad record is counted (and named) by the first epoch only: it is one bad record of the data,
+however many epochs read it.
 
 With an ``executor`` (the trainer's host worker threads), chunks are parsed on it up to one
 window ahead of the window being read, across epoch boundaries, each with its own
@@ -138,7 +140,7 @@ class Stream:
     runs ahead on it (one window's worth of chunks)."""
     if self.executor is None:
       for epoch, chunk in chunks:
-        yield epoch, None if chunk is None else functools.partial(self._parse, chunk, self.bad)
+        yield epoch, None if chunk is None else functools.partial(self._parse, chunk, self._bad_of(epoch))
       return
 
     def parse(item):
@@ -148,13 +150,21 @@ class Stream:
       rec = base.Recorder()
       return self._parse(chunk, rec), rec
 
-    def collect(future, path):
+    def collect(future, path, bad):
       cols, rec = future.result()
-      base.replay(self.bad, path, rec.faults, rec.count)
+      base.replay(bad, path, rec.faults, rec.count)
       return cols
 
     for (epoch, chunk), future in base.run_ahead(self.executor, parse, chunks, self.window_chunks):
-      yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path)
+      yield epoch, None if chunk is None else functools.partial(collect, future, chunk.path, self._bad_of(epoch))
+
+  def _bad_of(self, epoch: int) -> base.BadRecords:
+    """Where the bad records read in ``epoch`` go. A bad line is one bad record of the data: epoch 0
+    reads every record once (over the processes), so it counts and names them; a later epoch meets
+    the same ones and drops them uncounted (under 'error' it still stops at the first)."""
+    if epoch == 0 or self.bad.policy == "error":
+      return self.bad
+    return base.Recorder(limit=0)
 
   def _parse(self, chunk: base.RawChunk, bad: base.BadRecords) -> base.Columns:
     with self.times.time("parse") if self.times is not None else contextlib.nullcontext():

@@ -16,6 +16,7 @@ import jax
 
 from recsys_jax import checkpoint as checkpoint_lib
 from recsys_jax.async_ps.protocol import RowStore
+from recsys_jax.data import follow
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
 from recsys_jax.training.writers import say
@@ -103,7 +104,7 @@ class RunCheckpoints:
           f"{where} was written reading data {meta['data']!r}, config has {config.data.name!r}: use a new workdir"
         )
       if announce:
-        say(f"resumed from {where} at step {start} of {config.num_steps}")
+        say(f"resumed from {where} at step {start}{_of(config.num_steps, position)}")
     self.positions = {start - 1: position}
     return state, start, position
 
@@ -158,3 +159,14 @@ class RunCheckpoints:
 
   def close(self) -> None:
     self.ckpt.close()
+
+
+def _of(num_steps: int, position: Any) -> str:
+  """Where a resumed run stands: ``of <num_steps>``, or for a run without a step limit what ends it
+  and, on a stream, the file and record it reads on from."""
+  if num_steps >= 0:
+    return f" of {num_steps}"
+  where = ""
+  if isinstance(position, dict) and "done" in position:
+    where = f", reading on at {follow.describe(position)}"
+  return f" (num_steps=-1: until the stream ends or the run is stopped){where}"

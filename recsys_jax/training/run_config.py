@@ -12,6 +12,10 @@ top-level fields that differ so the trainer warns about them; ``load`` reads the
 (the highest ``n``), which is the config the newest checkpoints were written with, and fills in
 the fields it lacks (a run of an older version wrote it) from ``configs/default.py``, the one
 home of every default.
+
+Each file holds the CRC32 of its config (``config_crc32``), checked whenever it is read: a file
+damaged on disk is refused, naming it, rather than taken for a changed config (a resume would
+then write the damaged one's difference as a new config) or built into a scorer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ml_collections
@@ -87,7 +92,27 @@ def _files(workdir: str) -> List[str]:
   return ([FILE] if FILE in names else []) + [n for _, n in numbered]
 
 
+CHECKSUM = "config_crc32"
+"""The key under which a config file holds the CRC32 of the rest of it (as a checkpoint's meta holds
+its ``meta_crc32``): a damaged file is told from a changed config."""
+
+
+def _json_default(o: Any) -> Any:
+  # A value JSON cannot hold (a numpy scalar, an object) is written as its number or text rather
+  # than stopping the run; such a field reads back as that, which a scorer then reports.
+  return o.item() if hasattr(o, "item") else str(o)
+
+
+def checksum(d: Dict[str, Any]) -> str:
+  """CRC32 of a config dict without its own checksum, over its canonical JSON."""
+  rest = {k: v for k, v in d.items() if k != CHECKSUM}
+  text = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=_json_default)
+  return f"{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}"
+
+
 def _read(path: str) -> Dict[str, Any]:
+  """The config in ``path``, checked against its checksum (a file written before configs carried
+  one is read as it is)."""
   try:
     with open(path) as f:
       d = json.load(f)
@@ -95,7 +120,25 @@ def _read(path: str) -> Dict[str, Any]:
     raise ValueError(f"{path}: cannot read the run's config ({type(e).__name__}: {e})") from None
   if not isinstance(d, dict):
     raise ValueError(f"{path}: not a config (a JSON object was expected)")
+  if CHECKSUM in d:
+    written, got = d.pop(CHECKSUM), checksum(d)
+    if written != got:
+      raise ValueError(
+        f"{path} is damaged: it does not match its checksum (written {written}, read {got}); it is the config "
+        "this workdir's checkpoints were written with: put back a good copy, or use a new --workdir"
+      )
   return d
+
+
+def verify(workdir: str) -> None:
+  """Reads the newest config written into ``workdir`` (if any) against its checksum.
+
+  Raises:
+    ValueError: naming the file, if it cannot be read or is damaged.
+  """
+  name = newest_name(workdir)
+  if name is not None:
+    _read(os.path.join(workdir, name))
 
 
 def save(workdir: str, config: ml_collections.ConfigDict) -> Optional[List[str]]:
@@ -115,11 +158,11 @@ def save(workdir: str, config: ml_collections.ConfigDict) -> Optional[List[str]]
       return None
     changed = sorted(_differences(old, d))
     name = f"config.{len(files)}.json"
+  written = json.loads(json.dumps(d, default=_json_default))  # as it reads back
+  written[CHECKSUM] = checksum(written)
   tmp = os.path.join(workdir, name + ".tmp")
   with open(tmp, "w") as f:
-    # A value JSON cannot hold (a numpy scalar, an object) is written as its number or text rather
-    # than stopping the run; such a field reads back as that, which a scorer then reports.
-    json.dump(d, f, indent=1, sort_keys=True, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    json.dump(written, f, indent=1, sort_keys=True)
   os.replace(tmp, os.path.join(workdir, name))
   return changed
 

@@ -226,6 +226,7 @@ class Progress:
     self.last_progressive: Optional[Dict[str, Any]] = None
     self._reporter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="progressive")
     self._reports: List[concurrent.futures.Future] = []
+    self._stream_file: Optional[str] = None  # the stream file the last batch trained ended in
 
   def record_step(self, step: int, loss: float, metrics: Dict[str, Any], source: Optional[str] = None) -> None:
     """The pusher thread's record of an applied step: its loss, and with progressive validation on,
@@ -234,6 +235,16 @@ class Progress:
     self.stats.record(step, loss)
     if self.progressive is not None and "logits" in metrics:
       self.progressive.add(_host(metrics["logits"]), _host(metrics["label"]), source)
+
+  def advance(self, step: int, position: Any) -> None:
+    """Step ``step``, whose batch ends at ``position``, is trained: the bar moves on, and on a stream
+    the first batch that ends in a file says so on the console (a line per file, bar or not)."""
+    self.bar.update(1)
+    name = position.get("file") if isinstance(position, dict) else None
+    if name is None or name == self._stream_file:
+      return
+    self._stream_file = name
+    say(f"stream: training {name} (step {step}, {len(position.get('done', ()))} file(s) read before it)")
 
   def log_due(self, done: int) -> bool:
     return done % self.config.log_every == 0 or done == self.config.num_steps
@@ -395,5 +406,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     f"model, data   {s.get('model')}, {s.get('data')} ({s['eval_samples']:,} eval records)",
   ]
   if s.get("bad_records_skipped"):
-    lines.append(f"bad records   {s['bad_records_skipped']:,} skipped, e.g. {s['bad_record_examples'][0]}")
+    examples = s.get("bad_record_examples") or []
+    # A resumed run's count starts at its checkpoint's; the examples are those this run met.
+    said = f", e.g. {examples[0]}" if examples else " (counted by the run before the resume; its log names them)"
+    lines.append(f"bad records   {s['bad_records_skipped']:,} skipped{said}")
   return "\n".join(lines)

@@ -201,3 +201,31 @@ def test_an_idle_stream_waits_polling_and_wake_ends_it(tmp_path):
   threading.Timer(0.3, s.wake).start()
   assert _drain(s) == []
   assert 0.25 < time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("content", ["empty", "garbage"])
+def test_an_empty_or_garbage_file_is_one_bad_record_under_skip_and_named_under_error(tmp_path, content, workers):
+  """A file without a readable header (0 bytes, or random bytes) cannot be cut into records: under
+  'skip' it counts as one bad record, named, and the stream goes on with the next file (so a restart
+  does not meet it again); under 'error' it stops the stream in its place, naming the file."""
+  _write(tmp_path, "a.csv", range(0, 10), mtime=1)
+  data = b"" if content == "empty" else np.random.default_rng(0).bytes(20_000)
+  (tmp_path / "b.csv").write_bytes(data)
+  os.utime(tmp_path / "b.csv", (2, 2))
+  _write(tmp_path, "c.csv", range(300, 310), mtime=3)
+  pool = concurrent.futures.ThreadPoolExecutor(workers) if workers else None
+  try:
+    before = []
+    with pytest.raises(ValueError, match=r"/b\.csv:"):
+      for cols, _ in _stream(tmp_path, bad=base.BadRecords("error"), batch_size=5, executor=pool):
+        before.append(_ids(cols))
+    assert before == [list(range(5)), list(range(5, 10))]  # in its place: a.csv's batches first
+    bad = base.BadRecords("skip")
+    got = _drain(_stream(tmp_path, bad=bad, batch_size=5, executor=pool))
+    assert [r for ids, _ in got for r in ids] == list(range(10)) + list(range(300, 310))
+    assert bad.count == 1 and "b.csv" in bad.examples[0]
+    assert got[-1][1]["done"] == ("a.csv", "b.csv")
+  finally:
+    if pool is not None:
+      pool.shutdown()

@@ -219,3 +219,25 @@ def test_parsing_ahead_keeps_counts_beyond_the_faults_a_format_lists():
   assert want[0][-1][1] == sum(SIZES) // 29  # every bad record counted, though chunks list only their first
   with concurrent.futures.ThreadPoolExecutor(2) as ex:
     assert run(ex) == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bad_record_is_counted_once_however_many_epochs_read_it(workers):
+  """A bad line is one bad record of the data: the first epoch counts and names it, later epochs
+  skip it without counting it again (and a restart in a later epoch goes on with that count)."""
+  one = sum(SIZES) // 29
+  ex = concurrent.futures.ThreadPoolExecutor(workers) if workers else None
+  try:
+    s = _stream(epochs=3, executor=ex)
+    positions = [p for _, p in s]
+    assert s.bad.count == one and positions[-1]["bad_records"] == one
+    assert len(s.bad.examples) == len(set(s.bad.examples)) == min(one, s.bad.log_first)
+    later = next(p for p in positions if p["epoch"] == 2)
+    resumed = _stream(epochs=3, executor=ex, position=later)
+    list(resumed)
+    assert resumed.bad.count == one
+  finally:
+    if ex is not None:
+      ex.shutdown()
+  with pytest.raises(base.BadRecordError):  # under 'error' a later epoch still stops at it
+    list(_stream(epochs=3, position={**later, "bad_records": 0}, bad=base.BadRecords("error")))

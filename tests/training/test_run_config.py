@@ -101,3 +101,59 @@ def test_a_config_written_before_a_field_existed_loads_with_that_fields_default(
   assert got.hot_every == 7 and got.ps.num_shards == written["ps"]["num_shards"]
   assert got.model.to_dict() == {"name": "two_tower", "kwargs": {"tower": (8,)}}
   assert run_config.to_dict(run_config.from_dict(written)) != run_config.to_dict(got)  # something was filled
+
+
+def _flip_a_key(path):
+  """One damaged byte in a key of a written config (the file still parses as JSON)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data.count(b'"initializer"') == 1
+  with open(path, "wb") as f:
+    f.write(data.replace(b'"initializer"', b'"initializdr"'))
+
+
+def test_a_damaged_config_file_is_refused_a_changed_config_is_kept_beside(tmp_path):
+  """The config files carry their checksum: one whose bytes changed is refused by every reader (the
+  trainer's save at a resume, ``load``, ``load_scorer``), naming the file, and nothing is written; a
+  config that really changed is written beside the old one, which is kept."""
+  from recsys_jax.serving import scorer
+  from recsys_jax.training import run_config
+
+  d = str(tmp_path)
+  c = _short(tiny.get_config())
+  assert run_config.save(d, c) is None
+  assert run_config.load(d).to_dict() == c.to_dict()
+  _flip_a_key(tmp_path / "config.json")
+  damaged = (tmp_path / "config.json").read_bytes()
+  match = rf"^{tmp_path}/config\.json is damaged: it does not match its checksum \(written [0-9a-f]{{8}}, read [0-9a-f]{{8}}\)"
+  with pytest.raises(ValueError, match=match):
+    run_config.save(d, c)
+  with pytest.raises(ValueError, match=match):
+    run_config.load(d)
+  with pytest.raises(ValueError, match=match):
+    scorer.load_scorer(d)
+  assert sorted(os.listdir(d)) == ["config.json"] and (tmp_path / "config.json").read_bytes() == damaged
+  # A real change, on an intact file: kept beside, and the fields that changed are returned.
+  os.remove(tmp_path / "config.json")
+  assert run_config.save(d, c) is None
+  c.num_steps = 99
+  assert run_config.save(d, c) == ["num_steps"]
+  assert sorted(os.listdir(d)) == ["config.1.json", "config.json"] and run_config.load(d).num_steps == 99
+
+
+def test_a_resume_over_a_damaged_config_file_exits_2_in_one_line_and_keeps_everything(tmp_path):
+  """``python -m recsys_jax.main`` on a workdir whose config.json has one damaged byte: one ``error:``
+  line naming the file, exit 2, and the workdir as it was (no config.<n>.json, the same checkpoints)."""
+  args = [sys.executable, "-m", "recsys_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}"]
+  args += ["--config.num_steps=2", "--config.eval_samples=512", "--config.eval_batch_size=512"]
+  assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+  _flip_a_key(tmp_path / "config.json")
+  before = sorted(os.listdir(tmp_path)), sorted(os.listdir(tmp_path / "checkpoints"))
+  damaged = (tmp_path / "config.json").read_bytes()
+  r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert r.returncode == 2, r.stderr[-3000:]
+  lines = r.stderr.splitlines()
+  assert len(lines) == 2 and lines[1].startswith(f"error: {tmp_path}/config.json is damaged: "), lines
+  assert "another config" not in r.stderr
+  assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(tmp_path / "checkpoints"))) == before
+  assert (tmp_path / "config.json").read_bytes() == damaged

@@ -268,3 +268,46 @@ def test_progressive_metrics_per_stream_file(reference):
       last[r["source"]] = r["events_seen"]
   assert set(last) == {name for name, _, _ in FILES}, last
   assert sum(last.values()) == STEPS * B, last
+
+
+def test_the_console_follows_the_stream_and_an_empty_file_is_skipped(tmp_path):
+  """``python -m recsys_jax.main`` on a stream (progress bar off) says each file it starts training,
+  skips an empty file between two good ones under 'skip' (named in the summary's bad records), and a
+  restart says where in the stream it goes on, not 'of -1'."""
+  stream_dir, eval_path = tmp_path / "stream", _eval_file(tmp_path / "eval")
+  stream_dir.mkdir()
+  _write(stream_dir, "a.csv", 300, None, seed=0, mtime=1000)
+  (stream_dir / "b.csv").write_bytes(b"")
+  os.utime(stream_dir / "b.csv", (2000, 2000))
+  _write(stream_dir, "c.csv", 200, None, seed=2, mtime=3000)
+  cfg = tmp_path / "stream_config.py"
+  cfg.write_text(
+    "from tests.training import test_stream_training as t\n\n\ndef get_config():\n"
+    f"  c = t.stream_config({str(stream_dir)!r}, {str(eval_path)!r})\n"
+    "  c.progress_bar = False\n  c.log_every = 100\n  return c\n"
+  )
+  args = [sys.executable, "-m", "recsys_jax.main", f"--config={cfg}", f"--workdir={tmp_path / 'run'}"]
+  r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  lines = r.stderr.splitlines()
+  assert [x for x in lines if x.startswith("stream: ")] == [
+    "stream: training a.csv (step 0, 0 file(s) read before it)",
+    "stream: training c.csv (step 4, 2 file(s) read before it)",
+  ], lines
+  with open(tmp_path / "run" / "summary.json") as f:
+    s = json.load(f)
+  assert s["steps"] == 500 // B and s["bad_records_skipped"] == 1, s
+  assert f"{stream_dir}/b.csv:0: field '<file>'" in s["bad_record_examples"][0] and "empty file" in r.stdout
+  _write(stream_dir, "d.csv", 100, None, seed=3, mtime=4000)
+  r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  resumed = [x for x in r.stderr.splitlines() if x.startswith("resumed from ")]
+  assert resumed == [
+    f"resumed from {tmp_path / 'run' / 'checkpoints'}/{500 // B} at step {500 // B} (num_steps=-1: until the "
+    f"stream ends or the run is stopped), reading on at c.csv record {500 // B * B - 300} (2 file(s) read before it)"
+  ], r.stderr[-3000:]
+  # c.csv's last 52 records and d.csv's first 12 are step 7's batch, which ends in d.csv.
+  assert [x for x in r.stderr.splitlines() if x.startswith("stream: ")] == [
+    "stream: training d.csv (step 7, 3 file(s) read before it)"
+  ]
+  assert "bad records   1 skipped (counted by the run before the resume" in r.stdout

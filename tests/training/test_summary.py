@@ -20,6 +20,9 @@ def test_a_resume_with_nothing_left_says_no_steps_run(tiny_config, tmp_path):
   assert "throughput    no steps run" in text
   one = train.format_summary({**again, "steps_this_run": 1})
   assert "throughput    not measured" in one and "nan" not in one.lower()
+  # A resume restores the skipped count from the checkpoint, not the examples the earlier run named.
+  restored = train.format_summary({**again, "bad_records_skipped": 2, "bad_record_examples": []})
+  assert "bad records   2 skipped (counted by the run before the resume; its log names them)" in restored
 
 
 def test_a_workdir_past_num_steps_says_so_in_one_line_and_its_summary_is_true(tiny_config, tmp_path, capsys):
