@@ -229,3 +229,44 @@ def test_an_empty_or_garbage_file_is_one_bad_record_under_skip_and_named_under_e
   finally:
     if pool is not None:
       pool.shutdown()
+
+
+@pytest.mark.parametrize("how", ["renamed_over", "rewritten_in_place"])
+def test_a_file_once_read_is_not_read_again_when_replaced_under_its_name(tmp_path, monkeypatch, how):
+  """A file once seen is never read again, even if it is rewritten: a finished file renamed over
+  the name of one already read (the writer's normal way to put a file in place), or the file
+  rewritten in place, with a newer mtime, is skipped, both by the running stream (the next
+  listing after the file was read) and by a restart from a position that lists it as done; the
+  files that do arrive new are still read, each once."""
+
+  def replace(name, rids, mtime):
+    if how == "renamed_over":
+      _write(tmp_path, name, rids, mtime=mtime)
+    else:
+      with open(tmp_path / name, "w") as f:
+        f.write("label,rid,c\n" + "".join(f"{r % 2},{r},v\n" for r in rids))
+      os.utime(tmp_path / name, (mtime, mtime))
+
+  a = _write(tmp_path, "a.csv", range(0, 16), mtime=1000)
+  listings = []
+  real = follow.complete_files
+
+  def listing(directory):
+    # Deterministic: the second listing comes after a.csv was read to its end.
+    listings.append(directory)
+    if len(listings) == 2:
+      replace("a.csv", range(900, 916), 3000)
+      _write(tmp_path, "b.csv", range(100, 108), mtime=2000)
+    return real(directory)
+
+  monkeypatch.setattr(follow, "complete_files", listing)
+  first = _drain(_stream(tmp_path))
+  assert len(listings) >= 3  # the stream listed the directory after the replacement
+  assert [r for ids, _ in first for r in ids] == a + list(range(100, 108))
+  assert first[-1][1]["file"] == "b.csv" and first[-1][1]["done"] == ("a.csv",)
+  monkeypatch.setattr(follow, "complete_files", real)
+  replace("a.csv", range(800, 816), 4000)  # replaced again before the restart
+  c = _write(tmp_path, "c.csv", range(200, 208), mtime=500)
+  again = _drain(_stream(tmp_path, position=first[-1][1]))
+  assert [r for ids, _ in again for r in ids] == c
+  assert again[-1][1]["done"] == ("a.csv", "b.csv")

@@ -165,6 +165,31 @@ def test_gzip_and_tsv(tmp_path, good_csv):
   assert_columns_equal(read_all(make_format(delimiter="\t"), str(tsv)), ref)
 
 
+@pytest.mark.parametrize("ending", ["lf_no_final", "crlf", "crlf_no_final"])
+@pytest.mark.parametrize("last", ["hist", "item"])
+def test_csv_line_ends_and_a_last_line_without_newline(tmp_path, good_csv, ending, last):
+  """The CSV reader itself (not only the Criteo reader sharing its chunker): Windows line ends
+  (the header's too) and a last line without a newline give the same records as the plain file,
+  for any chunk size; the last record is read whole and no ``\\r`` stays in the last column (a
+  sequence keeps its last tokens, a categorical value is hashed as text: either would change)."""
+  order = [c for c in HEADER if c != last] + [last]
+  lines = [",".join(order)] + [csv_line([r[HEADER.index(c)] for c in order]) for r in GOOD]
+  sep = "\n" if ending.startswith("lf") else "\r\n"
+  text = sep.join(lines) + ("" if ending.endswith("no_final") else sep)
+  path = tmp_path / "ends.csv"
+  path.write_bytes(text.encode())
+  ref = read_all(make_format(), good_csv)
+  for chunk_records in (1, 2, 4, 1000):
+    cols = read_all(make_format(), str(path), chunk_records)
+    assert base.num_records(cols) == len(GOOD)
+    assert_columns_equal(cols, ref)
+  assert cols["sparse"]["item"][-1, 0] == h(["123456789012"], "item")[0]
+  np.testing.assert_array_equal(cols["sparse"]["hist"][-1], bag(["s", "t", "u"], "hist", 3)[0])
+  chunks = list(make_format().chunks(str(path), 2))
+  assert [c.first_line for c in chunks] == [2, 4, 6]  # line numbers after the header, exact
+  assert all(not line.endswith((b"\r", b"\n")) for c in chunks for line in c.payload)
+
+
 def parquet_table(tags_as_list=True):
   def num(v):
     return float(v) if v else None

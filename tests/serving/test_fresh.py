@@ -261,6 +261,69 @@ def test_a_restarted_trainer_drops_the_deltas_past_its_checkpoint(tmp_path):
     assert json.load(f) == after
 
 
+def test_a_publish_waits_for_the_push_of_its_cut_step(tmp_path):
+  """A delta published at the cut after step t carries the rows as step t's push left them, however
+  late that push is applied (above all for ids only step t touched). The pusher applies each
+  step's push only once someone waits for it (``flush`` up to that step): a publish that read the
+  PS without waiting for its cut step's push would always read the rows from before it."""
+  from types import SimpleNamespace
+
+  from recsys_jax.async_ps.store.ps import ParameterServer
+  from recsys_jax.embeddings.specs import TableSpec
+  from recsys_jax.training.pipeline import Pusher, StalenessGate
+
+  ps = ParameterServer([TableSpec(name="t", dim=4)], seed=0)
+  released = {}  # step -> event: set once the pushes up to it are waited for
+
+  def apply(t, grads):
+    assert released[t].wait(30), f"nobody waited for the push of step {t}"
+    ps.apply_many(grads)
+
+  class WaitedPusher(Pusher):
+    def flush(self, step):
+      for t, e in released.items():
+        if t <= step:
+          e.set()
+      super().flush(step)
+
+  gate = StalenessGate(last_applied=-1)
+  pusher = WaitedPusher(apply, gate)
+  pub_dir = str(tmp_path / "publish")
+  ticks = iter(range(1000))
+  publisher = Publisher(
+    _config(publish_every_s=1.0, publish_dense_every_s=0.0, publish_dir=pub_dir),
+    str(tmp_path),
+    ps,
+    clock=lambda: float(next(ticks)) * 10,  # every cut is due
+  )
+  rng = np.random.default_rng(0)
+  want = {}
+  try:
+    for t in range(4):
+      ids = np.unique(np.concatenate([[100 + t, 101 + t], rng.integers(0, 8, 3)])).astype(np.uint64)  # some only here
+      ps.lookup_many({"t": ids})  # the step's lookup creates its rows
+      released[t] = threading.Event()
+      prepared = SimpleNamespace(groups={4: SimpleNamespace(tables=[("t", ids, None)])}, hot_idx=None)
+      assert publisher.step(prepared, t + 1, gate)
+      gate.decide(t + 1)
+      pusher.push(t, {"t": (ids, rng.normal(size=(ids.shape[0], 4)).astype(np.float32))})
+      publisher.cut(t + 1, None, pusher)
+      pusher.flush(t)  # the push applied whatever the publish did: the rows the cut must carry
+      want[t + 1] = (ids, ps.lookup_many({"t": ids}, create=False)["t"].copy())
+    publisher.close()
+  finally:
+    pusher.close()
+    ps.close()
+  deltas = published.read_index(pub_dir)["deltas"]
+  assert [d["step"] for d in deltas] == [1, 2, 3, 4]
+  for d in deltas:
+    got = published.read_delta(pub_dir, d)["t"]
+    ids, rows = want[d["step"]]
+    order = np.argsort(got["ids"])
+    np.testing.assert_array_equal(got["ids"][order], ids)
+    np.testing.assert_array_equal(got["weights"][order], rows, err_msg=f"the delta of step {d['step']}")
+
+
 def test_http_and_grpc_answers_name_the_dense_and_row_versions(run, tmp_path):
   from recsys_jax.serving.client import GrpcClient, HttpClient
   from recsys_jax.serving.server import ServerOptions, Serving

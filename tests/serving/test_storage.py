@@ -101,6 +101,43 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
   assert all(os.path.isdir(os.path.join(w, "ps_snapshots", n)) for n in names)  # the trainer's are untouched
 
 
+def test_the_dense_parameters_are_read_from_the_held_copy(run, tmp_path, monkeypatch):
+  """A version reads its dense parameters (and meta) from its held copy of the checkpoint, not from
+  the trainer's checkpoint directory: the trainer's ``checkpoints/<step>`` removed right after the
+  version linked its files (a rotation at that moment), the newest step is still the one served,
+  with the same dense parameters and scores, bit for bit, as a load that nothing disturbed."""
+  import jax
+
+  from recsys_jax.serving.rows import held as held_lib
+
+  ref = scorer.load_scorer(_copy(run, tmp_path / "ref"))
+  recs = _records(ref, 256)
+  want = ref.predict(ref.encode(recs))
+  w = _copy(run, tmp_path)
+  step = ref.checkpoint.step
+  real = held_lib.hold
+  removed = []
+
+  def hold_then_rotate(sources, root, label):
+    dest = real(sources, root, label)
+    mine = os.path.join(w, "checkpoints", str(step))
+    if label == f"step-{step}" and os.path.isdir(mine):
+      shutil.rmtree(mine)
+      removed.append(mine)
+    return dest
+
+  monkeypatch.setattr(held_lib, "hold", hold_then_rotate)
+  sc = scorer.load_scorer(w)
+  assert removed and not os.path.exists(removed[0])
+  assert sc.version == ref.version == f"step-{step}" and sc.checkpoint.step == step
+  got_leaves = jax.tree_util.tree_leaves_with_path(sc.params)
+  want_leaves = jax.tree_util.tree_leaves_with_path(ref.params)
+  assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves] and got_leaves
+  for (k, a), (_, b) in zip(got_leaves, want_leaves):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(k))
+  np.testing.assert_array_equal(sc.predict(sc.encode(recs)), want)
+
+
 # -- the load test: a trainer rotating and the test deleting what the server serves -------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

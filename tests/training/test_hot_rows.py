@@ -3,7 +3,8 @@
 With k = 0 a hot row trains exactly as it would on the PS (synchronously, with the same optimizer
 math), so a run whose hot set holds every row it has seen, re-chosen every few steps (rows and
 their optimizer slots moving to the device and back each time), must end where a run without a
-hot set ends: dense weights and every PS row, within float32 rounding.
+hot set ends: dense weights and every PS row, within float32 rounding. So must a run whose budget
+holds far fewer rows than it sees, so that every re-choice demotes rows that trained on the device.
 """
 
 from __future__ import annotations
@@ -86,6 +87,44 @@ def test_the_hot_set_really_held_the_rows(runs):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     logged = [r for r in map(json.loads, f) if r["kind"] == "train"]
   assert all("hot_hit_rate" in r and "h2d_row_bytes_per_step" in r for r in logged)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+  """The same job with a hot budget of 64 rows, far fewer than the rows it sees, re-chosen every 5
+  steps: each choice demotes rows that trained on the device (their weights and slots must go back
+  into the PS), and promotes others."""
+  from configs import tiny
+
+  c = _config(tiny.get_config(), 1 << 12, hot_every=5)
+  workdir = str(tmp_path_factory.mktemp("hot_small") / "small")
+  return c, workdir, outcome(c, workdir)
+
+
+def test_demoted_rows_keep_what_they_learnt_on_the_device(runs, small):
+  """Rows that leave the device at a re-choice are written back with their weights and optimizer
+  slots: at k = 0 the run with a budget smaller than its rows ends where the run without hot rows
+  ends (dense weights, every PS row and slot, losses), and so does its checkpoint at 30."""
+  import json
+  import os
+
+  c_cold, cold_dir, (s_cold, l_cold, p_cold, r_cold) = runs["cold"]
+  c, workdir, (s, losses, p, r) = small
+  with open(os.path.join(workdir, "summary.json")) as f:
+    hot = json.load(f)["hot"]
+  choices = hot["choices"]
+  assert hot["hot_rows_held"] == 64 and 0.2 < hot["hot_hit_rate"] < 0.9, hot
+  assert sum(x["demoted"] for x in choices) > 20 and sum(x["demoted"] > 0 for x in choices) >= 5, choices
+  assert sum(len(v["ids"]) for v in r.values()) > 10 * 64  # most rows were never hot
+  _assert_close(p, p_cold, "dense")
+  _assert_close(r, r_cold, "rows")  # weights and optimizer slots of every row
+  assert [x for x, _ in losses] == [x for x, _ in l_cold]
+  np.testing.assert_allclose([x for _, x in losses], [x for _, x in l_cold], rtol=1e-5)
+  assert s["auc"] == pytest.approx(s_cold["auc"], abs=1e-4)
+  p30, r30 = checkpoint_contents(c, workdir, 30)
+  p30_cold, r30_cold = checkpoint_contents(c_cold, cold_dir, 30)
+  _assert_close(p30, p30_cold, "dense at 30")
+  _assert_close(r30, r30_cold, "rows at 30")
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 12])
