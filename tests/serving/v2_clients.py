@@ -31,15 +31,15 @@ def clients(s, tls_ca=None) -> Dict[str, Any]:
 
 def column(values: Sequence[Any], datatype: str, shape: Sequence[int]) -> np.ndarray:
   """One tensor's array from the records' values of one feature (a list per record for a
-  ``[-1, width]`` feature, padded with ``""`` or -1 to the widest)."""
+  ``[-1, width]`` feature, padded to the widest with ``""``, -1 or 2**64 - 1 for UINT64)."""
   if len(shape) == 2:
     rows = [v if isinstance(v, list) else [v] for v in values]
     width = max(len(r) for r in rows)
-    pad = "" if datatype == "BYTES" else -1
+    pad = {"BYTES": "", "UINT64": (1 << 64) - 1}.get(datatype, -1)
     values = [r + [pad] * (width - len(r)) for r in rows]
   if datatype == "BYTES":
     return np.array([[str(x).encode() for x in v] if isinstance(v, list) else str(v).encode() for v in values], object)
-  return np.array(values, {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64}[datatype])
+  return np.array(values, {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "UINT64": np.uint64}[datatype])
 
 
 def tensors(

@@ -8,13 +8,15 @@ others it takes):
 
 - ``float`` (dense values): ``FP32`` ``[-1]``; also ``FP64``, or ``BYTES`` where the data's
   format takes numbers as text (CSV/Parquet dense columns; ``""``: missing).
-- ``int`` (Criteo's counts, synthetic ids): ``INT64`` ``[-1]``; any integer datatype, or
-  ``BYTES`` where the format takes decimal text (Criteo: ``""`` is a missing count).
+- ``int``: ``INT64`` ``[-1]`` (Criteo's counts), ``UINT64`` for synthetic data's ids (hashed
+  into [0, 2**64)); any integer datatype, or ``BYTES`` where the format takes decimal text
+  (Criteo: ``""`` is a missing count).
 - ``string`` (categorical values): ``BYTES`` ``[-1]`` (UTF-8; ``""``: the empty field); integer
   datatypes where the format writes ints in decimal (Avazu, CSV/Parquet).
-- ``list`` (multi-hot): ``[-1, max_len]``, a row's values then padding: ``INT64`` ids padded
-  with negative values (synthetic data), ``BYTES`` tokens padded with ``""`` (CSV/Parquet bags;
-  a ``[-1]`` ``BYTES`` tensor holds each bag as the file does, joined by its separator).
+- ``list`` (multi-hot): ``[-1, max_len]``, a row's values then padding: ``UINT64`` ids padded
+  with 2**64 - 1 (synthetic data; a signed datatype pads with negative values, an unsigned one
+  with its largest), ``BYTES`` tokens padded with ``""`` (CSV/Parquet bags; a ``[-1]``
+  ``BYTES`` tensor holds each bag as the file does, joined by its separator).
 
 A scalar feature also takes a ``[-1, 1]`` shape. The one output is ``score``, ``FP32`` ``[-1]``:
 the click probabilities, bit for bit those ``/v1`` answers. The model's version is the step of
@@ -31,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -187,14 +189,11 @@ class Protocol:
   def inputs(self) -> List[Dict[str, Any]]:
     """``[{"name", "datatype", "shape"}]``, one per feature (module docstring)."""
     sc = self.front.holder.current()
-    lists = _list_inputs(sc)
+    declared = _declared(sc)
     out = []
     for name, kind in sc.fields().items():
-      if kind == "list":
-        datatype, width = lists.get(name, ("BYTES", -1))
-        out.append({"name": name, "datatype": datatype, "shape": [-1, width]})
-      else:
-        out.append({"name": name, "datatype": KINDS.get(kind, ("BYTES",))[0], "shape": [-1]})
+      datatype, shape = declared.get(name) or (KINDS.get(kind, ("BYTES",))[0], [-1, -1] if kind == "list" else [-1])
+      out.append({"name": name, "datatype": datatype, "shape": shape})
     return out
 
   def model_metadata(self, name: str, version: str = "") -> Dict[str, Any]:
@@ -249,7 +248,7 @@ class Protocol:
         raise _bad(f"{len(t.values)} values for shape {list(shape)}", t.name)
       if kind == "list" and len(shape) == 2:
         w = shape[1]
-        pad = (lambda v: v == "") if t.datatype == "BYTES" else (lambda v: v < 0)
+        pad = _padding(t.datatype)
         columns[t.name] = [[v for v in t.values[i * w : (i + 1) * w] if not pad(v)] for i in range(n)]
       elif kind == "list" and t.datatype != "BYTES":  # one id a row
         columns[t.name] = [[v] for v in t.values]
@@ -265,14 +264,27 @@ class Protocol:
     return [dict(zip(names, row)) for row in zip(*(columns[k] for k in names))]
 
 
-def _list_inputs(scorer: Any) -> Dict[str, Tuple[str, int]]:
-  """Multi-hot feature -> (datatype, max_len), from the scorer's encoder where it has one."""
+def _padding(datatype: str) -> Callable[[Any], bool]:
+  """Whether a value of a ``[-1, width]`` tensor pads its row: ``""``, a negative value, or an
+  unsigned datatype's largest."""
+  if datatype == "BYTES":
+    return lambda v: v == ""
+  if datatype.startswith("UINT"):
+    top = int(np.iinfo(NUMPY[datatype]).max)
+    return lambda v: v == top
+  return lambda v: v < 0
+
+
+def _declared(scorer: Any) -> Dict[str, Tuple[str, List[int]]]:
+  """Feature -> (datatype, shape) where the data's format says more than the kind: synthetic ids are
+  UINT64, and a multi-hot feature's width is its max_len (from the scorer's encoder, if it has one)."""
   enc = getattr(scorer, "encoder", None)
   if enc is None:
     return {}
-  out = {b.column: ("BYTES", int(b.max_len)) for b in getattr(getattr(enc, "fmt", None), "bags", ())}
+  out = {b.column: ("BYTES", [-1, int(b.max_len)]) for b in getattr(getattr(enc, "fmt", None), "bags", ())}
   if getattr(enc, "name", None) == "synthetic":
-    out.update({f.name: ("INT64", int(f.max_len)) for f in enc.schema.features if f.max_len > 1})
+    for f in enc.schema.features:
+      out[f.name] = ("UINT64", [-1, int(f.max_len)] if f.max_len > 1 else [-1])
   return out
 
 
