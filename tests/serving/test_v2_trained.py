@@ -103,3 +103,24 @@ def test_bad_values_refused_by_the_real_encoder_naming_tensor_and_record(runs, r
     assert f"input '{tensor}', record {record}:" in e.value.message(), (case, e.value.message())
     again = c.infer("dcn", V.tensors(mod, recs, inputs, binary=side != "http-json")).as_numpy("score")
     assert again.tolist() == good.tolist(), case
+
+
+def test_the_serving_pages_tritonclient_examples_work_as_written(servers, capsys):
+  """docs/serving.md's two tritonclient examples, run as written but for the ports and the model's name."""
+  import os
+
+  from tests.serving.test_serve import ROOT
+
+  with open(os.path.join(ROOT, "docs", "serving.md")) as f:
+    text = f.read()
+  text = text[text.index("## The Open Inference Protocol") :]
+  blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:3]]
+  assert "tritonclient.http" in blocks[0] and "tritonclient.grpc" in blocks[1]
+  s = servers["dlrm"]
+  for code in blocks:
+    code = code.replace("localhost:8501", f"127.0.0.1:{s.http_port}").replace(
+      "localhost:8500", f"127.0.0.1:{s.grpc_port}"
+    )
+    exec(compile(code.replace('"serving"', '"dlrm"'), "docs/serving.md", "exec"), {})
+  out = capsys.readouterr().out.splitlines()
+  assert len(out) == 2 and out[0].startswith("[") and "'dense_version': 12" in out[0] and out[1].endswith(" 12"), out
