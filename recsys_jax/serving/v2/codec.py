@@ -229,11 +229,13 @@ class Protocol:
         raise _bad("missing: this model reads one tensor per feature (GET /v2/models/<name> lists them)", f)
     n = None
     columns = {}
+    declared = {i["name"]: i["datatype"] for i in self.inputs()}
     for t in tensors:
       kind = fields[t.name]
-      declared, accepted = KINDS.get(kind, ("BYTES", _ANY))
+      accepted = KINDS.get(kind, ("BYTES", _ANY))[1]
       if t.datatype not in accepted:
-        raise _bad(f"datatype {t.datatype}; a {kind} feature is {declared} (or {', '.join(accepted)})", t.name)
+        also = ", ".join(a for a in accepted if a != declared[t.name])
+        raise _bad(f"datatype {t.datatype}; this {kind} feature is {declared[t.name]} (or {also})", t.name)
       shape = tuple(t.shape)
       if (
         len(shape) not in (1, 2) or any(d < 0 for d in shape) or (kind != "list" and len(shape) == 2 and shape[1] != 1)
