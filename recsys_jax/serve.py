@@ -2,9 +2,11 @@
 
     python -m recsys_jax.serve --workdir=W [--host=127.0.0.1] [--http_port=8501] [--grpc_port=8500] \
       [--token_file=F] [--tls_cert=C --tls_key=K] [--max_batch=512] [--max_wait_ms=2] \
-      [--reload_every_s=5] [--step=N]
+      [--reload_every_s=5] [--step=N] [--model_name=NAME]
 
-It prints ``ready http=<host>:<port> grpc=<host>:<port> version=<version>`` on stdout once it
+Both ports also speak the Open Inference Protocol (KServe v2: ``serving/v2``), the model named
+``--model_name`` (default: the workdir's basename). It prints ``ready http=<host>:<port>
+grpc=<host>:<port> version=<version> model=<name>`` on stdout once it
 serves (a port of 0 picks a free one; -1 leaves that side off). Binds 127.0.0.1 unless ``--host``
 says otherwise; with ``--token_file`` every request must carry ``Authorization: Bearer <token>``
 (as the PS server's). See ``serving/http.py`` and ``serving/grpc_service.py`` for the requests
@@ -52,6 +54,11 @@ def _define_flags() -> None:
     "(config.publish_every_s > 0; 0: never, checkpoints only).",
   )
   flags.DEFINE_string("publish_dir", None, "The trainer's publish directory (default: the one its config names).")
+  flags.DEFINE_string(
+    "model_name",
+    None,
+    "The model's name in the Open Inference Protocol (/v2/models/<name>); default: the workdir's basename.",
+  )
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
   flags.DEFINE_integer(
@@ -179,6 +186,7 @@ def _start():
       backlog=FLAGS.listen_backlog,
       publish_dir=publish_dir,
       deltas_every_s=FLAGS.deltas_every_s,
+      model_name=FLAGS.model_name,
     )
   except ValueError as e:
     raise _Usage(str(e)) from None
@@ -207,7 +215,7 @@ def main(argv: Sequence[str]) -> None:
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   host = f"[{serving.host}]" if ":" in serving.host else serving.host
   sides = [f"{name}={host}:{port}" for name, port in (("http", serving.http_port), ("grpc", serving.grpc_port)) if port]
-  print(f"ready {' '.join(sides)} version={serving.holder.version}", flush=True)
+  print(f"ready {' '.join(sides)} version={serving.holder.version} model={serving.front.model_name}", flush=True)
   while not stop.wait(1.0):
     pass
   logging.info("stopping")

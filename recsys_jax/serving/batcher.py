@@ -28,12 +28,20 @@ class Overloaded(RuntimeError):
   """More requests are waiting than the batcher holds (``max_pending``): answered 503 / UNAVAILABLE."""
 
 
-class Prediction(collections.namedtuple("Prediction", ["version", "scores", "dense_version", "row_version"])):
+class Prediction(collections.namedtuple("Prediction", ["version", "scores", "dense_version", "row_version", "step"])):
   """One request's answer: the version that scored all its records, and their probabilities in order;
-  the steps of the dense parameters and of the rows that version scores with (None: not known)."""
+  the steps of the dense parameters and of the rows that version scores with, and of the checkpoint
+  it was loaded from (None: not known)."""
 
-  def __new__(cls, version, scores, dense_version=None, row_version=None):
-    return super().__new__(cls, version, scores, dense_version, row_version)
+  def __new__(cls, version, scores, dense_version=None, row_version=None, step=None):
+    return super().__new__(cls, version, scores, dense_version, row_version, step)
+
+
+def checkpoint_step(scorer: Any) -> Optional[int]:
+  """The step of the checkpoint a version was loaded from (a fresh version's too: its base's), or None."""
+  ck = getattr(scorer, "checkpoint", None)
+  step = getattr(ck, "step", None) if ck is not None else getattr(scorer, "step", None)
+  return None if step is None else int(step)
 
 
 class _Pending:
@@ -244,6 +252,7 @@ class Batcher:
           scores[start : start + item.n].tolist(),
           getattr(scorer, "dense_version", None),
           getattr(scorer, "row_version", None),
+          checkpoint_step(scorer),
         )
       )
       start += item.n

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Union
 from absl import logging
 
 from recsys_jax.serving.api import RequestError, SnapshotGone
-from recsys_jax.serving.batcher import Batcher, Overloaded
+from recsys_jax.serving.batcher import Batcher, Overloaded, Prediction
 from recsys_jax.serving.reload import ModelHolder
 
 # kind -> (HTTP status, gRPC status code name)
@@ -41,6 +41,7 @@ class FrontError(Exception):
     text = str(RequestError(message, field, record))  # "record 1, field 'c2': ..." as the model's errors say
     super().__init__(text)
     self.kind, self.message, self.field, self.record = kind, text, field, record
+    self.reason = message  # the words without the place
 
   @property
   def http_status(self) -> int:
@@ -100,10 +101,18 @@ class Front:
     batcher: the micro-batcher over ``holder.current``.
     token: if set, each request must carry ``authorization: Bearer <token>``.
     timeout_s: longest a request waits for its batch to be scored (then 503 / UNAVAILABLE).
+    model_name: the model's name in the Open Inference Protocol (``serving/v2``).
   """
 
-  def __init__(self, holder: ModelHolder, batcher: Batcher, token: Optional[str] = None, timeout_s: float = 30.0):
-    self.holder, self.batcher, self.timeout_s = holder, batcher, timeout_s
+  def __init__(
+    self,
+    holder: ModelHolder,
+    batcher: Batcher,
+    token: Optional[str] = None,
+    timeout_s: float = 30.0,
+    model_name: str = "model",
+  ):
+    self.holder, self.batcher, self.timeout_s, self.model_name = holder, batcher, timeout_s, model_name
     self._token = None if token is None else f"Bearer {token}".encode("utf-8")
 
   def authenticate(self, header: Union[str, bytes, None]) -> None:
@@ -116,9 +125,19 @@ class Front:
 
   def predict(self, body: Union[bytes, str]) -> Dict[str, Any]:
     """Scores a request's body; returns ``{"version", "scores"}`` or raises ``FrontError``."""
-    records = parse_request(body, self.batcher.max_batch)
+    answer = self.score(parse_request(body, self.batcher.max_batch))
+    return {
+      "version": answer.version,
+      "dense_version": answer.dense_version,
+      "row_version": answer.row_version,
+      "scores": answer.scores,
+    }
+
+  def score(self, records: list) -> Prediction:
+    """Scores records through the micro-batcher (every protocol's predict ends here): one version's
+    answer, or ``FrontError`` (a bad record: ``bad_request`` naming it; overloaded; the model failed)."""
     try:
-      answer = self.batcher.submit(records).result(self.timeout_s)
+      return self.batcher.submit(records).result(self.timeout_s)
     except RequestError as e:
       raise FrontError("bad_request", e.reason, e.field, e.record) from None
     except (Overloaded, SnapshotGone) as e:  # SnapshotGone: no version that can read its rows; no score
@@ -128,12 +147,6 @@ class Front:
     except Exception as e:  # noqa: BLE001 - the model failed on a good request: say so, keep serving
       logging.warning("predict failed: %s: %s", type(e).__name__, e)
       raise FrontError("internal", f"the model failed: {type(e).__name__}: {e}") from None
-    return {
-      "version": answer.version,
-      "dense_version": answer.dense_version,
-      "row_version": answer.row_version,
-      "scores": answer.scores,
-    }
 
   def model(self) -> Dict[str, Any]:
     """The version served, the step, its request fields, and the reload counters."""

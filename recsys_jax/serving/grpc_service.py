@@ -1,5 +1,8 @@
 """The gRPC side of the model server (for services), with generic handlers and no generated code.
 
+(The same port also serves the Open Inference Protocol's ``inference.GRPCInferenceService``:
+``serving/v2/rpc.py``, whose messages are KServe's, generated.)
+
 Methods of ``/recsys_jax.serving.Predictor/``: ``Predict``, ``Model``, ``Health``. The messages
 are the HTTP side's JSON bodies as UTF-8 bytes (``Model`` and ``Health`` take an empty message):
 the records are raw feature values of mixed types in the training data's schema, which a
@@ -23,6 +26,7 @@ import grpc
 
 from recsys_jax.async_ps.server import rpc
 from recsys_jax.serving.front import Front, FrontError
+from recsys_jax.serving.v2 import rpc as v2_rpc
 
 SERVICE = "recsys_jax.serving.Predictor"
 METHODS = ("Predict", "Model", "Health")
@@ -83,4 +87,19 @@ def serve_grpc(
   Raises:
     RuntimeError: the address cannot be bound.
   """
-  return rpc.listen(_handler(front), host, port, threads, max_message_bytes, tls_cert, tls_key, "serve-rpc", " (gRPC)")
+  both = _Services(_handler(front), v2_rpc.handler(front))
+  return rpc.listen(both, host, port, threads, max_message_bytes, tls_cert, tls_key, "serve-rpc", " (gRPC)")
+
+
+class _Services(grpc.GenericRpcHandler):
+  """Several services' handlers as the one ``rpc.listen`` takes: the first that knows a method serves it."""
+
+  def __init__(self, *handlers: grpc.GenericRpcHandler):
+    self.handlers = handlers
+
+  def service(self, handler_call_details: Any) -> Optional[grpc.RpcMethodHandler]:
+    for h in self.handlers:
+      found = h.service(handler_call_details)
+      if found is not None:
+        return found
+    return None

@@ -3,6 +3,7 @@
 - ``POST /v1/predict`` with ``{"records": [{...}, ...]}`` -> ``{"version": ..., "dense_version": ..., "row_version": ..., "scores": [...]}``
 - ``GET /v1/model`` -> the version served, its step, its request fields, the reload counters
 - ``GET /v1/health`` -> ``{"status": "serving", "version": ..., "dense_version": ..., "row_version": ...}``
+- ``/v2/...``: the Open Inference Protocol (KServe v2), ``serving/v2/rest.py``
 
 Errors are JSON ``{"error", "field", "record"}``: 400 (malformed JSON, a bad record: missing,
 unknown or mistyped feature), 401 (a token is set and the request lacks ``Authorization:
@@ -24,6 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 from absl import logging
 
 from recsys_jax.serving.front import Front, FrontError
+from recsys_jax.serving.v2 import rest as v2_rest
 
 _MAX_SKIP = 64 << 20  # bodies of refused requests up to this are read and dropped; larger ones close the connection
 _ROUTES = {"/v1/predict": "POST", "/v1/model": "GET", "/v1/health": "GET"}
@@ -36,6 +38,7 @@ class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
   front: Front
   max_body_bytes: int
+  v2: v2_rest.Routes
 
   def handle_error(self, request: Any, client_address: Any) -> None:
     # A client that breaks off (or speaks plaintext to TLS) is one log line, not a traceback per connection.
@@ -61,11 +64,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     pass  # a line per request would cost more than the request; errors are in the answers
 
   def _send(self, status: int, body: Dict[str, Any], extra: Optional[Dict[str, str]] = None) -> None:
-    data = json.dumps(body).encode("utf-8")
+    self._send_bytes(status, {"Content-Type": "application/json", **(extra or {})}, json.dumps(body).encode("utf-8"))
+
+  def _send_bytes(self, status: int, headers: Dict[str, str], data: bytes) -> None:
     self.send_response(status)
-    self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(data)))
-    for k, v in (extra or {}).items():
+    for k, v in headers.items():
       self.send_header(k, v)
     self.end_headers()
     self.wfile.write(data)
@@ -95,9 +99,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
   def _route(self, method: str) -> bool:
     path = self.path.split("?", 1)[0]
-    want = _ROUTES.get(path)
+    want = _ROUTES.get(path) or v2_rest.method(path)
     if want is None:
-      self._fail(FrontError("not_found", f"no such path {path!r}; try {sorted(_ROUTES)}"), unread=True)
+      try_ = sorted(_ROUTES) + ["/v2", "/v2/models/<name>", "/v2/models/<name>/infer"]
+      self._fail(FrontError("not_found", f"no such path {path!r}; try {try_}"), unread=True)
       return False
     if want != method:
       extra = {"Allow": want}
@@ -113,8 +118,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       return False
     return True
 
+  def _v2(self, method: str, body: bytes) -> bool:
+    """Answers a request of the Open Inference Protocol; False if the path is not one."""
+    path = self.path.split("?", 1)[0]
+    if path not in _ROUTES:
+      self._send_bytes(*self.server.v2.handle(method, path, self.headers, body))
+      return True
+    return False
+
   def do_GET(self) -> None:  # noqa: N802 - the base class's name
-    if not self._route("GET"):
+    if not self._route("GET") or self._v2("GET", b""):
       return
     front = self.server.front
     self._send(200, front.model() if self.path.startswith("/v1/model") else front.health())
@@ -134,6 +147,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self._fail(FrontError("too_large", f"a body of {length} bytes is over the server's {limit}"), unread=True)
       return
     body = self.rfile.read(int(length))
+    if self._v2("POST", body):
+      return
     try:
       answer = self.server.front.predict(body)
     except FrontError as e:
@@ -177,7 +192,7 @@ def serve_http(
     server = _Server((host, port), _Handler, backlog)
   except OSError as e:
     raise RuntimeError(f"cannot listen on {host}:{port} (HTTP): {e}") from None
-  server.front, server.max_body_bytes = front, max_body_bytes
+  server.front, server.max_body_bytes, server.v2 = front, max_body_bytes, v2_rest.Routes(front)
   if tls_cert is not None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(tls_cert, tls_key)

@@ -7,6 +7,7 @@ process with any ``load``/``newest`` pair (see ``reload.ModelHolder``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 from recsys_jax.serving.batcher import Batcher
@@ -59,6 +60,8 @@ class ServerOptions:
   (``fresh.FreshModelHolder``) every ``deltas_every_s`` seconds; None: checkpoints only."""
   deltas_every_s: float = 0.2
   """How often a fresh server looks for deltas."""
+  model_name: Optional[str] = None
+  """The model's name in the Open Inference Protocol (``/v2/models/<name>``); None: the workdir's basename."""
 
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,7 +98,8 @@ class Serving:
     self.batcher = Batcher(self.holder.current, o.max_batch, o.max_wait_s, o.batch_workers, on_gone=self.holder.check)
     if o.warm_reload:
       self.holder.warm = self.batcher.warm
-    self.front = Front(self.holder, self.batcher, o.token, o.timeout_s)
+    name = o.model_name or os.path.basename(os.path.abspath(workdir)) or "model"
+    self.front = Front(self.holder, self.batcher, o.token, o.timeout_s, name)
     self.http = self.grpc = None
     self.http_port = self.grpc_port = None
     try:
