@@ -24,7 +24,7 @@ PACKAGE = ROOT / "recsys_jax"
 
 # Top to bottom. A unit may import units of its own layer or of layers below it.
 LAYERS = (
-  ("main", "serve", "launch", "plan"),  # entry points and what only they use
+  ("main", "serve", "predict", "launch", "plan"),  # entry points and what only they use
   ("train", "serving"),  # the loop; serving a trained model
   ("training", "online"),  # the parts the loop is assembled from; what online training adds
   ("checkpoint", "checkpoint_files", "data"),

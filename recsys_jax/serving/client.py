@@ -1,7 +1,10 @@
 """A small client of the model server, over HTTP or gRPC (the tests and ``bench_serve`` use it).
 
-    c = HttpClient("127.0.0.1", 8501)          # or GrpcClient("127.0.0.1:8500")
-    c.predict([{"i1": 3.0, "c1": "68fd1e64"}])  # -> {"version": "step-200", "scores": [0.12]}
+    c = HttpClient("127.0.0.1", 8501)  # or GrpcClient("127.0.0.1:8500")
+    fields = c.model()["fields"]       # what a record holds: the training data's schema, e.g. dense_00 .. cat_25
+    c.predict(records)                 # -> {"version": "step-300", "dense_version": 300, "row_version": 300, "scores": [...]}
+
+From a shell: ``python -m recsys_jax.predict --http=127.0.0.1:8501 --records=records.jsonl``.
 
 Both raise ``ServeError`` (``status``: the HTTP status or gRPC code name; ``field``, ``record``:
 where the server says the request is wrong). One client is one connection: use one per thread.
