@@ -93,6 +93,14 @@ def parse_request(body: Union[bytes, str], max_records: int) -> list:
   return records
 
 
+def authorization(metadata: Any) -> Optional[str]:
+  """The ``authorization`` value of a gRPC call's metadata (``context.invocation_metadata()``), or None."""
+  for key, value in metadata or ():
+    if key == "authorization":
+      return value
+  return None
+
+
 class Front:
   """The request handling both servers call: token, predict, model, health.
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 import grpc
 
 from recsys_jax.async_ps.server import rpc
-from recsys_jax.serving.front import Front, FrontError
+from recsys_jax.serving.front import Front, FrontError, authorization
 from recsys_jax.serving.v2 import rpc as v2_rpc
 
 SERVICE = "recsys_jax.serving.Predictor"
@@ -36,11 +36,7 @@ def _handler(front: Front) -> grpc.GenericRpcHandler:
   def wrap(fn: Callable[[bytes], Any]):
     def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
       try:
-        auth = None
-        for key, value in context.invocation_metadata() or ():
-          if key == "authorization":
-            auth = value
-        front.authenticate(auth)
+        front.authenticate(authorization(context.invocation_metadata()))
         return json.dumps(fn(request)).encode("utf-8")
       except FrontError as e:
         meta = []

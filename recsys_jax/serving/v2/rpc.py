@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from absl import logging
 
-from recsys_jax.serving.front import Front, FrontError
+from recsys_jax.serving.front import Front, FrontError, authorization
 from recsys_jax.serving.v2 import codec
 from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
 
@@ -108,11 +108,7 @@ def handler(front: Front) -> grpc.GenericRpcHandler:
   def wrap(fn: Callable[[Any], Any], request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
     def behavior(request: Any, context: grpc.ServicerContext) -> Any:
       try:
-        auth = None
-        for key, value in context.invocation_metadata() or ():
-          if key == "authorization":
-            auth = value
-        front.authenticate(auth)
+        front.authenticate(authorization(context.invocation_metadata()))
         return fn(request)
       except FrontError as e:
         code = grpc.StatusCode.NOT_FOUND if e.kind == "not_found" else grpc.StatusCode[e.grpc_code]
