@@ -129,11 +129,12 @@ class HotRows:
     self._to_count: "queue.Queue" = queue.Queue(maxsize=8)
     self._counting: Optional[threading.Thread] = None
     self._count_error: Optional[BaseException] = None
-    # Per row width, the (cold, hot) bucket lengths of the steps since the last choice: a step
-    # pads to at least these. The step compiles once per shape it sees, and the counts of a
-    # width hover around a bucket edge (e.g. 4,082-4,430 cold rows around 4,096 at
-    # configs/dlrm.py's shape): without a floor, each crossing down and back can cost a compile.
+    # Per row width, the (cold, hot) lengths the step was compiled for: a step pads to at least
+    # these. The step compiles once per shape it sees, and the counts of a width hover around a
+    # bucket edge (e.g. 4,082-4,430 cold rows around 4,096 at configs/dlrm.py's shape) and fall as
+    # choices make rows hot: without a floor, each crossing and each choice can cost a compile.
     self._bucket_floor: Dict[int, tuple] = {}
+    self._chosen: set = set()  # widths whose rows were chosen hot once: their cold shape started over
     self.totals = {"hits": 0, "lookups": 0, "cold_rows": 0, "hot_rows": 0, "h2d_row_bytes": 0, "steps": 0}
     # Seconds spent in the hot rows' own work (``metrics``): the splits (prefetcher thread), the
     # counting (its own thread) and the re-choices (training loop), each written by one thread.
@@ -252,9 +253,11 @@ class HotRows:
     divides), then splits each group: -> (cold groups, hot slots per width).
 
     Shapes change rarely, since each one compiles the step (``_bucket_floor``): a group's hot
-    bucket (4 bytes an entry) never shrinks in a run, and its cold bucket shrinks only to half or
-    less of the last one (after a choice made most of its rows hot, say); a step with fewer rows
-    is padded to the last shapes.
+    slots are one length for the whole run, the most a batch can hold (its ids, at most the
+    group's slots; 4 bytes an entry), and its cold bucket never shrinks but once, at the run's
+    first choice (which makes most rows hot), and grows with a quarter more room; a step with
+    fewer rows is padded to the last shape. So the step compiles once before the first choice and
+    once after, unless a batch brings more cold rows than the room left.
     """
     t0 = time.perf_counter()
     if step % self.count_every == 0:
@@ -269,12 +272,17 @@ class HotRows:
         continue
       mb = min_bucket.get(dim, dedup_lib.MIN_BUCKET) if isinstance(min_bucket, Mapping) else int(min_bucket)
       floor_cold, floor_hot = self._bucket_floor.get(dim, (mb, mb))
-      s = self.set.split(g, mb, min_hot_bucket=max(mb, floor_hot))
+      if dim not in self._chosen and self.set.size(dim):  # the first choice: the cold rows' shape starts over
+        self._chosen.add(dim)
+        floor_cold = mb
+      most = dedup_lib.bucket_size(min(self.set.capacity[dim], g.inverse.size), mb)  # hot slots a batch can use
+      s = self.set.split(g, mb, min_hot_bucket=max(floor_hot, most))
       own = s.group.bucket
-      if own < floor_cold < 2 * own:  # pad up to the compiled shape, unless that would double it
+      target = floor_cold if own <= floor_cold else dedup_lib.bucket_size(own + own // 4, mb)
+      if target > own:  # pad up to the compiled shape (or one with room to grow)
         inv = s.group.inverse
         s.group = dataclasses.replace(
-          s.group, inverse=np.where(inv >= own, inv + np.int32(floor_cold - own), inv), bucket=floor_cold
+          s.group, inverse=np.where(inv >= own, inv + np.int32(target - own), inv), bucket=target
         )
       self._bucket_floor[dim] = (s.group.bucket, s.hot_idx.shape[0])
       cold[dim], hot_idx[str(dim)] = s.group, s.hot_idx

@@ -215,44 +215,56 @@ def test_a_checkpoint_written_before_parts_is_read_as_before(runs, tmp_path):
   _assert_same_run(runs, _resumed(runs, tmp_path, old_layout))
 
 
-def test_buckets_shrink_rarely(tiny_config):
-  """The step compiles once per shape: after a step of many rows, a step of few pads to the
-  earlier buckets (same rows, same slots, only the hot entries' base moves); the cold bucket
-  shrinks only when the cold rows fit in half of it, the hot bucket never."""
+def test_shapes_start_over_once_at_the_first_choice_and_then_only_grow_past_their_room(tiny_config):
+  """The step compiles once per shape, so shapes change rarely: a step pads to the shape compiled
+  last (same rows, same slots, only the hot entries' base moves). The hot slots are the most a
+  batch can use from the first step on; the cold bucket never shrinks but once, at the run's first
+  choice (which makes most rows hot), and grows only past its room, with a quarter more."""
   from recsys_jax import train
   from recsys_jax.data import synthetic
 
   c = _config(tiny_config, 1 << 20, hot_warmup_steps=100, hot_every=0)
   job = train.build_job(c)
   hot, host = job.hot, job.host
+  mb = dedup_lib.MIN_BUCKET
 
   def groups(step, batch_size):
-    return host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, batch_size))
+    return host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, batch_size)).groups
 
   for step in range(3):  # counted and created on the PS; nothing is hot yet
-    host.lookup(groups(step, 1024), create=True)
-  hot.rechoose(3, job.ps)
+    host.lookup(host.prepare(step, job.reader.data.batch(synthetic.TRAIN, step, 1024)), create=True)
+  warm_cold, warm_hot = hot._bucket_floor[8]
+  assert warm_hot == dedup_lib.bucket_size(min(hot.set.capacity[8], groups(0, 1024)[8].inverse.size), mb)
+  cold, hot_idx = hot.split(groups(3, 64), mb)  # a small warm-up batch: the warm-up shapes
+  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (warm_cold, warm_hot)
+
+  hot.rechoose(4, job.ps)
   assert hot.set.size() > 100
-  big, medium, small = groups(4, 1024).groups, groups(5, 900).groups, groups(6, 64).groups
-  hot.split(big, dedup_lib.MIN_BUCKET)
+  big, medium, small = groups(5, 1024), groups(6, 900), groups(7, 64)
+  hot.split(big, mb)
   bucket, bucket_h = hot._bucket_floor[8]
-  alone = hot.set.split(medium[8])  # the medium step's own buckets: smaller, but more than half
-  assert alone.group.bucket < bucket < 2 * alone.group.bucket and alone.hot_idx.shape[0] <= bucket_h
-  cold, hot_idx = hot.split(medium, dedup_lib.MIN_BUCKET)
-  got = cold[8]
-  assert (got.bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)  # padded to the compiled shapes
-  assert [(n, i.tolist(), o) for n, i, o in got.tables] == [(n, i.tolist(), o) for n, i, o in alone.group.tables]
-  n_hot = int(np.count_nonzero(alone.hot_idx < hot.set.capacity[8]))
-  np.testing.assert_array_equal(hot_idx["8"][:n_hot], alone.hot_idx[:n_hot])
-  assert (hot_idx["8"][n_hot:] == hot.set.capacity[8]).all()
-  a = alone.group.inverse
-  np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
-  # Far fewer cold rows (half the bucket or less): the cold bucket shrinks to its own; the hot one never.
-  hot.rechoose(7, job.ps)
-  alone = hot.set.split(small[8])
-  assert 2 * alone.group.bucket <= bucket and alone.hot_idx.shape[0] < bucket_h
-  cold, hot_idx = hot.split(small, dedup_lib.MIN_BUCKET)
-  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (alone.group.bucket, bucket_h)
+  own = hot.set.split(big[8]).group.bucket
+  assert bucket == dedup_lib.bucket_size(own + own // 4, mb) < warm_cold and bucket_h == warm_hot  # started over
+  for g in (medium, small):
+    alone = hot.set.split(g[8])  # the step's own buckets: smaller
+    assert alone.group.bucket < bucket and alone.hot_idx.shape[0] <= bucket_h
+    cold, hot_idx = hot.split(g, mb)
+    got = cold[8]
+    assert (got.bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)  # padded to the compiled shapes
+    assert [(n, i.tolist(), o) for n, i, o in got.tables] == [(n, i.tolist(), o) for n, i, o in alone.group.tables]
+    n_hot = int(np.count_nonzero(alone.hot_idx < hot.set.capacity[8]))
+    np.testing.assert_array_equal(hot_idx["8"][:n_hot], alone.hot_idx[:n_hot])
+    assert (hot_idx["8"][n_hot:] == hot.set.capacity[8]).all()
+    a = alone.group.inverse
+    np.testing.assert_array_equal(got.inverse, np.where(a >= alone.group.bucket, a - alone.group.bucket + bucket, a))
+  hot.rechoose(8, job.ps)  # a later choice: no new shape
+  cold, hot_idx = hot.split(small, mb)
+  assert (cold[8].bucket, hot_idx["8"].shape[0]) == (bucket, bucket_h)
+  huge = groups(9, 8192)  # more cold rows than the room: the cold bucket grows, with a quarter more
+  own = hot.set.split(huge[8]).group.bucket
+  assert own > bucket
+  cold, hot_idx = hot.split(huge, mb)
+  assert cold[8].bucket == dedup_lib.bucket_size(own + own // 4, mb) and hot_idx["8"].shape[0] >= bucket_h
   job.ps.close()
 
 
