@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
+from recsys_jax.checkpoint_files import WriteError
 from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
@@ -216,7 +217,7 @@ def train_and_evaluate(
   ckpts, state, start, position, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
-  progress = Progress(workdir, config, start, t_start, on_metrics)
+  progress = Progress(workdir, config, start, t_start, on_metrics, stop)
   pusher = Pusher(lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source), gate)
   run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None
@@ -258,6 +259,8 @@ def train_and_evaluate(
     _last_cut(run, done, state, data_error)
   except NonFiniteLossError as e:
     raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
+  except WriteError as e:  # metrics, TensorBoard events, a publish: said as a failed checkpoint is
+    raise WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)") from e
   except ConnectionError as e:
     # A PS server is lost: wake a prefetcher waiting for pushes that will not come and end the
     # other calls in flight, so that the threads below stop at once.
@@ -272,4 +275,7 @@ def train_and_evaluate(
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)
+  try:
+    return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)
+  except WriteError as e:
+    raise WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)") from e

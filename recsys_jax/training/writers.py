@@ -15,12 +15,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
 from tensorboardX.proto.summary_pb2 import Summary
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
+from recsys_jax.checkpoint_files import WriteError, named
 from recsys_jax.online.progressive import ProgressiveValidation, window_of
+from recsys_jax.training.event_file import EventFile
 
 
 def say(msg: str) -> None:
@@ -113,16 +114,26 @@ def read_metrics(workdir: str, kind: Optional[str] = None) -> List[Dict[str, Any
 
 class Writers:
   """metrics.jsonl and TensorBoard event files in the workdir (written by process 0 only), and
-  the caller's ``on_metrics`` callback (called on process 0 with the same records)."""
+  the caller's ``on_metrics`` callback (called on process 0 with the same records).
 
-  def __init__(self, workdir: str, on_metrics: Optional[MetricsCallback] = None):
+  A record that cannot be written (a full disk) raises ``WriteError`` naming the file; ``stop``
+  (set by SIGTERM): TensorBoard events that would wait for a disk that takes no writes are dropped.
+  """
+
+  def __init__(
+    self, workdir: str, on_metrics: Optional[MetricsCallback] = None, stop: Optional[threading.Event] = None
+  ):
     self.enabled = jax.process_index() == 0
     self.on_metrics = on_metrics
     self._closed = False
     self._lock = threading.RLock()
     if self.enabled:
-      self.jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
-      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self.jsonl_path = os.path.join(os.path.abspath(workdir), workdir_lib.METRICS)
+      try:
+        self.jsonl = open(self.jsonl_path, "a")
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, e) from e
+      self.tb = EventFile(os.path.join(os.path.abspath(workdir), "tensorboard"), stop)
 
   def write(self, step: int, kind: str, values: Dict[str, Any], tb_prefix: Optional[str] = None) -> None:
     """One record; its finite numbers also go to TensorBoard as ``<tb_prefix or kind>/<name>``.
@@ -133,8 +144,11 @@ class Writers:
     with self._lock:
       if self._closed:
         raise ValueError(f"metrics writers closed: the {kind!r} record of step {step} came after the run's end")
-      self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
-      self.jsonl.flush()
+      try:
+        self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        self.jsonl.flush()
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, named(e, self.jsonl_path)) from e
       if self.on_metrics is not None:
         self.on_metrics(step, kind, dict(values))
       self._scalars(step, {f"{tb_prefix or kind}/{k}": v for k, v in values.items()})
@@ -149,7 +163,7 @@ class Writers:
       if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
     ]
     if tb_values:
-      self.tb.file_writer.add_summary(Summary(value=tb_values), step)
+      self.tb.add(Summary(value=tb_values), step)
 
   def write_ps(self, step: int, stats: Dict[str, Dict[str, float]]) -> None:
     """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
@@ -179,17 +193,21 @@ class Writers:
       self._scalars(step, {f"ps/{name}/{k}": t[k] for name, t in stats.items() for k in per_table if k in t})
 
   def close(self) -> None:
-    """Closes the files (once; again is a no-op). One that cannot be flushed (a full disk) is
-    logged, not raised: a run stopped by an error reports that error, once."""
+    """Closes the files (once; again is a no-op).
+
+    Raises:
+      WriteError: naming the file, if what was written could not all reach it (a full disk).
+    """
     if not self.enabled or self._closed:
       return
     with self._lock:
       self._closed = True
-      for f in (self.jsonl, self.tb):
-        try:
-          f.close()
-        except OSError as e:
-          logging.warning("closing %s: %s", f, e)
+      try:
+        self.jsonl.close()
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, named(e, self.jsonl_path)) from e
+      finally:
+        self.tb.close()
 
 
 class Progress:
@@ -202,11 +220,20 @@ class Progress:
     start: the first step this run trains (after a resume, the checkpoint's).
     t_start: when the run started (``time.perf_counter()``).
     on_metrics: called with every record written to metrics.jsonl (e.g. a notebook's live plot).
+    stop: set when the run is told to stop (``Writers``).
   """
 
-  def __init__(self, workdir: str, config, start: int, t_start: float, on_metrics: Optional[MetricsCallback] = None):
+  def __init__(
+    self,
+    workdir: str,
+    config,
+    start: int,
+    t_start: float,
+    on_metrics: Optional[MetricsCallback] = None,
+    stop: Optional[threading.Event] = None,
+  ):
     self.workdir, self.config, self.t_start = workdir, config, t_start
-    self.writers = Writers(workdir, on_metrics)
+    self.writers = Writers(workdir, on_metrics, stop)
     self.stats = TrainStats()
     self.bar = tqdm(
       total=config.num_steps if config.num_steps >= 0 else None,  # -1: until stopped
@@ -356,8 +383,12 @@ class Progress:
       "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
-      with open(os.path.join(self.workdir, workdir_lib.SUMMARY), "w") as f:
-        json.dump(summary, f, indent=2)
+      path = os.path.join(os.path.abspath(self.workdir), workdir_lib.SUMMARY)
+      try:
+        with open(path, "w") as f:
+          json.dump(summary, f, indent=2)
+      except OSError as e:
+        raise WriteError.of("summary", path, named(e, path)) from e
     return summary
 
 
