@@ -91,7 +91,8 @@ class WriteError(RuntimeError):
   @classmethod
   def of(cls, what: str, path: str, e: BaseException) -> "WriteError":
     """``<what> <path> could not be written: <cause>`` (``cause``'s line, the file it names included)."""
-    return cls(f"{what} {path} could not be written: {cause(e)}")
+    why = cause(e)
+    return cls(f"{what} {path} could not be written: {why.removesuffix(f' ({path})')}")
 
 
 def named(e: OSError, path: str) -> OSError:

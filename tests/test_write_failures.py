@@ -154,3 +154,68 @@ def test_sigterm_ends_a_run_blocked_in_a_tensorboard_write(tmp_path):
   code, _, err = _ended(proc, within=20)
   assert "SIGTERM" in err, err[-3000:]
   assert code in (0, 2), err[-3000:]
+
+
+# The first writes of a kind go in, the later ones meet a full disk.
+_FULL_AFTER = """
+import errno, os
+def _full_after(module, name, n, _calls=[0]):
+  first = getattr(module, name)
+  def write(*a, **k):
+    _calls[0] += 1
+    if _calls[0] > n:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return first(*a, **k)
+  setattr(module, name, write)
+
+import builtins, io
+class _Full(io.FileIO):
+  def write(self, b):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def _open_full_after(n, _calls=[0]):
+  def open_(path, mode="r", *a, **k):  # a file the delta is written to: created, but takes no bytes
+    if "w" in mode and "/rows/" in str(path):
+      _calls[0] += 1
+      if _calls[0] > n:
+        return _Full(path, "wb")
+    return builtins.open(path, mode, *a, **k)
+  return open_
+"""
+
+
+@pytest.mark.parametrize(
+  "where, patch, names",
+  [
+    (
+      "tensorboard",
+      "import tensorboardX.record_writer as m\n_full_after(m.RecordWriter, 'write', 20)",
+      "TensorBoard events {workdir}/tensorboard/events.out.tfevents.",
+    ),
+    (
+      "publish",
+      "import recsys_jax.async_ps.snapshot.published as m\nm.open = _open_full_after(6)",
+      "publish {workdir}/publish could not be written: No space left on device ({workdir}/publish/",
+    ),
+  ],
+)
+def test_a_full_disk_met_first_by_each_writer_is_one_line_and_exit_2(tmp_path, where, patch, names):
+  workdir = str(tmp_path / "run")
+  proc = _start(workdir, *ENOUGH, *PUBLISH, prelude=_FULL_AFTER + patch)
+  code, _, err = _ended(proc, within=120)
+  errors = _errors(err)
+  assert code == 2 and len(errors) == 1, err[-4000:]
+  assert names.format(workdir=workdir) in errors[0], errors[0]
+  assert "No space left on device" in errors[0] and "last good checkpoint: " in errors[0], errors[0]
+  assert not glob.glob(os.path.join(workdir, "publish", "**", "*.tmp"), recursive=True)
+
+
+def test_a_run_removes_the_temporaries_of_a_publish_that_died_and_says_so(tmp_path):
+  workdir = tmp_path / "run"
+  rows = workdir / "publish" / "rows"
+  rows.mkdir(parents=True)
+  (rows / "0000000003-0000000040.npz.tmp").write_bytes(b"half a delta")
+  proc = _start(str(workdir), "--config.num_steps=2", *PUBLISH[:2], "--config.checkpoint_every=1", *ENOUGH[1:])
+  code, _, err = _ended(proc, within=120)
+  assert code == 0, err[-3000:]
+  assert "publish: removed 1 temporary file(s) an earlier run left" in err, err[-3000:]
+  assert not list(rows.glob("*.tmp"))
