@@ -195,6 +195,24 @@ def _train_step(job: Job, progress: Progress, t: int, state, rows, batch):
   return state, g_rows, m
 
 
+def _naming_last_good(e: Exception, ckpts: RunCheckpoints) -> Exception:
+  """The error that ends a run (a NaN loss, a file it could not write) with its last good checkpoint."""
+  if isinstance(e, NonFiniteLossError):
+    return NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)")
+  # metrics, TensorBoard events, a publish, the summary: said as a checkpoint that failed is
+  return WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)")
+
+
+def _finish(run: _Run, ev: Dict[str, Any], ps_stats, train_end: float, done: int) -> Dict[str, Any]:
+  """The final evaluation's record and summary.json (``Progress.finish``); returns the summary."""
+  try:
+    return run.progress.finish(
+      ev, run.job, run.start, run.ckpts.latest is not None, ps_stats, train_end, run.job.hot, done=done
+    )
+  except WriteError as e:
+    raise _naming_last_good(e, run.ckpts) from e
+
+
 def train_and_evaluate(
   config: ml_collections.ConfigDict,
   workdir: str,
@@ -257,10 +275,8 @@ def train_and_evaluate(
       if stopping:
         break
     _last_cut(run, done, state, data_error)
-  except NonFiniteLossError as e:
-    raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
-  except WriteError as e:  # metrics, TensorBoard events, a publish: said as a failed checkpoint is
-    raise WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)") from e
+  except (NonFiniteLossError, WriteError) as e:
+    raise _naming_last_good(e, ckpts) from (None if isinstance(e, NonFiniteLossError) else e)
   except ConnectionError as e:
     # A PS server is lost: wake a prefetcher waiting for pushes that will not come and end the
     # other calls in flight, so that the threads below stop at once.
@@ -275,7 +291,4 @@ def train_and_evaluate(
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  try:
-    return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)
-  except WriteError as e:
-    raise WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)") from e
+  return _finish(run, ev, ps_stats, train_end, done)
