@@ -83,6 +83,23 @@ def write_part(path: str, write: PartWriter) -> str:
 _DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
 
+class WriteError(RuntimeError):
+  """A file of the run other than a checkpoint's (metrics, TensorBoard events, a published delta,
+  the summary) could not be written: one line, what, where and why, as a checkpoint's
+  ``CheckpointError`` says it; the training loop adds the last good checkpoint."""
+
+  @classmethod
+  def of(cls, what: str, path: str, e: BaseException) -> "WriteError":
+    """``<what> <path> could not be written: <cause>`` (``cause``'s line, the file it names included)."""
+    why = cause(e)
+    return cls(f"{what} {path} could not be written: {why.removesuffix(f' ({path})')}")
+
+
+def named(e: OSError, path: str) -> OSError:
+  """``e`` naming ``path`` if it names no file (a failed ``write`` or ``flush`` does not)."""
+  return e if e.filename or not e.errno else OSError(e.errno, e.strerror, path)
+
+
 def cause(e: BaseException) -> str:
   """An error's cause in one line: the innermost OSError's (a full disk says so, whatever library
   it came through), else the error's own first line."""

@@ -17,8 +17,9 @@ processes SIGTERM ends each at once (they would have to agree on the step to sto
 
 Exit status: 0 done; 2 (``EXIT_CONFIG``) for a failure that running again would repeat: bad flags
 or config, a workdir whose checkpoints do not fit the job or none of which can be read, a NaN loss
-(training from the same checkpoint replays the same steps); 1 for anything else, such as a lost PS
-server. The launcher restarts a job after 1 or a signal, never after 2.
+(training from the same checkpoint replays the same steps), a file the run cannot write (a full
+disk: a checkpoint, metrics, TensorBoard events, a publish, the log; one line names it and the last
+good checkpoint); 1 for anything else, such as a lost PS server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
 import ast
@@ -29,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from absl import app, flags, logging
@@ -37,6 +39,7 @@ from ml_collections import config_flags
 from recsys_jax import train
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.checkpoint import CheckpointError
+from recsys_jax.checkpoint_files import WriteError, cause
 from recsys_jax.launch.supervisor import EXIT_CONFIG
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
@@ -171,28 +174,66 @@ def _model_kwargs_follow_the_model(config) -> None:
     )
 
 
-def _log_to_workdir(workdir: str, process_id: int):
+_LOG_RESERVE = 1 << 20
+
+
+def _reserve(log) -> None:
+  """Allocates ``_LOG_RESERVE`` bytes of disk past the log's end, its size unchanged
+  (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``): what the log writes later goes there, so a disk
+  that fills during the run still takes the traceback of the error that ends it. Where the file
+  system or the platform has no such call, nothing is reserved."""
+  try:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    libc.fallocate(log.fileno(), 1, os.fstat(log.fileno()).st_size, _LOG_RESERVE)  # 1: FALLOC_FL_KEEP_SIZE
+  except (OSError, AttributeError):
+    pass
+
+
+class _Log:
+  """The trainer's log file, appended to (the runs before this one keep what they wrote), and
+  the first failure to write it (``failed``: None while every write went in)."""
+
+  def __init__(self, path: str):
+    self.path, self.failed = path, None
+    self._file = None
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      self._file = open(path, "a", buffering=1)
+      _reserve(self._file)
+    except OSError as e:
+      self.failed = e
+    self.write(f"==== run started {time.strftime('%Y-%m-%d %H:%M:%S %z')}, pid {os.getpid()}: {' '.join(sys.argv)}\n")
+
+  def write(self, text: str) -> None:
+    if self._file is None:
+      return
+    try:
+      self._file.write(text)
+      self._file.flush()
+    except (OSError, ValueError) as e:
+      if self.failed is None:
+        self.failed = e
+
+  def where(self) -> str:
+    """Where the traceback of an error is: the log, or why it is not there."""
+    if self.failed is None:
+      return f"traceback: {self.path}"
+    return f"traceback not in {self.path}: {cause(self.failed)}"
+
+
+def _log_to_workdir(workdir: str, process_id: int) -> "_Log":
   """Sends what is not for the person at the terminal to ``<workdir>/trainer_p<i>.log``: absl
   logging (orbax's warnings and errors included), the tracebacks of threads that die, and errors
   Python ignores (a flush at exit on a full disk). The terminal keeps one ``error:`` line per
-  failure. A log that cannot be written (the same full disk) loses those lines, nothing else.
-
-  Returns:
-    ``(path, write)``: the log file and a function that appends text to it.
+  failure. Each run appends to the log, after a line that says when it started; a log that cannot
+  be written (the same full disk, past what the log reserved) is an error of its own at the end
+  of the run (``_Log.failed``), or is named in the line of the error that ended it.
   """
-  path = workdir_lib.trainer_log(workdir, process_id)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    log = open(path, "a", buffering=1)
-  except OSError:
-    return path, lambda text: None
-
-  def write(text: str) -> None:
-    try:
-      log.write(text)
-      log.flush()
-    except (OSError, ValueError):
-      pass
+  log = _Log(workdir_lib.trainer_log(workdir, process_id))
+  write = log.write
 
   class _Stream:  # absl's handler writes to .stream, flushes it, and closes it at exit
     def write(self, text):
@@ -218,7 +259,7 @@ def _log_to_workdir(workdir: str, process_id: int):
 
   threading.excepthook = thread_died
   sys.unraisablehook = ignored
-  return path, write
+  return log
 
 
 def _stop_on_sigterm() -> threading.Event:
@@ -257,14 +298,16 @@ def main(argv):
     "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
   )
   print(f"workdir: {os.path.abspath(workdir)}", file=sys.stderr)
-  log, to_log = _log_to_workdir(workdir, _PROCESS_ID.value)
+  log = _log_to_workdir(workdir, _PROCESS_ID.value)
+  to_log = log.write
   stop = _stop_on_sigterm() if _NUM_PROCESSES.value == 1 else None
   try:
     summary = train.train_and_evaluate(config, workdir, stop=stop)
-  # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact.
-  except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError) as e:
+  # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact, or
+  # one could not be written; WriteError: another file of the run could not be written (a full disk).
+  except (train.NonFiniteLossError, ValueError, ConnectionError, CheckpointError, WriteError) as e:
     to_log("".join(traceback.format_exception(e)))  # with the causes the line leaves out
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}" + (f" ({log.where()})" if log.failed is not None else ""), file=sys.stderr)
     if isinstance(e, ConnectionError) and _NUM_PROCESSES.value > 1:
       # A lost PS server, which the other trainers may not have met yet: a normal exit would wait
       # in jax's shutdown barrier for them (up to 5 minutes), so a hung server would hold the job.
@@ -275,9 +318,12 @@ def main(argv):
     sys.exit(1 if isinstance(e, ConnectionError) else EXIT_CONFIG)
   except Exception as e:  # anything else (numpy, tensorstore, a file): one line here, the traceback in the log
     to_log("".join(traceback.format_exception(e)))
-    print(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]} (traceback: {log})", file=sys.stderr)
+    print(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]} ({log.where()})", file=sys.stderr)
     # A full disk stays full for the next attempt: not a failure a restart mends.
     sys.exit(EXIT_CONFIG if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else 1)
+  if log.failed is not None:  # the run's own files are written; its log is not whole
+    print(f"error: {WriteError.of('log', log.path, log.failed)}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
   print(train.format_summary(summary))
   print(f"summary: {os.path.join(os.path.abspath(workdir), 'summary.json')}")
 

@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 import ml_collections
 
 from recsys_jax.async_ps.factory import parse_kvstore
+from recsys_jax.checkpoint_files import WriteError
 from recsys_jax.online.publish import Publisher
 from recsys_jax.parallel import distributed
 from recsys_jax.training import run_config
@@ -194,6 +195,24 @@ def _train_step(job: Job, progress: Progress, t: int, state, rows, batch):
   return state, g_rows, m
 
 
+def _naming_last_good(e: Exception, ckpts: RunCheckpoints) -> Exception:
+  """The error that ends a run (a NaN loss, a file it could not write) with its last good checkpoint."""
+  if isinstance(e, NonFiniteLossError):
+    return NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)")
+  # metrics, TensorBoard events, a publish, the summary: said as a checkpoint that failed is
+  return WriteError(f"{e}; last good checkpoint: {ckpts.last_good()} (left as it was)")
+
+
+def _finish(run: _Run, ev: Dict[str, Any], ps_stats, train_end: float, done: int) -> Dict[str, Any]:
+  """The final evaluation's record and summary.json (``Progress.finish``); returns the summary."""
+  try:
+    return run.progress.finish(
+      ev, run.job, run.start, run.ckpts.latest is not None, ps_stats, train_end, run.job.hot, done=done
+    )
+  except WriteError as e:
+    raise _naming_last_good(e, run.ckpts) from e
+
+
 def train_and_evaluate(
   config: ml_collections.ConfigDict,
   workdir: str,
@@ -216,7 +235,7 @@ def train_and_evaluate(
   ckpts, state, start, position, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
   pre = host.train_prefetcher(start, config, gate, position)
-  progress = Progress(workdir, config, start, t_start, on_metrics)
+  progress = Progress(workdir, config, start, t_start, on_metrics, stop)
   pusher = Pusher(lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source), gate)
   run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None
@@ -256,8 +275,8 @@ def train_and_evaluate(
       if stopping:
         break
     _last_cut(run, done, state, data_error)
-  except NonFiniteLossError as e:
-    raise NonFiniteLossError(f"{e}; the run stopped. Last good checkpoint: {ckpts.last_good()} (left intact)") from None
+  except (NonFiniteLossError, WriteError) as e:
+    raise _naming_last_good(e, ckpts) from (None if isinstance(e, NonFiniteLossError) else e)
   except ConnectionError as e:
     # A PS server is lost: wake a prefetcher waiting for pushes that will not come and end the
     # other calls in flight, so that the threads below stop at once.
@@ -272,4 +291,4 @@ def train_and_evaluate(
   ev = evaluate(state, job.eval_step, host, config)
   ps_stats = ps.stats()
   ps.close()
-  return progress.finish(ev, job, start, ckpts.latest is not None, ps_stats, train_end, hot, done=done)
+  return _finish(run, ev, ps_stats, train_end, done)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Union
@@ -36,6 +37,7 @@ from absl import logging
 
 from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.async_ps.snapshot import published
+from recsys_jax.checkpoint_files import WriteError
 
 PUBLISH = "publish"  # under the workdir unless config.publish_dir is set
 
@@ -99,7 +101,15 @@ class Publisher:
         "config.publish_every_s > 0 needs one trainer process: each process pushes its own ids, and the "
         "publisher sees only this one's"
       )
-    os.makedirs(self.directory, exist_ok=True)
+    stale = published.stale_temporaries(self.directory)
+    if stale:  # a run that died mid-write (a full disk, a kill)
+      published.remove(stale)
+      logging.warning("publish: removed %d temporary file(s) an earlier run left: %s", len(stale), ", ".join(stale))
+      print(f"publish: removed {len(stale)} temporary file(s) an earlier run left in {self.directory}", file=sys.stderr)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except OSError as e:
+      raise WriteError.of("publish", self.directory, e) from e
     index = published.read_index(self.directory) or published.empty_index()
     # Deltas past the checkpoint this run resumed from are of steps it trains again: a server must not
     # apply them to the new rows. Their seq numbers are not reused.
@@ -107,7 +117,10 @@ class Publisher:
     gone += [os.path.join(self.directory, published.DENSE, d["name"]) for d in index["dense"] if d["step"] > start]
     index["deltas"] = [d for d in index["deltas"] if d["step"] <= start]
     index["dense"] = [d for d in index["dense"] if d["step"] <= start]
-    published.write_index(self.directory, index)
+    try:
+      published.write_index(self.directory, index)
+    except OSError as e:
+      raise WriteError.of("publish", self.directory, e) from e
     published.remove(gone)
     self._index = index
     self._parent: Optional[int] = None
@@ -236,9 +249,10 @@ class Publisher:
       self._queue.put(_Prune(int(covered_step)))
 
   def check(self) -> None:
-    """Re-raises the writing thread's failure (a full disk), naming the publish directory."""
+    """Re-raises the writing thread's failure (a full disk): a ``WriteError`` naming the publish
+    directory and the file that could not be written."""
     if self._error is not None:
-      raise RuntimeError(f"publishing to {self.directory} failed: {self._error}") from self._error
+      raise WriteError.of("publish", self.directory, self._error) from self._error
 
   def close(self, quiet: bool = False) -> None:
     """Waits for what was handed over to be written; ``quiet``: a failure is not raised (the run

@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import math
 import os
+import queue
 import sys
 import threading
 import time
@@ -15,11 +16,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
+from recsys_jax.checkpoint_files import WriteError, named
 from recsys_jax.online.progressive import ProgressiveValidation, window_of
 
 
@@ -111,18 +114,135 @@ def read_metrics(workdir: str, kind: Optional[str] = None) -> List[Dict[str, Any
   return out
 
 
+# TensorBoard's event file: tensorboardX's ``SummaryWriter`` writes its events on a thread that
+# dies with the first write that fails (a full disk), silently; its queue of events then fills and
+# the next ``add_summary`` waits forever on it, SIGTERM or not. ``EventFile`` raises a failed write
+# to the next caller, holds a caller on a disk that takes no writes only until the run is told to
+# stop, and its thread never blocks the process's exit.
+_CLOSE = object()
+_POLL_S = 0.25
+
+
+class EventFile:
+  """``<logdir>/events.out.tfevents.*``, written in the background.
+
+  Args:
+    logdir: the directory (made if missing).
+    stop: once set (SIGTERM), an event that would wait for room in the queue is dropped instead
+      (one line says so): a run told to stop does not wait on a disk that takes no writes.
+    flush_s: seconds between flushes (with fsync) of the file; the first event is flushed at once.
+    max_queue: events waiting to be written before ``add`` waits.
+  """
+
+  def __init__(self, logdir: str, stop: Optional[threading.Event] = None, flush_s: float = 120.0, max_queue: int = 64):
+    os.makedirs(logdir, exist_ok=True)
+    try:
+      self._writer = EventsWriter(os.path.join(logdir, "events"))
+    except OSError as e:
+      raise WriteError.of("TensorBoard events", logdir, e) from e
+    self.path: str = getattr(self._writer, "_file_name", logdir)
+    self._stop, self._flush_s = stop, flush_s
+    self._queue: "queue.Queue[object]" = queue.Queue(max_queue)
+    self._error: Optional[BaseException] = None
+    self._dropping = False  # told to stop while the queue was full: events are dropped
+    self._thread = threading.Thread(target=self._loop, name="tensorboard", daemon=True)
+    self._thread.start()
+
+  def add(self, summary: Summary, step: int) -> None:
+    """Queues ``summary`` as the event of ``step``.
+
+    Raises:
+      WriteError: naming the file, if a write of an earlier event failed.
+    """
+    self._raise()
+    if self._dropping:
+      return
+    self._put(Event(wall_time=time.time(), step=int(step), summary=summary), step)
+
+  def close(self) -> None:
+    """Writes what is queued, flushes and closes the file (waits no longer than ``add`` would).
+
+    Raises:
+      WriteError: naming the file, if a write failed.
+    """
+    if self._thread.is_alive() and not self._dropping:
+      self._put(_CLOSE, None)
+    self._thread.join(timeout=None if not self._dropping else 2 * _POLL_S)
+    if not self._thread.is_alive() and self._error is None:
+      try:
+        self._writer.close()
+      except OSError as e:
+        self._error = named(e, self.path)
+    self._raise()
+
+  def _put(self, item: object, step: Optional[int]) -> None:
+    while True:
+      try:
+        self._queue.put(item, timeout=_POLL_S)
+        return
+      except queue.Full:
+        self._raise()
+        if self._stop is not None and self._stop.is_set():
+          self._dropping = True
+          msg = (
+            f"TensorBoard: {self.path} takes no writes; its events from step {step} on are dropped, the stop goes on"
+          )
+          print(msg, file=sys.stderr)
+          logging.warning(msg)
+          return
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      raise WriteError.of("TensorBoard events", self.path, self._error) from self._error
+
+  def _loop(self) -> None:
+    next_flush, pending = 0.0, False
+    while True:
+      try:
+        item = self._queue.get(timeout=max(1e-3, next_flush - time.monotonic()))
+      except queue.Empty:
+        item = None
+      if item is _CLOSE:
+        return
+      if self._error is not None:
+        continue  # raised to the caller; what comes after is not written (the queue never fills)
+      try:
+        if item is not None:
+          self._writer.write_event(item)
+          pending = True
+        if time.monotonic() >= next_flush:
+          if pending:
+            self._writer.flush()
+            pending = False
+          next_flush = time.monotonic() + self._flush_s
+      except OSError as e:
+        self._error = named(e, self.path)
+      except Exception as e:  # noqa: BLE001 - raised to the caller by the next add
+        self._error = e
+
+
 class Writers:
   """metrics.jsonl and TensorBoard event files in the workdir (written by process 0 only), and
-  the caller's ``on_metrics`` callback (called on process 0 with the same records)."""
+  the caller's ``on_metrics`` callback (called on process 0 with the same records).
 
-  def __init__(self, workdir: str, on_metrics: Optional[MetricsCallback] = None):
+  A record that cannot be written (a full disk) raises ``WriteError`` naming the file; ``stop``
+  (set by SIGTERM): TensorBoard events that would wait for a disk that takes no writes are dropped.
+  """
+
+  def __init__(
+    self, workdir: str, on_metrics: Optional[MetricsCallback] = None, stop: Optional[threading.Event] = None
+  ):
     self.enabled = jax.process_index() == 0
     self.on_metrics = on_metrics
     self._closed = False
     self._lock = threading.RLock()
     if self.enabled:
-      self.jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
-      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self.jsonl_path = os.path.join(os.path.abspath(workdir), workdir_lib.METRICS)
+      try:
+        self.jsonl = open(self.jsonl_path, "a")
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, e) from e
+      self.tb = EventFile(os.path.join(os.path.abspath(workdir), "tensorboard"), stop)
 
   def write(self, step: int, kind: str, values: Dict[str, Any], tb_prefix: Optional[str] = None) -> None:
     """One record; its finite numbers also go to TensorBoard as ``<tb_prefix or kind>/<name>``.
@@ -133,8 +253,11 @@ class Writers:
     with self._lock:
       if self._closed:
         raise ValueError(f"metrics writers closed: the {kind!r} record of step {step} came after the run's end")
-      self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
-      self.jsonl.flush()
+      try:
+        self.jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        self.jsonl.flush()
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, named(e, self.jsonl_path)) from e
       if self.on_metrics is not None:
         self.on_metrics(step, kind, dict(values))
       self._scalars(step, {f"{tb_prefix or kind}/{k}": v for k, v in values.items()})
@@ -149,7 +272,7 @@ class Writers:
       if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
     ]
     if tb_values:
-      self.tb.file_writer.add_summary(Summary(value=tb_values), step)
+      self.tb.add(Summary(value=tb_values), step)
 
   def write_ps(self, step: int, stats: Dict[str, Dict[str, float]]) -> None:
     """PS metrics: totals in metrics.jsonl, per table in TensorBoard (ps/<table>/<metric>)."""
@@ -179,17 +302,21 @@ class Writers:
       self._scalars(step, {f"ps/{name}/{k}": t[k] for name, t in stats.items() for k in per_table if k in t})
 
   def close(self) -> None:
-    """Closes the files (once; again is a no-op). One that cannot be flushed (a full disk) is
-    logged, not raised: a run stopped by an error reports that error, once."""
+    """Closes the files (once; again is a no-op).
+
+    Raises:
+      WriteError: naming the file, if what was written could not all reach it (a full disk).
+    """
     if not self.enabled or self._closed:
       return
     with self._lock:
       self._closed = True
-      for f in (self.jsonl, self.tb):
-        try:
-          f.close()
-        except OSError as e:
-          logging.warning("closing %s: %s", f, e)
+      try:
+        self.jsonl.close()
+      except OSError as e:
+        raise WriteError.of("metrics", self.jsonl_path, named(e, self.jsonl_path)) from e
+      finally:
+        self.tb.close()
 
 
 class Progress:
@@ -202,11 +329,20 @@ class Progress:
     start: the first step this run trains (after a resume, the checkpoint's).
     t_start: when the run started (``time.perf_counter()``).
     on_metrics: called with every record written to metrics.jsonl (e.g. a notebook's live plot).
+    stop: set when the run is told to stop (``Writers``).
   """
 
-  def __init__(self, workdir: str, config, start: int, t_start: float, on_metrics: Optional[MetricsCallback] = None):
+  def __init__(
+    self,
+    workdir: str,
+    config,
+    start: int,
+    t_start: float,
+    on_metrics: Optional[MetricsCallback] = None,
+    stop: Optional[threading.Event] = None,
+  ):
     self.workdir, self.config, self.t_start = workdir, config, t_start
-    self.writers = Writers(workdir, on_metrics)
+    self.writers = Writers(workdir, on_metrics, stop)
     self.stats = TrainStats()
     self.bar = tqdm(
       total=config.num_steps if config.num_steps >= 0 else None,  # -1: until stopped
@@ -356,8 +492,12 @@ class Progress:
       "hot": {**hot.metrics(), "choices": hot.choices} if hot is not None and hot.enabled else None,
     }
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
-      with open(os.path.join(self.workdir, workdir_lib.SUMMARY), "w") as f:
-        json.dump(summary, f, indent=2)
+      path = os.path.join(os.path.abspath(self.workdir), workdir_lib.SUMMARY)
+      try:
+        with open(path, "w") as f:
+          json.dump(summary, f, indent=2)
+      except OSError as e:
+        raise WriteError.of("summary", path, named(e, path)) from e
     return summary
 
 

@@ -84,12 +84,7 @@ def read_index(publish_dir: str) -> Optional[Dict[str, Any]]:
 def write_index(publish_dir: str, index: Mapping[str, Any]) -> None:
   """Replaces the index whole (a reader sees the old one or the new one, never a part)."""
   path = os.path.join(publish_dir, INDEX)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(index, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  _write_file(path, json.dumps(index).encode("utf-8"), sync=True)
 
 
 def delta_name(seq: int, step: int) -> str:
@@ -102,12 +97,22 @@ def _npz(arrays: Mapping[str, np.ndarray]) -> bytes:
   return buf.getvalue()
 
 
-def _write_file(path: str, data: bytes) -> None:
-  """``data`` into ``path`` whole or not at all (a temporary name, renamed)."""
+def _write_file(path: str, data: bytes, sync: bool = False) -> None:
+  """``data`` into ``path`` whole or not at all (a temporary name, renamed; ``sync``: synced first). A write that
+  fails (a full disk) leaves no temporary file and raises an OSError that names ``path``."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(f"{path}.tmp", "wb") as f:
-    f.write(data)
-  os.replace(f"{path}.tmp", path)
+  tmp = f"{path}.tmp"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+      if sync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise (e if e.filename else OSError(e.errno, e.strerror, path)) from e
 
 
 def _read_file(path: str, entry: Mapping[str, Any], what: str) -> bytes:
@@ -212,6 +217,16 @@ def prune(publish_dir: str, index: Dict[str, Any], covered_step: Optional[int], 
     gone += [os.path.join(publish_dir, DENSE, d["name"]) for d in dense[:-keep_dense]]
     index["dense"] = dense[-keep_dense:]
   return gone
+
+
+def stale_temporaries(publish_dir: str) -> List[str]:
+  """The temporary files a writer that died mid-write left in ``publish_dir`` (none is ever read)."""
+  found = []
+  for sub in ("", ROWS, DENSE):
+    d = os.path.join(publish_dir, sub)
+    if os.path.isdir(d):
+      found += sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".tmp"))
+  return found
 
 
 def remove(paths: Sequence[str]) -> None:
