@@ -48,10 +48,13 @@ from absl import app, flags
 from harness import outputs, processes, stats
 
 from recsys_jax.serving.client import HttpClient
+from recsys_jax.serving.v2 import codec
+from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run to serve.")
 _MODULE = flags.DEFINE_string("model_module", "recsys_jax.serving.scorer", "The server's --model_module.")
-_PROTOCOLS = flags.DEFINE_list("protocols", ["http", "grpc"], "Protocols to measure.")
+_PROTOCOLS = flags.DEFINE_list("protocols", ["http", "grpc", "v2http", "v2bin", "v2grpc"], "Protocols to measure.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Times each records count's protocols are measured in turn.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "64", "512"], "Records per request.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Client processes at once.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Timed seconds per setting (after a warm-up second).")
@@ -68,12 +71,12 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also append the JSON lines to
 
 
 def measure(
-  protocol: str, port: int, n: int, bodies: List[str], admin: HttpClient, lead_s: float = 2.0
+  protocol: str, port: int, n: int, bodies: Dict[str, Any], admin: HttpClient, lead_s: float = 2.0
 ) -> Dict[str, Any]:
   """One setting's figures. The client processes start and connect within ``lead_s``; where one was
   late (a loaded machine) the setting is measured again with twice the lead, up to 16 s."""
   start = time.time() + lead_s
-  spec = {"protocol": protocol, "port": port, "rate": 0, "bodies": bodies}
+  spec = {"protocol": protocol, "port": port, "rate": 0, "model": "bench", **bodies}
   spec.update(start=start, timed_from=start + 1.0, end=start + 1.0 + _SECONDS.value)
   ctx = multiprocessing.get_context("spawn")
   with tempfile.TemporaryDirectory() as d:
@@ -170,6 +173,55 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
   }
 
 
+def v2_bodies(groups: List[List[Dict[str, Any]]], inputs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+  """The Open Inference Protocol's requests of each group of records, as the model's metadata declares
+  its ``inputs``: by protocol, ``processes.client``'s ``bodies`` (and ``heads``)."""
+  out: Dict[str, Dict[str, Any]] = {"v2http": {"bodies": []}, "v2bin": {"bodies": [], "heads": []}}
+  out["v2grpc"] = {"bodies": []}
+  for records in groups:
+    tensors, raws = [], []
+    for t in inputs:
+      values = [r[t["name"]] for r in records]
+      shape = [len(values)]
+      if len(t["shape"]) == 2:  # a list feature: each row padded to the widest
+        rows = [v if isinstance(v, list) else [v] for v in values]
+        shape.append(max(len(v) for v in rows))
+        pad = {"BYTES": "", "UINT64": (1 << 64) - 1}.get(t["datatype"], -1)
+        values = [x for v in rows for x in v + [pad] * (shape[1] - len(v))]
+      if t["datatype"] == "BYTES":
+        values = [str(v) for v in values]
+        raws.append(b"".join(len(v).to_bytes(4, "little") + v for v in (x.encode() for x in values)))
+      else:
+        raws.append(np.asarray(values, codec.NUMPY[t["datatype"]]).tobytes())
+      tensors.append({"name": t["name"], "datatype": t["datatype"], "shape": shape, "data": values})
+    out["v2http"]["bodies"].append(json.dumps({"inputs": tensors}).encode())
+    binary = [{**t, "data": None, "parameters": {"binary_data_size": len(r)}} for t, r in zip(tensors, raws)]
+    head = json.dumps({"inputs": [{k: v for k, v in t.items() if k != "data"} for t in binary]})
+    head = head[:-1] + ', "parameters": {"binary_data_output": true}}'
+    out["v2bin"]["bodies"].append(head.encode() + b"".join(raws))
+    out["v2bin"]["heads"].append((out["v2bin"]["bodies"][-1], len(head.encode())))
+    wire = [
+      pb.ModelInferRequest.InferInputTensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in tensors
+    ]
+    msg = pb.ModelInferRequest(model_name="bench", inputs=wire, raw_input_contents=raws)
+    out["v2grpc"]["bodies"].append(msg.SerializeToString())
+  return out
+
+
+def ratios(n: int, by: Dict[str, List[Dict[str, Any]]]) -> None:
+  """Each Open Inference Protocol side against ``/v1`` on its transport: p99 and predictions/s, the
+  medians of the rounds' figures, as ratios (v2 over v1)."""
+  med = {p: {k: stats.median([r[k] for r in rs]) for k in ("p99_ms", "predictions_per_s")} for p, rs in by.items()}
+  res: Dict[str, Any] = {"records_per_request": n, "rounds": _ROUNDS.value, "load_avg": list(os.getloadavg())}
+  for v2, v1 in (("v2http", "http"), ("v2bin", "http"), ("v2grpc", "grpc")):
+    if v2 in med and v1 in med:
+      res[f"{v2}_over_{v1}_p99"] = med[v2]["p99_ms"] / med[v1]["p99_ms"]
+      res[f"{v2}_over_{v1}_predictions"] = med[v2]["predictions_per_s"] / med[v1]["predictions_per_s"]
+  if len(res) > 3:
+    print("  v2 / v1: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if "_over_" in k), file=sys.stderr)
+    _emit(res)
+
+
 def _emit(res: Dict[str, Any]) -> None:
   outputs.emit(res, _JSON_OUT.value, mode="a")
 
@@ -179,6 +231,7 @@ def main(argv):
   if not _WORKDIR.value:
     raise SystemExit("error: --workdir is required")
   args = [f"--workdir={_WORKDIR.value}", f"--model_module={_MODULE.value}", "--http_port=0", "--grpc_port=0"]
+  args.append("--model_name=bench")
   args += [f"--max_batch={_MAX_BATCH.value}", f"--max_wait_ms={_MAX_WAIT.value}", f"--batch_workers={_WORKERS.value}"]
   server, ports = processes.start_server(args + [f"--reload_every_s={_RELOAD.value}", f"--warm_reload={_WARM.value}"])
   try:
@@ -190,24 +243,29 @@ def main(argv):
         pool = [json.loads(line) for line in f if line.strip()]
     else:
       pool = processes.draw_records(model["fields"], 4096, np.random.default_rng(0))
-    rows = []
     print(
       f"{'protocol':>8} {'records':>7} {'pred/s':>10} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'batch':>7} fail",
       file=sys.stderr,
     )
+    inputs = admin.request("GET", "/v2/models/bench")["inputs"]
     for n in (int(b) for b in _BATCHES.value):
-      bodies = [json.dumps({"records": [pool[(k * n + j) % len(pool)] for j in range(n)]}) for k in range(8)]
-      for protocol in _PROTOCOLS.value:
-        r = measure(protocol, ports[protocol], n, bodies, admin)
-        rows.append(r)
-        rpb = r["records_per_batch"]
-        p50, p99 = (stats.fmt(r[k], ">8.2f", f"{'-':>8}") for k in ("p50_ms", "p99_ms"))  # none answered
-        print(
-          f"{protocol:>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
-          f"{p99} {rpb if rpb is None else round(rpb, 1):>7} {r['failed']}",
-          file=sys.stderr,
-        )
-        _emit(r)
+      groups = [[pool[(k * n + j) % len(pool)] for j in range(n)] for k in range(8)]
+      bodies = v2_bodies(groups, inputs)
+      bodies["http"] = bodies["grpc"] = {"bodies": [json.dumps({"records": g}) for g in groups]}
+      by: Dict[str, List[Dict[str, Any]]] = {}
+      for _ in range(_ROUNDS.value):
+        for protocol in _PROTOCOLS.value:
+          r = measure(protocol, ports["grpc" if "grpc" in protocol else "http"], n, bodies[protocol], admin)
+          by.setdefault(protocol, []).append(r)
+          rpb = r["records_per_batch"]
+          p50, p99 = (stats.fmt(r[k], ">8.2f", f"{'-':>8}") for k in ("p50_ms", "p99_ms"))  # none answered
+          print(
+            f"{protocol:>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
+            f"{p99} {rpb if rpb is None else round(rpb, 1):>7} {r['failed']}",
+            file=sys.stderr,
+          )
+          _emit(r)
+      ratios(n, by)
     if _TRAINER.value:
       f = freshness(_WORKDIR.value, admin, json.dumps({"records": pool[:1]}).encode())
       print(

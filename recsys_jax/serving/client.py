@@ -12,7 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -48,10 +48,12 @@ class HttpClient:
     if token is not None:
       self._headers["Authorization"] = f"Bearer {token}"
 
-  def request(self, method: str, path: str, body: Optional[bytes] = None) -> Dict[str, Any]:
-    """Sends ``body`` (bytes, as is) and returns the JSON answer; ``ServeError`` on a non-200."""
+  def send(
+    self, method: str, path: str, body: Optional[bytes] = None, headers: Optional[Mapping[str, str]] = None
+  ) -> Tuple[http.client.HTTPResponse, bytes]:
+    """Sends ``body`` (bytes, as is) with ``headers`` besides the client's own: the response and its body."""
     try:
-      self._conn.request(method, path, body=body, headers=self._headers)
+      self._conn.request(method, path, body=body, headers={**self._headers, **(headers or {})})
       resp = self._conn.getresponse()
       data = resp.read()
     except (http.client.HTTPException, OSError):
@@ -59,6 +61,11 @@ class HttpClient:
       raise
     if resp.getheader("Connection", "").lower() == "close":
       self._conn.close()
+    return resp, data
+
+  def request(self, method: str, path: str, body: Optional[bytes] = None) -> Dict[str, Any]:
+    """Sends ``body`` (bytes, as is) and returns the JSON answer; ``ServeError`` on a non-200."""
+    resp, data = self.send(method, path, body)
     try:
       answer = json.loads(data)
     except ValueError:
