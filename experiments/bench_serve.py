@@ -47,13 +47,15 @@ import numpy as np
 from absl import app, flags
 from harness import outputs, processes, stats
 
+from recsys_jax.serving import client
 from recsys_jax.serving.client import HttpClient
-from recsys_jax.serving.v2 import codec
-from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run to serve.")
 _MODULE = flags.DEFINE_string("model_module", "recsys_jax.serving.scorer", "The server's --model_module.")
 _PROTOCOLS = flags.DEFINE_list("protocols", ["http", "grpc", "v2http", "v2bin", "v2grpc"], "Protocols to measure.")
+_FRONTS = flags.DEFINE_list(
+  "http_fronts", ["stdlib"], "The server's --http_front: one server each, HTTP measured on each."
+)
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Times each records count's protocols are measured in turn.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "64", "512"], "Records per request.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Client processes at once.")
@@ -174,51 +176,33 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
 
 
 def v2_bodies(groups: List[List[Dict[str, Any]]], inputs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-  """The Open Inference Protocol's requests of each group of records, as the model's metadata declares
-  its ``inputs``: by protocol, ``processes.client``'s ``bodies`` (and ``heads``)."""
-  out: Dict[str, Dict[str, Any]] = {"v2http": {"bodies": []}, "v2bin": {"bodies": [], "heads": []}}
-  out["v2grpc"] = {"bodies": []}
-  for records in groups:
-    tensors, raws = [], []
-    for t in inputs:
-      values = [r[t["name"]] for r in records]
-      shape = [len(values)]
-      if len(t["shape"]) == 2:  # a list feature: each row padded to the widest
-        rows = [v if isinstance(v, list) else [v] for v in values]
-        shape.append(max(len(v) for v in rows))
-        pad = {"BYTES": "", "UINT64": (1 << 64) - 1}.get(t["datatype"], -1)
-        values = [x for v in rows for x in v + [pad] * (shape[1] - len(v))]
-      if t["datatype"] == "BYTES":
-        values = [str(v) for v in values]
-        raws.append(b"".join(len(v).to_bytes(4, "little") + v for v in (x.encode() for x in values)))
-      else:
-        raws.append(np.asarray(values, codec.NUMPY[t["datatype"]]).tobytes())
-      tensors.append({"name": t["name"], "datatype": t["datatype"], "shape": shape, "data": values})
-    out["v2http"]["bodies"].append(json.dumps({"inputs": tensors}).encode())
-    binary = [{**t, "data": None, "parameters": {"binary_data_size": len(r)}} for t, r in zip(tensors, raws)]
-    head = json.dumps({"inputs": [{k: v for k, v in t.items() if k != "data"} for t in binary]})
-    head = head[:-1] + ', "parameters": {"binary_data_output": true}}'
-    out["v2bin"]["bodies"].append(head.encode() + b"".join(raws))
-    out["v2bin"]["heads"].append((out["v2bin"]["bodies"][-1], len(head.encode())))
-    wire = [
-      pb.ModelInferRequest.InferInputTensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in tensors
-    ]
-    msg = pb.ModelInferRequest(model_name="bench", inputs=wire, raw_input_contents=raws)
-    out["v2grpc"]["bodies"].append(msg.SerializeToString())
-  return out
+  """The Open Inference Protocol's requests of each group of records in each form, by protocol:
+  ``processes.client``'s ``bodies`` (and ``heads``: the JSON header's length of each binary body)."""
+  forms = [client.v2_request(g, inputs, "bench") for g in groups]
+  heads = [(f["binary"], f["binary_head"]) for f in forms]
+  out = {p: {"bodies": [f[form] for f in forms]} for p, form in (("v2http", "json"), ("v2bin", "binary"))}
+  return out | {"v2grpc": {"bodies": [f["grpc"] for f in forms]}, "v2bin": {**out["v2bin"], "heads": heads}}
 
 
-def ratios(n: int, by: Dict[str, List[Dict[str, Any]]]) -> None:
-  """Each Open Inference Protocol side against ``/v1`` on its transport: p99 and predictions/s, the
-  medians of the rounds' figures, as ratios (v2 over v1)."""
-  med = {p: {k: stats.median([r[k] for r in rs]) for k in ("p99_ms", "predictions_per_s")} for p, rs in by.items()}
+def ratios(n: int, by: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> None:
+  """Each Open Inference Protocol side against ``/v1`` on its transport, and each HTTP front against the
+  first: p99 and predictions/s, the medians of the rounds' figures, as ratios (``<a>_over_<b>_p99``)."""
+  med = {
+    (f, p): {k: stats.median([r[k] for r in rs]) for k in ("p99_ms", "predictions_per_s")}
+    for f, rows in by.items()
+    for p, rs in rows.items()
+  }
   res: Dict[str, Any] = {"records_per_request": n, "rounds": _ROUNDS.value, "load_avg": list(os.getloadavg())}
-  for v2, v1 in (("v2http", "http"), ("v2bin", "http"), ("v2grpc", "grpc")):
-    if v2 in med and v1 in med:
-      res[f"{v2}_over_{v1}_p99"] = med[v2]["p99_ms"] / med[v1]["p99_ms"]
-      res[f"{v2}_over_{v1}_predictions"] = med[v2]["predictions_per_s"] / med[v1]["predictions_per_s"]
+  first = _FRONTS.value[0]
+  pairs = [((first, a), (first, b)) for a, b in (("v2http", "http"), ("v2bin", "http"), ("v2grpc", "grpc"))]
+  pairs += [((f, p), (first, p)) for f in by if f != first for p in by[f]]
+  for a, b in pairs:
+    if a in med and b in med:
+      name = f"{a[1]}_over_{b[1]}" if a[0] == b[0] else f"{a[1]}_{a[0]}_over_{b[0]}"
+      res[f"{name}_p99"] = med[a]["p99_ms"] / med[b]["p99_ms"]
+      res[f"{name}_predictions"] = med[a]["predictions_per_s"] / med[b]["predictions_per_s"]
   if len(res) > 3:
-    print("  v2 / v1: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if "_over_" in k), file=sys.stderr)
+    print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if "_over_" in k), file=sys.stderr)
     _emit(res)
 
 
@@ -233,9 +217,12 @@ def main(argv):
   args = [f"--workdir={_WORKDIR.value}", f"--model_module={_MODULE.value}", "--http_port=0", "--grpc_port=0"]
   args.append("--model_name=bench")
   args += [f"--max_batch={_MAX_BATCH.value}", f"--max_wait_ms={_MAX_WAIT.value}", f"--batch_workers={_WORKERS.value}"]
-  server, ports = processes.start_server(args + [f"--reload_every_s={_RELOAD.value}", f"--warm_reload={_WARM.value}"])
+  args += [f"--reload_every_s={_RELOAD.value}", f"--warm_reload={_WARM.value}"]
+  servers = {f: processes.start_server(args + [f"--http_front={f}"]) for f in _FRONTS.value}
+  server, ports = servers[_FRONTS.value[0]]
   try:
-    admin = HttpClient("127.0.0.1", ports["http"], timeout=120)
+    admins = {f: HttpClient("127.0.0.1", s[1]["http"], timeout=120) for f, s in servers.items()}
+    admin = admins[_FRONTS.value[0]]
     model = admin.model()
     print(f"serving {model['version']} with fields {len(model['fields'])}", file=sys.stderr)
     if _RECORDS_FILE.value:
@@ -252,19 +239,21 @@ def main(argv):
       groups = [[pool[(k * n + j) % len(pool)] for j in range(n)] for k in range(8)]
       bodies = v2_bodies(groups, inputs)
       bodies["http"] = bodies["grpc"] = {"bodies": [json.dumps({"records": g}) for g in groups]}
-      by: Dict[str, List[Dict[str, Any]]] = {}
-      for _ in range(_ROUNDS.value):
-        for protocol in _PROTOCOLS.value:
-          r = measure(protocol, ports["grpc" if "grpc" in protocol else "http"], n, bodies[protocol], admin)
-          by.setdefault(protocol, []).append(r)
-          rpb = r["records_per_batch"]
-          p50, p99 = (stats.fmt(r[k], ">8.2f", f"{'-':>8}") for k in ("p50_ms", "p99_ms"))  # none answered
-          print(
-            f"{protocol:>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
-            f"{p99} {rpb if rpb is None else round(rpb, 1):>7} {r['failed']}",
-            file=sys.stderr,
-          )
-          _emit(r)
+      by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {f: {} for f in _FRONTS.value}
+      for _, protocol, front in [(k, p, f) for k in range(_ROUNDS.value) for p in _PROTOCOLS.value for f in by]:
+        if "grpc" in protocol and front != _FRONTS.value[0]:
+          continue  # the gRPC side is the same whatever the HTTP front
+        port = servers[front][1]["grpc" if "grpc" in protocol else "http"]
+        r = dict(measure(protocol, port, n, bodies[protocol], admins[front]), front=front)
+        by[front].setdefault(protocol, []).append(r)
+        rpb = r["records_per_batch"]
+        p50, p99 = (stats.fmt(r[k], ">8.2f", f"{'-':>8}") for k in ("p50_ms", "p99_ms"))  # none answered
+        print(
+          f"{protocol + ('/' + front if len(by) > 1 else ''):>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
+          f"{p99} {rpb if rpb is None else round(rpb, 1):>7} {r['failed']}",
+          file=sys.stderr,
+        )
+        _emit(r)
       ratios(n, by)
     if _TRAINER.value:
       f = freshness(_WORKDIR.value, admin, json.dumps({"records": pool[:1]}).encode())
@@ -276,7 +265,8 @@ def main(argv):
       )
       _emit(f)
   finally:
-    processes.stop(server)
+    for p, _ in servers.values():
+      processes.stop(p)
 
 
 if __name__ == "__main__":

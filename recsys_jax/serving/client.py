@@ -15,8 +15,49 @@ import ssl
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import grpc
+import numpy as np
 
 from recsys_jax.serving.grpc_service import SERVICE
+
+
+def v2_request(records: Sequence[Mapping[str, Any]], inputs: Sequence[Mapping[str, Any]], model: str) -> Dict[str, Any]:
+  """The Open Inference Protocol's inference request of ``records`` (``/v1``'s), one tensor per input as
+  the model's metadata declares them (``GET /v2/models/<name>``'s ``inputs``; a ``[-1, width]`` input's
+  rows padded to the widest), in three forms: ``json`` (the body with JSON tensors), ``binary`` (the
+  body with binary tensors, scores asked back binary; its JSON header is ``binary_head`` bytes long) and
+  ``grpc`` (the serialized ``ModelInferRequest``)."""
+  from recsys_jax.serving.v2 import codec
+  from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
+
+  tensors, raws = [], []
+  for t in inputs:
+    values = [r[t["name"]] for r in records]
+    shape = [len(values)]
+    if len(t["shape"]) == 2:
+      rows = [v if isinstance(v, list) else [v] for v in values]
+      shape.append(max(len(v) for v in rows))
+      pad = {"BYTES": "", "UINT64": (1 << 64) - 1}.get(t["datatype"], -1)
+      values = [x for v in rows for x in v + [pad] * (shape[1] - len(v))]
+    if t["datatype"] == "BYTES":
+      values = [str(v) for v in values]
+      raws.append(b"".join(len(v).to_bytes(4, "little") + v for v in (x.encode("utf-8") for x in values)))
+    else:
+      raws.append(np.asarray(values, codec.NUMPY[t["datatype"]]).tobytes())
+    tensors.append({"name": t["name"], "datatype": t["datatype"], "shape": shape, "data": values})
+  binary = [
+    {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"], "parameters": {"binary_data_size": len(r)}}
+    for t, r in zip(tensors, raws)
+  ]
+  head = json.dumps({"inputs": binary, "parameters": {"binary_data_output": True}}).encode("utf-8")
+  wire = [
+    pb.ModelInferRequest.InferInputTensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in tensors
+  ]
+  return {
+    "json": json.dumps({"inputs": tensors}).encode("utf-8"),
+    "binary": head + b"".join(raws),
+    "binary_head": len(head),
+    "grpc": pb.ModelInferRequest(model_name=model, inputs=wire, raw_input_contents=raws).SerializeToString(),
+  }
 
 
 class ServeError(Exception):
