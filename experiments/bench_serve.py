@@ -1,18 +1,22 @@
 """The model server under load: predictions/s and latency by protocol and request size, and freshness.
 
-    python experiments/bench_serve.py --workdir=W [--model_module=recsys_jax.serving.scorer]
-        [--protocols=http,grpc] [--batches=1,64,512] [--clients=4] [--seconds=10]
+    python experiments/bench_serve.py --workdir=W [--model_module=recsys_jax.serving.scorer] [--rounds=1]
+        [--protocols=http,grpc,v2http,v2bin,v2grpc] [--batches=1,64,512] [--clients=4] [--seconds=10]
         [--max_batch=512] [--max_wait_ms=2] [--trainer_cmd="..."] [--freshness_s=30] [--json_out=FILE]
 
 Run from the repository root. Starts ``python -m recsys_jax.serve`` on ``--workdir`` (a training
 run's directory), then per setting (protocol x records per request) ``--clients`` client processes
-send requests back to back, each on one connection, for ``--seconds`` after a warm-up second.
-Request bodies are built beforehand from the served model's fields (``GET /v1/model``, values drawn
-at random) or from ``--records_file`` (JSON lines of records).
+send requests back to back, each on one connection, for ``--seconds`` after a warm-up second; per
+records count, the protocols in turn, ``--rounds`` times. Protocols: ``/v1`` over ``http`` and
+``grpc``; the Open Inference Protocol with JSON tensors (``v2http``), binary tensors (``v2bin``), over
+gRPC (``v2grpc``). Requests are built beforehand from records drawn for the served model's fields
+(``GET /v1/model``) or read from ``--records_file`` (JSON lines), the same records for every protocol.
 
 Per setting: ``predictions_per_s`` (records answered / ``span_s``: the window, or longer where the
 last timed answer came after it), ``requests_per_s``, ``p50_ms`` / ``p99_ms`` (round trips at the
 client), ``failed`` requests, and the server's ``records_per_batch`` (mean records per micro-batch).
+Per records count, v2 against v1 on its transport (medians of the rounds): ``v2http_over_http_p99``,
+``..._predictions``, and so for ``v2bin_over_http`` and ``v2grpc_over_grpc``.
 
 Freshness (with ``--trainer_cmd``, a command writing new checkpoints or PS snapshots into the
 workdir): every ``--poll_ms`` the bench asks the model module's ``newest_step`` and sends a batch-1
@@ -22,11 +26,9 @@ with ``--warm_reload``, and the bench's poll). ``first_answer_ms``: each new ver
 trip, against ``poll_p50_ms``, the polls' median. ``--batches=`` (empty) measures freshness alone.
 
 ``--model_module=tests.helpers.serve_fakes`` serves the test suite's linear model (a workdir of
-``ckpt-<step>`` files with ``{"n_dense": 13, "n_cat": 26}``), which measures the front (HTTP/gRPC,
-JSON, micro-batching, the reload) alone; its trainer stand-in is
-``python tests/helpers/serve_fakes.py W EVERY_S COUNT 13 26``.
-
-A table on stderr and one JSON line per setting on stdout (also appended to ``--json_out``).
+``ckpt-<step>`` files with ``{"n_dense": 13, "n_cat": 26}``): the front alone (HTTP/gRPC, JSON,
+micro-batching, the reload); its trainer is ``python tests/helpers/serve_fakes.py W EVERY_S COUNT 13 26``.
+A table on stderr, JSON lines on stdout (also appended to ``--json_out``).
 """
 
 from __future__ import annotations
@@ -53,9 +55,6 @@ from recsys_jax.serving.client import HttpClient
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run to serve.")
 _MODULE = flags.DEFINE_string("model_module", "recsys_jax.serving.scorer", "The server's --model_module.")
 _PROTOCOLS = flags.DEFINE_list("protocols", ["http", "grpc", "v2http", "v2bin", "v2grpc"], "Protocols to measure.")
-_FRONTS = flags.DEFINE_list(
-  "http_fronts", ["stdlib"], "The server's --http_front: one server each, HTTP measured on each."
-)
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Times each records count's protocols are measured in turn.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "64", "512"], "Records per request.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Client processes at once.")
@@ -175,39 +174,18 @@ def freshness(workdir: str, admin: HttpClient, body: bytes) -> Dict[str, Any]:
   }
 
 
-def v2_bodies(groups: List[List[Dict[str, Any]]], inputs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-  """The Open Inference Protocol's requests of each group of records in each form, by protocol:
-  ``processes.client``'s ``bodies`` (and ``heads``: the JSON header's length of each binary body)."""
-  forms = [client.v2_request(g, inputs, "bench") for g in groups]
-  heads = [(f["binary"], f["binary_head"]) for f in forms]
-  out = {p: {"bodies": [f[form] for f in forms]} for p, form in (("v2http", "json"), ("v2bin", "binary"))}
-  return out | {"v2grpc": {"bodies": [f["grpc"] for f in forms]}, "v2bin": {**out["v2bin"], "heads": heads}}
-
-
-def ratios(n: int, by: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> None:
-  """Each Open Inference Protocol side against ``/v1`` on its transport, and each HTTP front against the
-  first: p99 and predictions/s, the medians of the rounds' figures, as ratios (``<a>_over_<b>_p99``)."""
-  med = {
-    (f, p): {k: stats.median([r[k] for r in rs]) for k in ("p99_ms", "predictions_per_s")}
-    for f, rows in by.items()
-    for p, rs in rows.items()
-  }
+def ratios(n: int, by: Dict[str, List[Dict[str, Any]]]) -> None:
+  """Each Open Inference Protocol side against ``/v1`` on its transport: p99 and predictions/s, the
+  medians of the rounds' figures, as ratios (v2 over v1: ``<v2>_over_<v1>_p99``, ``..._predictions``)."""
+  med = {p: {k: stats.median([r[k] for r in rs]) for k in ("p99_ms", "predictions_per_s")} for p, rs in by.items()}
   res: Dict[str, Any] = {"records_per_request": n, "rounds": _ROUNDS.value, "load_avg": list(os.getloadavg())}
-  first = _FRONTS.value[0]
-  pairs = [((first, a), (first, b)) for a, b in (("v2http", "http"), ("v2bin", "http"), ("v2grpc", "grpc"))]
-  pairs += [((f, p), (first, p)) for f in by if f != first for p in by[f]]
-  for a, b in pairs:
-    if a in med and b in med:
-      name = f"{a[1]}_over_{b[1]}" if a[0] == b[0] else f"{a[1]}_{a[0]}_over_{b[0]}"
-      res[f"{name}_p99"] = med[a]["p99_ms"] / med[b]["p99_ms"]
-      res[f"{name}_predictions"] = med[a]["predictions_per_s"] / med[b]["predictions_per_s"]
+  for v2, v1 in (("v2http", "http"), ("v2bin", "http"), ("v2grpc", "grpc")):
+    if v2 in med and v1 in med:
+      res[f"{v2}_over_{v1}_p99"] = med[v2]["p99_ms"] / med[v1]["p99_ms"]
+      res[f"{v2}_over_{v1}_predictions"] = med[v2]["predictions_per_s"] / med[v1]["predictions_per_s"]
   if len(res) > 3:
-    print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if "_over_" in k), file=sys.stderr)
-    _emit(res)
-
-
-def _emit(res: Dict[str, Any]) -> None:
-  outputs.emit(res, _JSON_OUT.value, mode="a")
+    print("  v2 / v1: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if "_over_" in k), file=sys.stderr)
+    outputs.emit(res, _JSON_OUT.value, mode="a")
 
 
 def main(argv):
@@ -218,11 +196,9 @@ def main(argv):
   args.append("--model_name=bench")
   args += [f"--max_batch={_MAX_BATCH.value}", f"--max_wait_ms={_MAX_WAIT.value}", f"--batch_workers={_WORKERS.value}"]
   args += [f"--reload_every_s={_RELOAD.value}", f"--warm_reload={_WARM.value}"]
-  servers = {f: processes.start_server(args + [f"--http_front={f}"]) for f in _FRONTS.value}
-  server, ports = servers[_FRONTS.value[0]]
+  server, ports = processes.start_server(args)
   try:
-    admins = {f: HttpClient("127.0.0.1", s[1]["http"], timeout=120) for f, s in servers.items()}
-    admin = admins[_FRONTS.value[0]]
+    admin = HttpClient("127.0.0.1", ports["http"], timeout=120)
     model = admin.model()
     print(f"serving {model['version']} with fields {len(model['fields'])}", file=sys.stderr)
     if _RECORDS_FILE.value:
@@ -237,23 +213,24 @@ def main(argv):
     inputs = admin.request("GET", "/v2/models/bench")["inputs"]
     for n in (int(b) for b in _BATCHES.value):
       groups = [[pool[(k * n + j) % len(pool)] for j in range(n)] for k in range(8)]
-      bodies = v2_bodies(groups, inputs)
+      forms = [client.v2_request(g, inputs, "bench") for g in groups]  # the v2 protocols' bodies, and v1's
+      bodies = {
+        p: {"bodies": [f[k] for f in forms]} for p, k in (("v2http", "json"), ("v2bin", "binary"), ("v2grpc", "grpc"))
+      }
+      bodies["v2bin"]["heads"] = [(f["binary"], f["binary_head"]) for f in forms]
       bodies["http"] = bodies["grpc"] = {"bodies": [json.dumps({"records": g}) for g in groups]}
-      by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {f: {} for f in _FRONTS.value}
-      for _, protocol, front in [(k, p, f) for k in range(_ROUNDS.value) for p in _PROTOCOLS.value for f in by]:
-        if "grpc" in protocol and front != _FRONTS.value[0]:
-          continue  # the gRPC side is the same whatever the HTTP front
-        port = servers[front][1]["grpc" if "grpc" in protocol else "http"]
-        r = dict(measure(protocol, port, n, bodies[protocol], admins[front]), front=front)
-        by[front].setdefault(protocol, []).append(r)
+      by: Dict[str, List[Dict[str, Any]]] = {}
+      for _, protocol in [(k, p) for k in range(_ROUNDS.value) for p in _PROTOCOLS.value]:
+        r = measure(protocol, ports["grpc" if "grpc" in protocol else "http"], n, bodies[protocol], admin)
+        by.setdefault(protocol, []).append(r)
         rpb = r["records_per_batch"]
         p50, p99 = (stats.fmt(r[k], ">8.2f", f"{'-':>8}") for k in ("p50_ms", "p99_ms"))  # none answered
         print(
-          f"{protocol + ('/' + front if len(by) > 1 else ''):>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
+          f"{protocol:>8} {n:>7} {r['predictions_per_s']:>10.0f} {r['requests_per_s']:>9.0f} {p50} "
           f"{p99} {rpb if rpb is None else round(rpb, 1):>7} {r['failed']}",
           file=sys.stderr,
         )
-        _emit(r)
+        outputs.emit(r, _JSON_OUT.value, mode="a")
       ratios(n, by)
     if _TRAINER.value:
       f = freshness(_WORKDIR.value, admin, json.dumps({"records": pool[:1]}).encode())
@@ -263,10 +240,9 @@ def main(argv):
         f"(median answer {f['poll_p50_ms']:.1f} ms), warm_reload={_WARM.value}",
         file=sys.stderr,
       )
-      _emit(f)
+      outputs.emit(f, _JSON_OUT.value, mode="a")
   finally:
-    for p, _ in servers.values():
-      processes.stop(p)
+    processes.stop(server)
 
 
 if __name__ == "__main__":

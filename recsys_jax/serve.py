@@ -59,7 +59,6 @@ def _define_flags() -> None:
     None,
     "The model's name in the Open Inference Protocol (/v2/models/<name>); default: the workdir's basename.",
   )
-  flags.DEFINE_enum("http_front", "stdlib", ["stdlib", "asgi"], "The HTTP side: http.server or uvicorn (ASGI).")
   flags.DEFINE_integer("step", None, "Serve this step and never reload (default: the newest, reloading).")
   flags.DEFINE_integer("threads", 32, "gRPC calls served at once.")
   flags.DEFINE_integer(
@@ -188,7 +187,6 @@ def _start():
       publish_dir=publish_dir,
       deltas_every_s=FLAGS.deltas_every_s,
       model_name=FLAGS.model_name,
-      http_front=FLAGS.http_front,
     )
   except ValueError as e:
     raise _Usage(str(e)) from None

@@ -143,38 +143,20 @@ def paced(
 
 
 def poster(spec: Dict[str, Any]) -> Tuple[Callable[[bytes], Any], Any]:
-  """A function sending a predict request's body over ``spec["protocol"]`` to ``spec["port"]`` (returning the
-  answer decoded), and its client (``close()`` it). ``http``, ``grpc``: ``/v1``'s JSON; ``v2http``,
-  ``v2bin``, ``v2grpc``: the Open Inference Protocol with JSON tensors, binary tensors (the header's
-  length in ``spec["heads"]``, by body) and over gRPC, to the model ``spec["model"]``."""
-  import grpc
+  """A function sending a predict request's body over ``spec["protocol"]`` to ``spec["port"]``, and its client
+  (``close()`` it). ``http``, ``grpc``: ``/v1``; ``v2http``, ``v2bin``, ``v2grpc``: the Open Inference Protocol
+  with JSON tensors, binary tensors (``spec["heads"]``: body -> its JSON header's length) and over gRPC, to
+  the model ``spec["model"]``."""
+  from recsys_jax.serving.client import GrpcClient, HttpClient
 
-  from recsys_jax.serving.client import GrpcClient, HttpClient, ServeError
-  from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
-
-  protocol, port = spec["protocol"], spec["port"]
-  if protocol == "grpc":
-    g = GrpcClient(f"127.0.0.1:{port}", timeout=60)
-    return lambda body: g.call("Predict", body), g
-  if protocol == "v2grpc":
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-    infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-    answer = lambda r: (r, np.frombuffer(r.raw_output_contents[0], "<f4"))  # noqa: E731
-    return lambda body: answer(pb.ModelInferResponse.FromString(infer(body, timeout=60))), ch
-  c = HttpClient("127.0.0.1", port, timeout=60)
-  if protocol == "http":
+  if "grpc" in spec["protocol"]:
+    g = GrpcClient(f"127.0.0.1:{spec['port']}", timeout=60)
+    return (g.infer if spec["protocol"] == "v2grpc" else lambda body: g.call("Predict", body)), g
+  c = HttpClient("127.0.0.1", spec["port"], timeout=60)
+  if spec["protocol"] == "http":
     return lambda body: c.request("POST", "/v1/predict", body), c
-  path, heads = f"/v2/models/{spec.get('model')}/infer", dict(spec.get("heads") or {})
-
-  def v2(body: bytes) -> Any:
-    head = {"Inference-Header-Content-Length": str(heads[body])} if body in heads else None
-    resp, data = c.send("POST", path, body, head)
-    if resp.status != 200:
-      raise ServeError(resp.status, data[:200].decode("utf-8", "replace"))
-    n = int(resp.getheader("Inference-Header-Content-Length") or len(data))
-    return json.loads(data[:n]), np.frombuffer(data[n:], "<f4")
-
-  return v2, c
+  heads = dict(spec.get("heads") or {})
+  return lambda body: c.infer(spec["model"], body, heads.get(body)), c
 
 
 def client(spec: Dict[str, Any], out: str, stopped: Any = None) -> None:

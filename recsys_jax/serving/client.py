@@ -1,4 +1,5 @@
-"""A small client of the model server, over HTTP or gRPC (the tests and ``bench_serve`` use it).
+"""A small client of the model server, over HTTP or gRPC (the tests and ``bench_serve`` use it); ``/v1``,
+and the Open Inference Protocol's inference (``v2_request``, ``infer``).
 
     c = HttpClient("127.0.0.1", 8501)          # or GrpcClient("127.0.0.1:8500")
     c.predict([{"i1": 3.0, "c1": "68fd1e64"}])  # -> {"version": "step-200", "scores": [0.12]}
@@ -115,6 +116,17 @@ class HttpClient:
       raise ServeError(resp.status, answer.get("error", ""), answer.get("field"), answer.get("record"))
     return answer
 
+  def infer(self, model: str, body: bytes, binary_head: Optional[int] = None) -> Tuple[Dict[str, Any], np.ndarray]:
+    """Sends an Open Inference Protocol request's ``body`` (``v2_request``; with binary tensors, its JSON
+    header ``binary_head`` bytes long) to ``model``: the answer's JSON and its scores."""
+    head = None if binary_head is None else {"Inference-Header-Content-Length": str(binary_head)}
+    resp, data = self.send("POST", f"/v2/models/{model}/infer", body, head)
+    if resp.status != 200:
+      raise ServeError(resp.status, data[:300].decode("utf-8", "replace"))
+    n = int(resp.getheader("Inference-Header-Content-Length") or len(data))
+    answer = json.loads(data[:n])
+    return answer, np.frombuffer(data[n:], "<f4") if n < len(data) else np.asarray(answer["outputs"][0]["data"])
+
   def predict(self, records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     """``{"version", "scores"}`` of ``records``."""
     return self.request("POST", "/v1/predict", json.dumps({"records": list(records)}).encode("utf-8"))
@@ -147,6 +159,7 @@ class GrpcClient:
     self._meta = () if token is None else (("authorization", f"Bearer {token}"),)
     self._timeout = timeout
     self._calls = {m: self._channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Predict", "Model", "Health")}
+    self._infer = self._channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
 
   def call(self, method: str, body: bytes = b"") -> Dict[str, Any]:
     """Sends ``body`` (bytes, as is) to ``method``; ``ServeError`` with the status code name on an error."""
@@ -158,6 +171,16 @@ class GrpcClient:
       raise ServeError(
         e.code().name, e.details() or "", trailing.get("error-field"), None if record is None else int(record)
       ) from None
+
+  def infer(self, body: bytes) -> Tuple[Any, np.ndarray]:
+    """Sends a serialized ``ModelInferRequest`` (``v2_request``): the ``ModelInferResponse`` and its scores."""
+    from recsys_jax.serving.v2 import grpc_predict_v2_pb2 as pb
+
+    try:
+      answer = pb.ModelInferResponse.FromString(self._infer(body, timeout=self._timeout, metadata=self._meta))
+    except grpc.RpcError as e:
+      raise ServeError(e.code().name, e.details() or "") from None
+    return answer, np.frombuffer(answer.raw_output_contents[0], "<f4")
 
   def predict(self, records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     return self.call("Predict", json.dumps({"records": list(records)}).encode("utf-8"))

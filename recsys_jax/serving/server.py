@@ -10,7 +10,6 @@ import dataclasses
 import os
 from typing import Optional
 
-from recsys_jax.serving import asgi
 from recsys_jax.serving.batcher import Batcher
 from recsys_jax.serving.fresh import FreshModelHolder
 from recsys_jax.serving.front import Front
@@ -61,8 +60,6 @@ class ServerOptions:
   (``fresh.FreshModelHolder``) every ``deltas_every_s`` seconds; None: checkpoints only."""
   deltas_every_s: float = 0.2
   """How often a fresh server looks for deltas."""
-  http_front: str = "asgi"
-  """The HTTP side's implementation: ``stdlib`` (``serving/http.py``) or ``asgi`` (``serving/asgi.py``)."""
   model_name: Optional[str] = None
   """The model's name in the Open Inference Protocol (``/v2/models/<name>``); None: the workdir's basename."""
 
@@ -107,8 +104,7 @@ class Serving:
     self.http_port = self.grpc_port = None
     try:
       if o.http_port is not None:
-        serve = asgi.serve_http if o.http_front == "asgi" else serve_http
-        self.http, self.http_port, _ = serve(
+        self.http, self.http_port, _ = serve_http(
           self.front, o.host, o.http_port, o.max_body_bytes, o.tls_cert, o.tls_key, o.backlog
         )
       if o.grpc_port is not None:
