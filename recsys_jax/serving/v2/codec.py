@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
+import struct
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -67,6 +68,7 @@ KINDS = {
   "list": ("BYTES", ("BYTES", *INTS)),
 }
 _ANY = ("BYTES", *INTS, "FP32", "FP64")
+_LENGTH = struct.Struct("<I")  # a BYTES element's length, before it
 
 
 @dataclasses.dataclass
@@ -100,17 +102,20 @@ def values_from_raw(t_name: str, datatype: str, shape: Sequence[int], raw: bytes
   little-endian fixed-size elements, or for ``BYTES`` each element as a 4-byte little-endian length
   and that many bytes (UTF-8)."""
   if datatype == "BYTES":
-    out: List[Any] = []
-    at, n = 0, len(raw)
-    while at < n:
-      if at + 4 > n:
-        raise _bad(f"BYTES data ends inside an element's 4-byte length (element {len(out)})", t_name)
-      k = int.from_bytes(raw[at : at + 4], "little")
-      if at + 4 + k > n:
-        raise _bad(f"BYTES element {len(out)} of {k} bytes runs past the tensor's {n} bytes", t_name)
-      out.append(text(raw[at + 4 : at + 4 + k], t_name, len(out)))
+    parts: List[bytes] = []
+    at, n, length = 0, len(raw), _LENGTH.unpack_from
+    while at + 4 <= n:
+      k = length(raw, at)[0]
+      parts.append(raw[at + 4 : at + 4 + k])
       at += 4 + k
-    return out
+    if at > n:
+      raise _bad(f"BYTES element {len(parts) - 1} of {k} bytes runs past the tensor's {n} bytes", t_name)
+    if at < n:
+      raise _bad(f"BYTES data ends inside an element's 4-byte length (element {len(parts)})", t_name)
+    try:
+      return [b.decode("utf-8") for b in parts]
+    except UnicodeDecodeError:
+      return [text(b, t_name, i) for i, b in enumerate(parts)]  # names the element
   if datatype not in NUMPY:
     raise _bad(f"unknown datatype {datatype!r}", t_name)
   item = np.dtype(NUMPY[datatype]).itemsize
