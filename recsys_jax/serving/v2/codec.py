@@ -136,21 +136,26 @@ def values_from_json(t_name: str, datatype: str, data: Any) -> List[Any]:
   """A tensor's flat values from the JSON form's ``data`` (flat or nested row-major), checked for type."""
   flat: List[Any] = []
   stack = [data]
+  if isinstance(data, list) and list not in set(map(type, data)):
+    flat, stack = data, []  # flat already (the usual form)
   while stack:  # depth-first, left to right: row-major order
     x = stack.pop()
     if isinstance(x, list):
       stack.extend(reversed(x))
     else:
       flat.append(x)
+  # The usual case checked at once; else element by element, naming the first bad one.
+  want = {"BYTES": {str}, "BOOL": {bool}}.get(datatype, {int} if datatype in INTS else {int, float})
+  checked = set(map(type, flat)) <= want
   if datatype == "BYTES":
-    for i, v in enumerate(flat):
+    for i, v in enumerate(() if checked else flat):
       if not isinstance(v, str):
         raise _bad(f"BYTES data holds strings, element {i} is {type(v).__name__} {v!r:.40}", t_name)
     return flat
   if datatype not in NUMPY:
     raise _bad(f"unknown datatype {datatype!r}", t_name)
   want_int = datatype in INTS or datatype == "BOOL"
-  for i, v in enumerate(flat):
+  for i, v in enumerate(() if checked else flat):
     ok = isinstance(v, bool) if datatype == "BOOL" else not isinstance(v, bool) and isinstance(v, (int, float))
     if not ok or (want_int and datatype != "BOOL" and not isinstance(v, int)):
       raise _bad(f"{datatype} data holds {'integers' if want_int else 'numbers'}, element {i} is {v!r:.40}", t_name)
