@@ -34,7 +34,7 @@ import dataclasses
 import importlib.metadata
 import math
 import struct
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -145,7 +145,9 @@ def values_from_json(t_name: str, datatype: str, data: Any) -> List[Any]:
     else:
       flat.append(x)
   # The usual case checked at once; else element by element, naming the first bad one.
-  want = {"BYTES": {str}, "BOOL": {bool}}.get(datatype, {int} if datatype in INTS else {int, float})
+  want: Set[type] = (
+    {str} if datatype == "BYTES" else {bool} if datatype == "BOOL" else {int} if datatype in INTS else {int, float}
+  )
   checked = set(map(type, flat)) <= want
   if datatype == "BYTES":
     for i, v in enumerate(() if checked else flat):
