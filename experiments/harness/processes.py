@@ -142,21 +142,31 @@ def paced(
       time.sleep(max(0.0, nxt - time.perf_counter()))
 
 
+def poster(spec: Dict[str, Any]) -> Tuple[Callable[[bytes], Any], Any]:
+  """A function sending a predict request's body over ``spec["protocol"]`` to ``spec["port"]``, and its client
+  (``close()`` it). ``http``, ``grpc``: ``/v1``; ``v2http``, ``v2bin``, ``v2grpc``: the Open Inference Protocol
+  with JSON tensors, binary tensors (``spec["heads"]``: body -> its JSON header's length) and over gRPC, to
+  the model ``spec["model"]``."""
+  from recsys_jax.serving.client import GrpcClient, HttpClient
+
+  if "grpc" in spec["protocol"]:
+    g = GrpcClient(f"127.0.0.1:{spec['port']}", timeout=60)
+    return (g.infer if spec["protocol"] == "v2grpc" else lambda body: g.call("Predict", body)), g
+  c = HttpClient("127.0.0.1", spec["port"], timeout=60)
+  if spec["protocol"] == "http":
+    return lambda body: c.request("POST", "/v1/predict", body), c
+  heads = dict(spec.get("heads") or {})
+  return lambda body: c.infer(spec["model"], body, heads.get(body)), c
+
+
 def client(spec: Dict[str, Any], out: str, stopped: Any = None) -> None:
   """A client process (a spawn target): sends ``spec["bodies"]`` in turn to ``spec["port"]`` over
   ``spec["protocol"]`` (``http``, ``grpc``), ``spec["rate"]`` a second, untimed from ``spec["start"]`` (epoch
   seconds), timed from ``spec["timed_from"]`` until ``spec["end"]`` or ``stopped`` is set. Writes to ``out``
   ``latency_s``, ``failures``, ``late`` (began after ``start``), ``span`` (``timed_from`` to the last answer)
   and, with ``spec["versions"]``, ``backwards``: answers whose dense or row version went back."""
-  from recsys_jax.serving.client import GrpcClient, HttpClient
-
-  if spec["protocol"] == "http":
-    c = HttpClient("127.0.0.1", spec["port"], timeout=60)
-    post = lambda body: c.request("POST", "/v1/predict", body)  # noqa: E731
-  else:
-    c = GrpcClient(f"127.0.0.1:{spec['port']}", timeout=60)
-    post = lambda body: c.call("Predict", body)  # noqa: E731
-  bodies = [b.encode("utf-8") for b in spec["bodies"]]
+  post, c = poster(spec)
+  bodies = [b.encode("utf-8") if isinstance(b, str) else b for b in spec["bodies"]]
   last = {"dense_version": -1, "row_version": -1}
   backwards: List[str] = []
 

@@ -325,7 +325,7 @@ def _scorer_and_server(tmp_path):
   scorer = run_script("bench_scorer.py", [f"--workdir={work}", "--num_steps=4", "--repeats=1"], tmp_path)
   if scorer.returncode != 0:
     return scorer, None
-  args = [f"--workdir={work}", "--protocols=http", "--batches=4", "--clients=1", "--seconds=0.5"]
+  args = [f"--workdir={work}", "--protocols=http,v2bin", "--batches=4", "--clients=1", "--seconds=0.5"]
   return scorer, run_script("bench_serve.py", args + [f"--json_out={tmp_path / 'serve.jsonl'}"], tmp_path)
 
 
@@ -383,7 +383,7 @@ def test_script_runs_small(script, runs, request):
 
 def test_scorer_and_server_small(runs, request):
   """bench_scorer.py trains configs/tiny.py for a few steps and times the scorer; bench_serve.py
-  serves that run over HTTP to one client for half a second."""
+  serves that run over /v1 and v2 (binary tensors) HTTP to one client for half a second each."""
   tmp_path, run = runs[request.node.nodeid]
   p, serve = run.result()
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -392,8 +392,11 @@ def test_scorer_and_server_small(runs, request):
   out = tmp_path / "serve.jsonl"
   p = serve
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-  rec = last_json(p.stdout)
-  assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
+  rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+  assert [r.get("protocol") for r in rows] == ["http", "v2bin", None], rows  # then the ratios of v2 to v1
+  for rec in rows[:2]:
+    assert rec["predictions_per_s"] > 0 and rec["failed"] == 0 and not _finite(rec), rec
+  assert rows[2]["v2bin_over_http_p99"] > 0 and rows[2]["v2bin_over_http_predictions"] > 0, rows[2]
   assert announced(p.stdout) == {str(out)}, p.stdout
 
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import struct
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -67,6 +68,7 @@ KINDS = {
   "list": ("BYTES", ("BYTES", *INTS)),
 }
 _ANY = ("BYTES", *INTS, "FP32", "FP64")
+_LENGTH = struct.Struct("<I")  # a BYTES element's length, before it
 
 
 @dataclasses.dataclass
@@ -100,17 +102,20 @@ def values_from_raw(t_name: str, datatype: str, shape: Sequence[int], raw: bytes
   little-endian fixed-size elements, or for ``BYTES`` each element as a 4-byte little-endian length
   and that many bytes (UTF-8)."""
   if datatype == "BYTES":
-    out: List[Any] = []
-    at, n = 0, len(raw)
-    while at < n:
-      if at + 4 > n:
-        raise _bad(f"BYTES data ends inside an element's 4-byte length (element {len(out)})", t_name)
-      k = int.from_bytes(raw[at : at + 4], "little")
-      if at + 4 + k > n:
-        raise _bad(f"BYTES element {len(out)} of {k} bytes runs past the tensor's {n} bytes", t_name)
-      out.append(text(raw[at + 4 : at + 4 + k], t_name, len(out)))
+    parts: List[bytes] = []
+    at, n, length = 0, len(raw), _LENGTH.unpack_from
+    while at + 4 <= n:
+      k = length(raw, at)[0]
+      parts.append(raw[at + 4 : at + 4 + k])
       at += 4 + k
-    return out
+    if at > n:
+      raise _bad(f"BYTES element {len(parts) - 1} of {k} bytes runs past the tensor's {n} bytes", t_name)
+    if at < n:
+      raise _bad(f"BYTES data ends inside an element's 4-byte length (element {len(parts)})", t_name)
+    try:
+      return [b.decode("utf-8") for b in parts]
+    except UnicodeDecodeError:
+      return [text(b, t_name, i) for i, b in enumerate(parts)]  # names the element
   if datatype not in NUMPY:
     raise _bad(f"unknown datatype {datatype!r}", t_name)
   item = np.dtype(NUMPY[datatype]).itemsize
@@ -131,21 +136,28 @@ def values_from_json(t_name: str, datatype: str, data: Any) -> List[Any]:
   """A tensor's flat values from the JSON form's ``data`` (flat or nested row-major), checked for type."""
   flat: List[Any] = []
   stack = [data]
+  if isinstance(data, list) and list not in set(map(type, data)):
+    flat, stack = data, []  # flat already (the usual form)
   while stack:  # depth-first, left to right: row-major order
     x = stack.pop()
     if isinstance(x, list):
       stack.extend(reversed(x))
     else:
       flat.append(x)
+  # The usual case checked at once; else element by element, naming the first bad one.
+  want: Set[type] = (
+    {str} if datatype == "BYTES" else {bool} if datatype == "BOOL" else {int} if datatype in INTS else {int, float}
+  )
+  checked = set(map(type, flat)) <= want
   if datatype == "BYTES":
-    for i, v in enumerate(flat):
+    for i, v in enumerate(() if checked else flat):
       if not isinstance(v, str):
         raise _bad(f"BYTES data holds strings, element {i} is {type(v).__name__} {v!r:.40}", t_name)
     return flat
   if datatype not in NUMPY:
     raise _bad(f"unknown datatype {datatype!r}", t_name)
   want_int = datatype in INTS or datatype == "BOOL"
-  for i, v in enumerate(flat):
+  for i, v in enumerate(() if checked else flat):
     ok = isinstance(v, bool) if datatype == "BOOL" else not isinstance(v, bool) and isinstance(v, (int, float))
     if not ok or (want_int and datatype != "BOOL" and not isinstance(v, int)):
       raise _bad(f"{datatype} data holds {'integers' if want_int else 'numbers'}, element {i} is {v!r:.40}", t_name)
