@@ -293,4 +293,6 @@ def test_the_generated_code_is_what_generate_sh_makes(tmp_path):
   with open(os.path.join(here, "grpc_predict_v2_pb2.py")) as f:
     assert (tmp_path / "grpc_predict_v2_pb2.py").read_text() == f.read()
   with open(os.path.join(here, "grpc_predict_v2.proto")) as f:
-    assert "package inference;" in f.read()  # the protocol's package: tritonclient calls /inference.GRPCInferenceService/...
+    assert (
+      "package inference;" in f.read()
+    )  # the protocol's package: tritonclient calls /inference.GRPCInferenceService/...
