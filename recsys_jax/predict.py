@@ -82,44 +82,33 @@ def _address(value: str, flag: str) -> tuple:
   return host.strip("[]"), int(port)
 
 
+def _read(path: str, flag: str, mode: str = "r") -> Any:
+  """The whole file ``path`` that ``--flag`` names; ``_Usage`` if it cannot be read."""
+  try:
+    with open(path, mode) as f:
+      return f.read()
+  except OSError as e:
+    raise _Usage(f"--{flag}={path}: {e.strerror}") from None
+
+
 def _client():
   if (FLAGS.http is None) == (FLAGS.grpc is None):
     raise _Usage("give the server's address: --http=HOST:PORT or --grpc=HOST:PORT (one of them)")
-  token = None
-  if FLAGS.token_file:
-    try:
-      with open(FLAGS.token_file) as f:
-        token = f.read().strip()
-    except OSError as e:
-      raise _Usage(f"--token_file={FLAGS.token_file}: {e.strerror}") from None
+  token = _read(FLAGS.token_file, "token_file").strip() if FLAGS.token_file else None
   if FLAGS.http is not None:
     host, port = _address(FLAGS.http, "http")
     return HttpClient(host, port, token=token, timeout=FLAGS.timeout_s, tls_ca=FLAGS.tls_ca)
   host, port = _address(FLAGS.grpc, "grpc")
-  ca = None
-  if FLAGS.tls_ca:
-    try:
-      with open(FLAGS.tls_ca, "rb") as f:
-        ca = f.read()
-    except OSError as e:
-      raise _Usage(f"--tls_ca={FLAGS.tls_ca}: {e.strerror}") from None
+  ca = _read(FLAGS.tls_ca, "tls_ca", "rb") if FLAGS.tls_ca else None
   return GrpcClient(f"{host}:{port}", token=token, timeout=FLAGS.timeout_s, tls_ca=ca)
 
 
 def _records() -> List[Dict[str, Any]]:
   if FLAGS.records is None:
     raise _Usage("--records=FILE (or - for standard input) is required, or --model")
-  where = "stdin" if FLAGS.records == "-" else FLAGS.records
+  text = sys.stdin.read() if FLAGS.records == "-" else _read(FLAGS.records, "records")
   try:
-    if FLAGS.records == "-":
-      text = sys.stdin.read()
-    else:
-      with open(FLAGS.records) as f:
-        text = f.read()
-  except OSError as e:
-    raise _Usage(f"--records={FLAGS.records}: {e.strerror}") from None
-  try:
-    return read_records(text, where)
+    return read_records(text, "stdin" if FLAGS.records == "-" else FLAGS.records)
   except ValueError as e:
     raise _Usage(str(e)) from None
 
