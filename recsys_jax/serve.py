@@ -142,6 +142,13 @@ def _start():
     if path is not None and not os.path.isfile(path):
       raise _Usage(f"--{name} {path} is not a file")
   token = _read_token(FLAGS.token_file)
+  if FLAGS.model_module == "recsys_jax.serving.scorer":
+    from recsys_jax.training import run_config
+
+    try:  # a damaged config.json is named as such before any checkpoint is looked for or loaded
+      run_config.verify(FLAGS.workdir)
+    except ValueError as e:
+      raise _Usage(str(e)) from None
   try:  # imported here: the model side pulls in jax, which the flag checks above need not wait for
     model = importlib.import_module(FLAGS.model_module)
     load_scorer, newest_step = model.load_scorer, model.newest_step
@@ -156,7 +163,6 @@ def _start():
   publish_dir = None
   if FLAGS.deltas_every_s > 0 and FLAGS.step is None and FLAGS.model_module == "recsys_jax.serving.scorer":
     from recsys_jax.online import publish
-    from recsys_jax.training import run_config
 
     try:
       config = run_config.load(FLAGS.workdir)

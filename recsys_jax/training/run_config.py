@@ -15,11 +15,16 @@ home of every default.
 
 Each file holds the CRC32 of its config (``config_crc32``), checked whenever it is read: a file
 damaged on disk is refused, naming it, rather than taken for a changed config (a resume would
-then write the damaged one's difference as a new config) or built into a scorer.
+then write the damaged one's difference as a new config) or built into a scorer. A file without
+the key (written before configs carried it) is read only if it could be one: JSON without a
+repeated key, whose top-level keys are all fields of ``configs/default.py``; so a damaged
+checksum key (``confog_crc32``) is refused too, naming the key, not read as such a file.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 import os
 import re
@@ -110,23 +115,77 @@ def checksum(d: Dict[str, Any]) -> str:
   return f"{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}"
 
 
-def _read(path: str) -> Dict[str, Any]:
-  """The config in ``path``, checked against its checksum (a file written before configs carried
-  one is read as it is)."""
-  try:
-    with open(path) as f:
-      d = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{path}: cannot read the run's config ({type(e).__name__}: {e})") from None
+def _damaged(path: str, why: str) -> ValueError:
+  return ValueError(
+    f"{path} is damaged: {why}; it is the config this workdir's checkpoints were written with: put back a good "
+    "copy, or use a new --workdir"
+  )
+
+
+def _no_repeats(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+  """A JSON object's dict, refusing a key it holds twice (``json`` would keep the last: never written so)."""
+  d = dict(pairs)
+  if len(d) != len(pairs):
+    seen = set()
+    for k, _ in pairs:
+      if k in seen:
+        raise ValueError(f"the key {json.dumps(k)} appears twice")
+      seen.add(k)
+  return d
+
+
+@functools.lru_cache(maxsize=1)
+def _fields() -> frozenset:
+  """The top-level fields of ``configs/default.py``: those every config of this trainer has, and all a config
+  written before the checksum existed can hold (each file of that time had these or fewer)."""
+  return frozenset(default_config.get_config())
+
+
+def _not_written(d: Any) -> Optional[str]:
+  """Why ``d`` (a file's JSON) is not a config ``save`` wrote or one written before the checksum existed, or None.
+
+  The checksum covers the rest of the file, not itself: a changed value must still be one ``checksum`` writes,
+  and a file without the key must have only fields of the config. A damaged key (``confog_crc32``) would else
+  turn a checksummed file into one that seems written before the checksum, and be read unchecked."""
   if not isinstance(d, dict):
-    raise ValueError(f"{path}: not a config (a JSON object was expected)")
+    return "it is not a config (a JSON object was expected)"
   if CHECKSUM in d:
-    written, got = d.pop(CHECKSUM), checksum(d)
-    if written != got:
-      raise ValueError(
-        f"{path} is damaged: it does not match its checksum (written {written}, read {got}); it is the config "
-        "this workdir's checkpoints were written with: put back a good copy, or use a new --workdir"
-      )
+    written = d[CHECKSUM]
+    if not (isinstance(written, str) and re.fullmatch(r"[0-9a-f]{8}", written)):
+      return f"its checksum is no checksum ({CHECKSUM}: {json.dumps(written)}, 8 hex digits were expected)"
+    got = checksum(d)
+    return None if written == got else f"it does not match its checksum (written {written}, read {got})"
+  for key in sorted(set(d) - _fields()):
+    like = " (the checksum's key, damaged?)" if difflib.get_close_matches(key, [CHECKSUM], cutoff=0.75) else ""
+    return f"it has no checksum ({CHECKSUM}) and a key {json.dumps(key)}{like} that no config has"
+  return None
+
+
+def _read(path: str) -> Dict[str, Any]:
+  """The config in the file ``path`` (see ``parse``)."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ValueError(f"{path}: cannot read the run's config ({type(e).__name__}: {e})") from None
+  return parse(data, path)
+
+
+def parse(data: bytes, path: str) -> Dict[str, Any]:
+  """The config in ``data``, the bytes of the config file ``path``, checked against its checksum; a file written
+  before configs carried one is read if it could be such a file (see ``_not_written``).
+
+  Raises:
+    ValueError: in one line naming ``path``, if ``data`` is not a config a run wrote.
+  """
+  try:
+    d = json.loads(data.decode("utf-8"), object_pairs_hook=_no_repeats)
+  except ValueError as e:  # not UTF-8, not JSON, a repeated key: never what save writes
+    raise _damaged(path, f"it is not the JSON a run writes ({type(e).__name__}: {e})") from None
+  why = _not_written(d)
+  if why is not None:
+    raise _damaged(path, why)
+  d.pop(CHECKSUM, None)
   return d
 
 

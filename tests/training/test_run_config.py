@@ -4,6 +4,7 @@ left as they were (a failed resume writes no config.<n>.json that a scorer would
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,150 @@ def test_a_resume_over_a_damaged_config_file_exits_2_in_one_line_and_keeps_every
   assert "another config" not in r.stderr
   assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(tmp_path / "checkpoints"))) == before
   assert (tmp_path / "config.json").read_bytes() == damaged
+
+
+# Damage that a checksum alone would not see: a flipped byte in the checksum's own key (the file then looks
+# like one written before configs carried a checksum) or in its value, or one that breaks the JSON. Each
+# must be refused as damage, in one line naming the file, by every reader; a file written before the
+# checksum existed (legacy_configs/: written by run_config.save at the commit named, the first to write
+# config.json and the last before the checksum) must still be read.
+
+LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "legacy_configs")
+LEGACY_FILES = sorted(os.listdir(LEGACY))
+
+
+def _refused_or_same(data: bytes, want: dict) -> bool:
+  """True if ``data``, as a config file's bytes, reads back as ``want``; False if refused as damage in one line
+  naming the file; anything else (another content, another error, a traceback) fails. (``parse`` is what every
+  reader of a config file runs on its bytes; the readers themselves are below.)"""
+  from recsys_jax.training import run_config
+
+  try:
+    got = run_config.parse(data, "/w/config.json")
+  except ValueError as e:
+    msg = str(e)
+    assert msg.startswith("/w/config.json is damaged: ") and len(msg.splitlines()) == 1, (data, msg)
+    return False
+  assert got == {k: v for k, v in want.items() if k != "config_crc32"}, data
+  return True
+
+
+def _checksummed(tmp_path) -> bytes:
+  from recsys_jax.training import run_config
+
+  run_config.save(str(tmp_path), _short(tiny.get_config()))
+  return (tmp_path / "config.json").read_bytes()
+
+
+def _span(data: bytes, text: bytes):
+  start = data.index(text)
+  assert data.count(text) == 1
+  return range(start, start + len(text))
+
+
+def test_every_byte_of_the_checksum_key_and_value_changed_to_any_other_is_refused(tmp_path):
+  """Each byte from the key's opening quote to the value's closing one, replaced by each of the other 255
+  values: refused (a key no longer the checksum's is not read as a file without one), unless the byte was
+  whitespace and still is (the same config)."""
+  data = _checksummed(tmp_path)
+  want = json.loads(data)
+  span = _span(data, b'"config_crc32": "' + want["config_crc32"].encode() + b'"')
+  accepted = []
+  for i in span:
+    for b in range(256):
+      if b != data[i] and _refused_or_same(data[:i] + bytes([b]) + data[i + 1 :], want):
+        accepted.append((data[i : i + 1], bytes([b])))
+  assert set(accepted) <= {(b" ", w) for w in (b"\t", b"\n", b"\r")}, accepted
+
+
+def test_every_bit_of_a_written_config_flipped_is_refused_or_harmless(tmp_path):
+  """Any one bit of the whole file flipped: refused as damage, or read back as the same config."""
+  data = _checksummed(tmp_path)
+  want = json.loads(data)
+  for i in range(len(data)):
+    for bit in range(8):
+      _refused_or_same(data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1 :], want)
+
+
+@pytest.mark.parametrize("name", LEGACY_FILES)
+def test_a_config_written_before_the_checksum_is_read(name, tmp_path):
+  """By ``verify`` and ``load``; a resume over it writes the config it had, with the defaults it lacked, beside it."""
+  from recsys_jax.training import run_config
+
+  data = open(os.path.join(LEGACY, name), "rb").read()
+  assert b"crc" not in data
+  (tmp_path / "config.json").write_bytes(data)
+  run_config.verify(str(tmp_path))
+  got = run_config.load(str(tmp_path))
+  assert got.to_dict() == run_config.from_dict(run_config.with_defaults(json.loads(data))).to_dict()
+  run_config.save(str(tmp_path), got)
+  assert run_config.load(str(tmp_path)).to_dict() == got.to_dict()
+  assert (tmp_path / "config.json").read_bytes() == data
+
+
+@pytest.mark.parametrize("name", LEGACY_FILES)
+def test_a_legacy_config_with_a_top_level_key_damaged_is_refused(name, tmp_path):
+  """In a file without a checksum, every bit of every top-level key's name (and its quotes) flipped in turn: the
+  key is then no field of the config (no two fields are one character apart), and the file is refused."""
+  data = open(os.path.join(LEGACY, name), "rb").read()
+  want = json.loads(data)
+  for key in want:
+    for i in _span(data, b'\n "' + key.encode() + b'":')[2:-1]:
+      for bit in range(8):
+        assert not _refused_or_same(data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1 :], want)
+
+
+def test_a_repeated_key_is_refused(tmp_path):
+  """JSON keeps the last of two equal keys: a file ``save`` never writes, whose first value would be lost."""
+  data = open(os.path.join(LEGACY, LEGACY_FILES[0]), "rb").read()
+  assert not _refused_or_same(data.replace(b'\n "seed": ', b'\n "seed": 5,\n "seed": ', 1), {})
+
+
+def _damages(data: bytes):
+  """One of each kind: the checksum's key changed (a letter, a byte that makes an escape and so a control
+  character in the key), its value (a letter that is no hex digit, a control character, not a string), the
+  JSON broken."""
+  value = json.loads(data)["config_crc32"]
+  yield data.replace(b'"config_crc32"', b'"confog_crc32"')
+  yield data.replace(b'"config_crc32"', b'"co\\fig_crc32"')
+  yield data.replace(value.encode(), value[:-1].encode() + b"g")
+  yield data.replace(value.encode(), b"\\f" + value[2:].encode())
+  yield data.replace(b'"' + value.encode() + b'"', value[:-1].encode())
+  yield data.replace(b'"config_crc32": "', b'"config_crc32" "')
+
+
+def test_each_reader_refuses_a_damaged_checksum_in_one_line_and_writes_nothing(tmp_path):
+  """``verify`` (the trainer's first look), ``save`` (a resume's), ``load`` and ``load_scorer``: the same line."""
+  from recsys_jax.serving import scorer
+  from recsys_jax.training import run_config
+
+  d, c = str(tmp_path), _short(tiny.get_config())
+  for damaged in _damages(_checksummed(tmp_path)):
+    (tmp_path / "config.json").write_bytes(damaged)
+    messages = set()
+    for read in (run_config.verify, lambda d: run_config.save(d, c), run_config.load, scorer.load_scorer):
+      with pytest.raises(ValueError) as e:
+        read(d)
+      messages.add(str(e.value))
+    assert len(messages) == 1, messages
+    msg = messages.pop()
+    assert msg.startswith(f"{tmp_path}/config.json is damaged: ") and len(msg.splitlines()) == 1, msg
+    assert os.listdir(d) == ["config.json"] and (tmp_path / "config.json").read_bytes() == damaged
+
+
+def test_the_trainer_and_the_server_refuse_a_damaged_checksum_key_in_one_line(tmp_path):
+  """``python -m recsys_jax.main`` and ``python -m recsys_jax.serve`` on a workdir whose config.json has the
+  checksum's key damaged: one ``error:`` line naming the file and the key, exit 2, the file as it was and no
+  other config written (the serving side checks it before looking for a checkpoint)."""
+  damaged = next(_damages(_checksummed(tmp_path)))
+  (tmp_path / "config.json").write_bytes(damaged)
+  train_args = ["-m", "recsys_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.num_steps=2"]
+  serve_args = ["-m", "recsys_jax.serve", f"--workdir={tmp_path}", "--http_port=0", "--grpc_port=-1"]
+  for args in (train_args, serve_args):
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {tmp_path}/config.json is damaged: "), r.stderr
+    assert '"confog_crc32"' in errors[0] and "Traceback" not in r.stderr
+    assert (tmp_path / "config.json").read_bytes() == damaged
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("config.") and n != "config.json"]
