@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import time
 
 import numpy as np
 import pytest
 
 from recsys_jax import train
+from recsys_jax import workdir as workdir_lib
 from recsys_jax.serving import scorer
 
 
@@ -99,6 +104,31 @@ def test_the_held_files_go_with_the_version(run, tmp_path):
   gc.collect()
   assert not os.path.exists(held)
   assert all(os.path.isdir(os.path.join(w, "ps_snapshots", n)) for n in names)  # the trainer's are untouched
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_server_stops_at_once_on_a_signal_and_removes_its_held_files(run, tmp_path, sig):
+  """``python -m recsys_jax.serve`` on a real run, idle, stopped by SIGTERM (or SIGINT, Ctrl-C): it exits
+  0 at once (2 s leaves room for a loaded machine) and its held directory is gone, not left for the
+  next server on the host to remove."""
+  w = _copy(run, tmp_path)
+  p, _, _, _ = _start_server(w)
+  try:
+    mine = os.path.join(w, workdir_lib.SERVING_HELD, f"{socket.gethostname()}-{p.pid}")
+    assert os.path.isdir(mine) and os.listdir(mine), "the version served holds its files there"
+    t = time.monotonic()
+    p.send_signal(sig)
+    try:
+      rc = p.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"still running {time.monotonic() - t:.1f} s after {sig.name}")
+    assert rc == 0, p.stderr.read()[-2000:]
+    assert not os.path.exists(mine), os.listdir(mine)
+  finally:
+    p.kill()
+    p.wait()
+    p.stdout.close()
+    p.stderr.close()
 
 
 def test_the_dense_parameters_are_read_from_the_held_copy(run, tmp_path, monkeypatch):

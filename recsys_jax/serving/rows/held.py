@@ -5,18 +5,20 @@ checkpoint and PS chain into a directory of its own before anything is read, so 
 rotation deleting ``ps_snapshots/<name>`` frees nothing the version reads, and the load's checks
 (CRC32 of every array) run on the held files, the ones later reads get. The held directory goes
 when the version is dropped (``SnapshotRows``' ``owns``). Each serving process holds under a
-directory of its own (``hold_root``), and removes those of this host's dead processes (a
-server that was killed cannot remove its own).
+directory of its own (``hold_root``), removed whole when the process exits (``release``, or at
+interpreter exit), and removes those of this host's dead processes (a server that was killed
+cannot remove its own).
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import shutil
 import socket
 import uuid
-from typing import Sequence, Tuple
+from typing import Sequence, Set, Tuple
 
 from recsys_jax import workdir as workdir_lib
 
@@ -33,16 +35,38 @@ def _alive(pid: int) -> bool:
   return True
 
 
+_AT_EXIT: Set[str] = set()  # the roots this process removes at interpreter exit
+
+
+def own_root(workdir: str) -> str:
+  """This process's directory of held chains under ``workdir`` (``<host>-<pid>``), created or not."""
+  return os.path.join(os.path.abspath(workdir), HELD, f"{socket.gethostname()}-{os.getpid()}")
+
+
 def hold_root(workdir: str) -> str:
-  """This process's directory of held chains under ``workdir``; removes those of dead processes
-  of this host first (a server that was killed cannot remove its own)."""
-  root = os.path.join(os.path.abspath(workdir), HELD)
-  host = socket.gethostname()
+  """This process's directory of held chains under ``workdir``, removed at interpreter exit; removes
+  those of dead processes of this host first (a server that was killed cannot remove its own)."""
+  mine = own_root(workdir)
+  root, host = os.path.dirname(mine), socket.gethostname()
   for name in os.listdir(root) if os.path.isdir(root) else []:
     h, _, pid = name.rpartition("-")
     if h == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
       shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-  return os.path.join(root, f"{host}-{os.getpid()}")
+  if mine not in _AT_EXIT:
+    _AT_EXIT.add(mine)
+    atexit.register(_release_at_exit, mine, os.getpid())
+  return mine
+
+
+def release(workdir: str) -> None:
+  """Removes this process's held directory under ``workdir`` and everything in it: call it once no
+  version it holds is read again (the server stopped). Nothing of another process's is touched."""
+  shutil.rmtree(own_root(workdir), ignore_errors=True)
+
+
+def _release_at_exit(root: str, pid: int) -> None:
+  if os.getpid() == pid:  # a forked child inherits the callback; the directory is its parent's
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def hold(sources: Sequence[Tuple[str, str]], root: str, label: str) -> str:
