@@ -234,9 +234,12 @@ def train_and_evaluate(
   host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
   ckpts, state, start, position, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
-  pre = host.train_prefetcher(start, config, gate, position)
+  # At k = 0 the loop pushes each step and looks the next one up itself: nothing could overlap them
+  inline = config.staleness == 0
+  pre = host.train_prefetcher(start, config, gate, position, lookup_on_get=inline)
   progress = Progress(workdir, config, start, t_start, on_metrics, stop)
-  pusher = Pusher(lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source), gate)
+  apply = lambda t, push: progress.record_step(t, host.push_step(t, push), push.metrics, push.source)  # noqa: E731
+  pusher = Pusher(apply, gate, inline=inline)
   run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None
   _settle_heap()

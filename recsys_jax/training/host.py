@@ -70,6 +70,8 @@ class Prepared:
   """The rows (and hot slots) as one word buffer (``training/packing.py``), written by the lookup."""
   packed_batch: Any = None
   """Everything with a batch axis as one word buffer, packed before the staleness gate."""
+  placed_batch: Any = None
+  """``packed_batch`` on the devices: copied before the staleness gate too, off the step's path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +171,10 @@ class HostPipeline:
     self._split(p, gate)
     self.ps.resolve_many(self.ids_of(p), step=p.step)
     p.resolved = True
-    if not self.multi_process:  # its batch part waits for no push: packed now, off the step's path
+    if not self.multi_process:  # its batch part waits for no push: packed and copied now, off the step's path
       p.packed_batch = packing.pack(self._batch_tree(p), by_record=True)
+      if p.packed_batch is not None:
+        p.placed_batch = self._put(p.packed_batch, self.data_sharding)
     return p
 
   @staticmethod
@@ -261,7 +265,8 @@ class HostPipeline:
       packed_batch = p.packed_batch if p.packed_batch is not None else packing.pack(batch, by_record=True)
       if packed_rows is not None and packed_batch is not None:  # two copies in all (training/packing.py)
         self.times.count("place_copies", 2)
-        return p, self._put(packed_rows, self.replicated), self._put(packed_batch, self.data_sharding)
+        placed_batch = p.placed_batch if p.placed_batch is not None else self._put(packed_batch, self.data_sharding)
+        return p, self._put(packed_rows, self.replicated), placed_batch
       self.times.count("place_copies", len(jax.tree.leaves(rows)) + len(jax.tree.leaves(batch)))
       return p, jax.device_put(rows, self.replicated), jax.device_put(batch, self.data_sharding)
 
@@ -308,9 +313,12 @@ class HostPipeline:
       self.push(groups, g_rows, step)
     return loss
 
-  def train_prefetcher(self, start: int, config, gate: StalenessGate, position: Any = None) -> Prefetcher:
+  def train_prefetcher(
+    self, start: int, config, gate: StalenessGate, position: Any = None, lookup_on_get: bool = False
+  ) -> Prefetcher:
     """Prepares training steps [start, config.num_steps) from the reader's ``position`` on; each
-    stage's time goes to ``self.times``. If the reader ends first (a stream gone idle), the step
+    stage's time goes to ``self.times``. ``lookup_on_get``: the lookups and placements run on the
+    thread that takes the steps (``Prefetcher``). If the reader ends first (a stream gone idle), the step
     after its last batch raises ``EndOfData``; a reader's failure raises ``DataError``."""
     feed = Feed(self.workers)
     times = self.times
@@ -392,6 +400,7 @@ class HostPipeline:
       on_close=close,
       times=times,
       resolve=resolve,
+      lookup_on_get=lookup_on_get,
     )
 
   def eval_prefetcher(self, depth: int) -> Prefetcher:

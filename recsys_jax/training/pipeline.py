@@ -145,6 +145,11 @@ class Prefetcher:
       ``prepare`` waits on).
     times: something with ``add(stage, wall_s, cpu_s)`` (the trainer's ``StageTimes``): ``get``
       adds the time the consumer waited as ``wait``; None: not timed.
+    lookup_on_get: the thread stops after the resolve and ``get`` passes the gate, looks the rows
+      up and places them on the consumer's thread. At k = 0 a step's lookup waits for the push of
+      the step before, which the consumer applies itself (``Pusher(inline=True)``): the chain from
+      one step's end to the next one's start (push, lookup, place, dispatch) then crosses no
+      thread, and no wake-up of another thread waits for a core the device's work holds.
   """
 
   def __init__(
@@ -160,6 +165,7 @@ class Prefetcher:
     on_close: Optional[Callable[[], None]] = None,
     times: Any = None,
     resolve: Optional[Callable[[Any], Any]] = None,
+    lookup_on_get: bool = False,
   ):
     if staleness < 0:
       raise ValueError(f"staleness must be >= 0, got {staleness}")
@@ -169,6 +175,7 @@ class Prefetcher:
     self._k = staleness
     self._on_close = on_close
     self._times = times
+    self._on_get = lookup_on_get
     self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
     self._stop = threading.Event()
     self.stale_sum = self.stale_max = self.stale_n = 0
@@ -185,18 +192,14 @@ class Prefetcher:
           if self._stop.is_set():
             return
           host = self._resolve(host)
-        self._gate.wait_lookup(t, self._k)
-        if self._stop.is_set():
-          return
-        # Observed staleness: earlier steps whose pushes this lookup does not see.
-        stale = max(0, t - 1 - self._gate.last_applied)
-        self.stale_sum += stale
-        self.stale_max = max(self.stale_max, stale)
-        self.stale_n += 1
-        item = place(lookup(host))
+        if not self._on_get:
+          self._gate.wait_lookup(t, self._k)
+          if self._stop.is_set():
+            return
+          host = self._looked_up(t, host)
         while not self._stop.is_set():
           try:
-            self._queue.put((t, item, None), timeout=0.1)
+            self._queue.put((t, host, None), timeout=0.1)
             break
           except queue.Full:
             continue
@@ -204,18 +207,31 @@ class Prefetcher:
       if not self._stop.is_set():
         self._queue.put((None, None, e))
 
+  def _looked_up(self, t: int, host: Any) -> Any:
+    """Step ``t``'s rows looked up and placed, once its lookup has passed the gate."""
+    # Observed staleness: earlier steps whose pushes this lookup does not see.
+    stale = max(0, t - 1 - self._gate.last_applied)
+    self.stale_sum += stale
+    self.stale_max = max(self.stale_max, stale)
+    self.stale_n += 1
+    _, _, _, lookup, place = self._args
+    return place(lookup(host))
+
   def get(self, timeout: Optional[float] = None):
     """Returns (step, placed item) in step order; re-raises a failure of the thread; raises
-    ``queue.Empty`` after ``timeout`` seconds without one."""
+    ``queue.Empty`` after ``timeout`` seconds without one (``lookup_on_get``: without a step
+    resolved; the gate is then waited on without a timeout)."""
     w, c = time.perf_counter(), thread_time()
     try:
       t, item, err = self._queue.get(timeout=timeout)
+      if err is None and self._on_get:
+        self._gate.wait_lookup(t, self._k)
     finally:  # a wait that timed out (a stream waiting for files) is waiting too
       if self._times is not None:
         self._times.add("wait", time.perf_counter() - w, thread_time() - c)
     if err is not None:
       raise err
-    return t, item
+    return t, (self._looked_up(t, item) if self._on_get else item)
 
   def close(self) -> None:
     self._stop.set()
@@ -230,36 +246,48 @@ class Prefetcher:
 
 
 class Pusher:
-  """Applies each step's row gradients in step order on a background thread.
+  """Applies each step's row gradients in step order, on a background thread or (``inline``) on
+  the caller's.
 
   Args:
     apply: (step, payload) -> None; pulls the gradients to the host and updates the PS.
       An exception (a non-finite loss, say) stops the pusher; the step is not marked
       applied, and ``check()`` re-raises it in the training loop.
     gate: the staleness gate; marked after each step.
+    inline: ``push`` applies the step itself before it returns (and raises what the apply
+      raised). At k = 0 the next lookup waits for this push anyway: a thread would only add
+      two wake-ups to every step's chain (``Prefetcher``'s ``lookup_on_get``).
   """
 
-  def __init__(self, apply: Callable[[int, Any], None], gate: StalenessGate, depth: int = 4):
+  def __init__(self, apply: Callable[[int, Any], None], gate: StalenessGate, depth: int = 4, inline: bool = False):
     self._apply = apply
     self._gate = gate
     self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
     self.error: Optional[BaseException] = None
-    self._thread = threading.Thread(target=self._run, name="pusher", daemon=True)
-    self._thread.start()
+    self._thread: Optional[threading.Thread] = None
+    if not inline:
+      self._thread = threading.Thread(target=self._run, name="pusher", daemon=True)
+      self._thread.start()
 
   def _run(self) -> None:
     while True:
       item = self._queue.get()
       if item is None:
         return
-      t, payload = item
       try:
-        self._apply(t, payload)
-      except BaseException as e:  # noqa: BLE001 - re-raised by check()
-        self.error = e
-        self._gate.abort(e)
+        self._applied(*item)
+      except BaseException:  # noqa: BLE001 - re-raised by check()
         return
-      self._gate.mark_applied(t)
+
+  def _applied(self, t: int, payload: Any) -> None:
+    """Applies step ``t``'s push and marks it; a failure stops the pusher (``check``) and is raised."""
+    try:
+      self._apply(t, payload)
+    except BaseException as e:
+      self.error = e
+      self._gate.abort(e)
+      raise
+    self._gate.mark_applied(t)
 
   def check(self) -> None:
     """Re-raises the pusher's failure, if any."""
@@ -267,6 +295,10 @@ class Pusher:
       raise self.error
 
   def push(self, step: int, payload: Any) -> None:
+    if self._thread is None:
+      self.check()
+      self._applied(step, payload)
+      return
     while True:
       self.check()
       try:
@@ -289,7 +321,7 @@ class Pusher:
         raise
 
   def close(self) -> None:
-    if self._thread.is_alive():
+    if self._thread is not None and self._thread.is_alive():
       try:
         self._queue.put(None, timeout=1)
       except queue.Full:

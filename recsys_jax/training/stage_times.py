@@ -14,13 +14,16 @@ doing the stage (``thread_time``: ``time.thread_time``'s clock, read without the
 - ``parse``: the format's parse of a chunk, or its read from the preprocessed cache (synthetic
   data: generating a batch), wherever it runs;
 - ``prepare`` (dedup), ``resolve`` (the hot split and the PS's finding and creating of the cold
-  rows, before the staleness gate: ``HostPipeline.resolve``), ``lookup`` (the PS read of the cold
-  rows), ``place`` (the copy to the devices): the host workers' and the prefetcher's work on a
-  training batch;
+  rows, and the copy of the batch's arrays to the devices, before the staleness gate:
+  ``HostPipeline.resolve``), ``lookup`` (the PS read of the cold rows), ``place`` (the rows' copy
+  to the devices): the host workers' and the prefetcher's work on a training batch (at k = 0 the
+  lookup and the place run on the training loop's thread: ``Prefetcher``'s ``lookup_on_get``);
 - ``read_ahead``: handing a later step's ids to the PS's read-ahead (``config.ps.read_ahead``; the
   reads themselves run on the PS's reader thread; 0 without a tier);
-- ``wait``: the training loop waiting for its next placed batch (the time a device sits idle);
-- ``get``: the pusher waiting for the step's row gradients and copying them to the host;
+- ``wait``: the training loop waiting for its next batch (the time a device sits idle, with the
+  lookup and place at k = 0);
+- ``get``: the pusher (at k = 0 the training loop) waiting for the step's row gradients and
+  copying them to the host;
 - ``push``: the PS update with them.
 
 ``rows_per_step`` and ``bucket_rows_per_step`` count the cold rows a training batch looks up
