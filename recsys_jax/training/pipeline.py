@@ -250,20 +250,34 @@ class Pusher:
   the caller's.
 
   Args:
-    apply: (step, payload) -> None; pulls the gradients to the host and updates the PS.
+    apply: (step, payload) -> result; pulls the gradients to the host and updates the PS.
       An exception (a non-finite loss, say) stops the pusher; the step is not marked
       applied, and ``check()`` re-raises it in the training loop.
     gate: the staleness gate; marked after each step.
     inline: ``push`` applies the step itself before it returns (and raises what the apply
       raised). At k = 0 the next lookup waits for this push anyway: a thread would only add
       two wake-ups to every step's chain (``Prefetcher``'s ``lookup_on_get``).
+    record: (step, payload, what ``apply`` returned, ``time.perf_counter()`` when it was applied)
+      -> None, the step's bookkeeping (its loss, its scores), None: nothing. On the thread it runs
+      before the step is marked applied, so that a ``flush`` sees it; inline it runs at the next
+      ``push`` (while the next step runs on the device, off the chain) or at a ``flush`` that
+      covers the step, whichever comes first.
   """
 
-  def __init__(self, apply: Callable[[int, Any], None], gate: StalenessGate, depth: int = 4, inline: bool = False):
+  def __init__(
+    self,
+    apply: Callable[[int, Any], Any],
+    gate: StalenessGate,
+    depth: int = 4,
+    inline: bool = False,
+    record: Optional[Callable[[int, Any, Any, float], None]] = None,
+  ):
     self._apply = apply
+    self._record = record
     self._gate = gate
     self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
     self.error: Optional[BaseException] = None
+    self._pending: Optional[tuple] = None  # inline: the last step applied and not yet recorded
     self._thread: Optional[threading.Thread] = None
     if not inline:
       self._thread = threading.Thread(target=self._run, name="pusher", daemon=True)
@@ -279,15 +293,36 @@ class Pusher:
       except BaseException:  # noqa: BLE001 - re-raised by check()
         return
 
+  def _fail(self, e: BaseException) -> None:
+    self.error = e
+    self._gate.abort(e)
+
   def _applied(self, t: int, payload: Any) -> None:
-    """Applies step ``t``'s push and marks it; a failure stops the pusher (``check``) and is raised."""
+    """Applies step ``t``'s push and marks it (inline: its record left for later); a failure
+    stops the pusher (``check``) and is raised."""
     try:
-      self._apply(t, payload)
+      result = self._apply(t, payload)
+      at = time.perf_counter()
+      if self._thread is not None and self._record is not None:
+        self._record(t, payload, result, at)
     except BaseException as e:
-      self.error = e
-      self._gate.abort(e)
+      self._fail(e)
       raise
     self._gate.mark_applied(t)
+    if self._thread is None and self._record is not None:
+      self._pending = (t, payload, result, at)
+
+  def _record_pending(self, up_to: Optional[int] = None) -> None:
+    pending = self._pending
+    if pending is None or (up_to is not None and pending[0] > up_to):
+      return
+    self._pending = None
+    assert self._record is not None
+    try:
+      self._record(*pending)
+    except BaseException as e:
+      self._fail(e)
+      raise
 
   def check(self) -> None:
     """Re-raises the pusher's failure, if any."""
@@ -297,6 +332,7 @@ class Pusher:
   def push(self, step: int, payload: Any) -> None:
     if self._thread is None:
       self.check()
+      self._record_pending()  # the step before's: the device runs this step's meanwhile
       self._applied(step, payload)
       return
     while True:
@@ -308,7 +344,10 @@ class Pusher:
         continue
 
   def flush(self, step: int) -> None:
-    """Waits until the pushes of all steps <= ``step`` are applied."""
+    """Waits until the pushes of all steps <= ``step`` are applied (and recorded)."""
+    if self._thread is None:
+      self.check()
+      self._record_pending(step)
     while True:
       self.check()
       try:

@@ -364,11 +364,14 @@ class Progress:
     self._reports: List[concurrent.futures.Future] = []
     self._stream_file: Optional[str] = None  # the stream file the last batch trained ended in
 
-  def record_step(self, step: int, loss: float, metrics: Dict[str, Any], source: Optional[str] = None) -> None:
-    """The pusher thread's record of an applied step: its loss, and with progressive validation on,
-    the scores the step's forward pass gave its batch (``metrics["logits"]``, before the update)
-    with its labels; ``source`` names where the batch came from (a stream's file), or None."""
-    self.stats.record(step, loss)
+  def record_step(
+    self, step: int, loss: float, metrics: Dict[str, Any], source: Optional[str] = None, now: Optional[float] = None
+  ) -> None:
+    """The pusher's record of an applied step: its loss, and with progressive validation on, the
+    scores the step's forward pass gave its batch (``metrics["logits"]``, before the update) with
+    its labels; ``source`` names where the batch came from (a stream's file), or None; ``now``:
+    when its push was applied (``time.perf_counter()``; None: now)."""
+    self.stats.record(step, loss, now)
     if self.progressive is not None and "logits" in metrics:
       self.progressive.add(_host(metrics["logits"]), _host(metrics["label"]), source)
 

@@ -31,7 +31,7 @@ class _Log:
 class _Pipeline:
   """Builds a prefetcher and a pusher around fake stages that log what they saw."""
 
-  def __init__(self, k, n_steps, apply_sleep=0.0, fail=None, depth=2, resolve=False):
+  def __init__(self, k, n_steps, apply_sleep=0.0, fail=None, depth=2, resolve=False, inline=False):
     self.gate = StalenessGate(-1)
     self.log = _Log(self.gate)
     self.applied = []
@@ -49,6 +49,7 @@ class _Pipeline:
     def lookup(host):
       t = host["step"]
       self.log.record("lookup", t)
+      self.threads["lookup"].add(threading.get_ident())
       maybe_fail("lookup", t)
       return {**host, "rows": 10 * t}
 
@@ -68,10 +69,26 @@ class _Pipeline:
       assert payload["step"] == t
       maybe_fail("apply", t)
       self.applied.append(t)
+      self.threads["apply"].add(threading.get_ident())
+      return 100 + t
 
-    self.pusher = Pusher(apply, self.gate)
+    def record(t, payload, result, at):
+      assert payload["step"] == t and result == 100 + t and at <= time.perf_counter()
+      self.log.record("record", t)
+
+    self.threads = {"lookup": set(), "apply": set()}
+    self.pusher = Pusher(apply, self.gate, inline=inline, record=record)
     self.prefetcher = Prefetcher(
-      0, n_steps, prepare, lookup, place, self.gate, k, depth, resolve=resolve_ids if resolve else None
+      0,
+      n_steps,
+      prepare,
+      lookup,
+      place,
+      self.gate,
+      k,
+      depth,
+      resolve=resolve_ids if resolve else None,
+      lookup_on_get=inline,
     )
 
   def close(self):
@@ -80,7 +97,7 @@ class _Pipeline:
     self.prefetcher.close()
     self.pusher.close()
     assert not self.prefetcher._thread.is_alive()
-    assert not self.pusher._thread.is_alive()
+    assert self.pusher._thread is None or not self.pusher._thread.is_alive()
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
@@ -117,6 +134,49 @@ def test_staleness_bound_is_respected_and_reached(k):
   for t in range(n_steps):
     i = [order.index((e, t)) for e in ("prepare", "lookup", "place")]
     assert i == sorted(i)
+
+
+def test_at_k0_inline_the_loop_pushes_and_looks_up_itself_and_records_each_step_off_the_chain():
+  """``Pusher(inline=True)`` and ``Prefetcher(lookup_on_get=True)``, as train.py runs k = 0: every
+  apply and lookup runs on the loop's thread, in the order k = 0 asks (apply t, then lookup t + 1),
+  and a step's record waits for the next step's lookup (it runs at the next push) or a flush."""
+  n_steps = 12
+  p = _Pipeline(0, n_steps, inline=True, resolve=True)
+  try:
+    for expected in range(n_steps):
+      t, item = p.prefetcher.get(timeout=GET_TIMEOUT)
+      assert (t, item) == (expected, {"step": t, "resolved": True, "rows": 10 * t, "placed": True})
+      p.pusher.push(t, item)
+      assert p.gate.last_applied == t  # applied before push returned
+      assert ("record", t) not in [(e, s) for e, s, _ in p.log.events]  # left for later
+    p.pusher.flush(n_steps - 1)
+  finally:
+    p.close()
+  assert p.threads == {"lookup": {threading.get_ident()}, "apply": {threading.get_ident()}}
+  assert [(t, la) for t, la in p.log.of("lookup")] == [(t, t - 1) for t in range(n_steps)]
+  with p.log.lock:
+    order = [(e, t) for e, t, _ in p.log.events if e in ("apply", "lookup", "record")]
+  expected = [("lookup", 0), ("apply", 0)]
+  for t in range(1, n_steps):
+    expected += [("lookup", t), ("record", t - 1), ("apply", t)]
+  assert order == expected + [("record", n_steps - 1)]
+
+
+def test_at_k0_inline_a_failed_apply_raises_in_the_loop_and_stops_the_lookups():
+  p = _Pipeline(0, 8, inline=True, fail={"apply": (2, ValueError("loss is nan"))})
+  try:
+    for t in range(2):
+      p.pusher.push(*p.prefetcher.get(timeout=GET_TIMEOUT))
+    t, item = p.prefetcher.get(timeout=GET_TIMEOUT)
+    with pytest.raises(ValueError, match="loss is nan"):
+      p.pusher.push(t, item)
+    assert p.gate.last_applied == 1
+    with pytest.raises(ValueError, match="loss is nan"):
+      p.pusher.check()
+    with pytest.raises(Aborted):
+      p.prefetcher.get(timeout=GET_TIMEOUT)  # step 3's lookup would wait for step 2's push forever
+  finally:
+    p.close()
 
 
 def test_lookups_run_ahead_of_pushes_when_stale():
