@@ -30,7 +30,14 @@ LAYERS = (
   ("checkpoint", "checkpoint_files", "data"),
   ("async_ps",),
   ("models", "parallel", "embeddings", "metrics"),
-  ("hashing", "workdir", "lazy", "prefetch", "sorting"),  # what the data readers, the PS, training and serving share
+  (
+    "hashing",
+    "workdir",
+    "write_waits",
+    "lazy",
+    "prefetch",
+    "sorting",
+  ),  # what the data readers, the PS, training and serving share
 )
 
 # Inside async_ps, top to bottom: the store is below the client and the server, which both speak
