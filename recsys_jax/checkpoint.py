@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from recsys_jax import checkpoint_files
+from recsys_jax import checkpoint_files, write_waits
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.parallel import distributed
@@ -123,6 +123,8 @@ class Checkpointer:
     self._chain: List[str] = []
     self._since_full = 0
     self._failed: Optional[BaseException] = None  # the last save's error, if it failed
+    self.committed: Optional[int] = None
+    """The step of the last checkpoint this process saved that was committed and read back intact."""
 
   def _open(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
@@ -156,7 +158,8 @@ class Checkpointer:
     """
     where = os.path.join(self.directory, str(step))
     try:
-      self._save(step, state, ps, meta, dict(parts or {}))
+      with write_waits.writing(f"checkpoint {where}"):
+        self._save(step, state, ps, meta, dict(parts or {}))
     except BaseException as e:
       self._chain = []  # change tracking was reset by the snapshot: the next one must be full
       self._failed = e
@@ -181,7 +184,8 @@ class Checkpointer:
     # one trainer process.)
     try:
       if primary:
-        ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
+        with write_waits.writing(f"checkpoint {os.path.join(self.directory, str(step))} (its PS snapshot {path})"):
+          ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
     except ConnectionError:
       raise  # a PS server out of reach says nothing about the checkpoint
     except Exception as e:
@@ -193,13 +197,17 @@ class Checkpointer:
     meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
     meta["meta_crc32"] = meta_checksum(meta)
     checkpoint_files.fault_point("before_commit", step, self._workdir)
-    self._mgr.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
-    )
-    self._mgr.wait_until_finished()
+    where = os.path.join(self.directory, str(step))
+    with write_waits.writing(f"checkpoint {where} (its dense state and meta, by orbax)"):
+      self._mgr.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(_without_empty(state)), meta=ocp.args.JsonSave(meta)),
+      )
+      self._mgr.wait_until_finished()
     checkpoint_files.fault_point("committed", step, self._workdir)
-    self._verify(step, self._read_state(step, state), crc)
+    with write_waits.writing(f"checkpoint {where} (read back to be checked)"):
+      self._verify(step, self._read_state(step, state), crc)
+    self.committed = step
     self._chain = chain
     self._since_full = 0 if full else self._since_full + 1
     self._rotate()
@@ -219,7 +227,8 @@ class Checkpointer:
         os.makedirs(directory, exist_ok=True)
       for name, write in sorted(parts.items()):
         where = os.path.join(directory, name)
-        mine[name] = checkpoint_files.write_part(where, write)
+        with write_waits.writing(f"checkpoint {os.path.join(self.directory, str(step))} (its part {where})"):
+          mine[name] = checkpoint_files.write_part(where, write)
     except Exception as e:
       mine = {"": f"{where}: {checkpoint_files.cause(e)}"}
     every = distributed.allgather_json(mine) if jax.process_count() > 1 else [mine]
@@ -420,7 +429,8 @@ class Checkpointer:
     """Closes the manager. After a failed save, orbax raises that failure again here (its writing
     thread's error): the save already reported it, so it is logged, not raised a second time."""
     try:
-      self._mgr.close()
+      with write_waits.writing(f"checkpoints {self.directory} (orbax's writes finishing)"):
+        self._mgr.close()
     except Exception as e:
       if self._failed is None:
         raise

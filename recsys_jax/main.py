@@ -11,7 +11,10 @@ starts such a job on one machine.
 
 SIGTERM (one trainer process) stops training after the step under way: the final checkpoint is
 at the step reached, the evaluation and summary follow, and the exit status is 0, so a launcher or
-Kubernetes does not restart it; a second SIGTERM ends the process at once. ``--config.num_steps=-1``
+Kubernetes does not restart it; a second SIGTERM ends the process at once. A write that hangs (a
+disk or file server that does not answer) cannot hold it: once one of the run's writes has made no
+progress for ``--stop_write_timeout_s`` seconds after SIGTERM, one line names it and the last good
+checkpoint, and the process exits 2 (``_stop_on_sigterm``). ``--config.num_steps=-1``
 trains until then (an online run on a stream, ``--config.data.stream_dir``). With several trainer
 processes SIGTERM ends each at once (they would have to agree on the step to stop at).
 
@@ -19,7 +22,7 @@ Exit status: 0 done; 2 (``EXIT_CONFIG``) for a failure that running again would 
 or config, a workdir whose checkpoints do not fit the job or none of which can be read, a NaN loss
 (training from the same checkpoint replays the same steps), a file the run cannot write (a full
 disk: a checkpoint, metrics, TensorBoard events, a publish, the log; one line names it and the last
-good checkpoint); 1 for anything else, such as a lost PS server. The launcher restarts a job after 1 or a signal, never after 2.
+good checkpoint), or one that hangs after SIGTERM; 1 for anything else, such as a lost PS server. The launcher restarts a job after 1 or a signal, never after 2.
 """
 
 import ast
@@ -27,7 +30,9 @@ import difflib
 import errno
 import faulthandler
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,7 +41,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from recsys_jax import train
+from recsys_jax import train, write_waits
 from recsys_jax import workdir as workdir_lib
 from recsys_jax.checkpoint import CheckpointError
 from recsys_jax.checkpoint_files import WriteError, cause
@@ -51,6 +56,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
   "num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "1")), "Trainer processes in the job."
 )
 _PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "0")), "This trainer's rank.")
+_STOP_WRITE_TIMEOUT = flags.DEFINE_float(
+  "stop_write_timeout_s",
+  10.0,
+  "After SIGTERM, a write (checkpoint, metrics, TensorBoard, publish, summary, log) that makes no progress for this "
+  "long is taken as hung: the run ends with one error line and exit 2 (0: wait for it).",
+)
 # Read in _parse_flags, before the other flags are; defined so that --help lists it.
 flags.DEFINE_boolean(
   "helpconfig", False, "Print every --config.<field>: its value (of --config's file, else the defaults) and meaning."
@@ -211,8 +222,9 @@ class _Log:
     if self._file is None:
       return
     try:
-      self._file.write(text)
-      self._file.flush()
+      with write_waits.writing(f"log {self.path}"):
+        self._file.write(text)
+        self._file.flush()
     except (OSError, ValueError) as e:
       if self.failed is None:
         self.failed = e
@@ -262,18 +274,77 @@ def _log_to_workdir(workdir: str, process_id: int) -> "_Log":
   return log
 
 
-def _stop_on_sigterm() -> threading.Event:
+def _stop_on_sigterm(log: "_Log", limit_s: float) -> threading.Event:
   """An event SIGTERM sets (training then ends after the step under way, with its checkpoint); a
-  second SIGTERM gets the default action, so a trainer that does not stop can still be ended."""
+  second SIGTERM gets the default action, so a trainer that does not stop can still be ended.
+
+  After SIGTERM, a write the main thread has made or waited for (``recsys_jax.write_waits``) that
+  makes no progress for ``limit_s`` seconds (0: never) ends the process: one ``error:`` line names
+  the write and the last good checkpoint, the threads' stacks go to the log, and the exit status
+  is 2, as for a write that fails. A hung disk's write cannot be interrupted, so this is done by a
+  thread of its own (the watchdog), which also takes the signal: SIGTERM is blocked in the main
+  thread and in every thread it starts, since a thread stuck in the kernel (in D state) would keep
+  a signal the kernel chose it for; Python's handler, run by whichever thread the kernel does
+  choose, writes the signal's number to a socket the watchdog reads (``signal.set_wakeup_fd``).
+  """
   stop = threading.Event()
+  wake, woken = socket.socketpair()
+  woken.setblocking(False)
+  signal.set_wakeup_fd(woken.fileno(), warn_on_full_buffer=False)
+  signal.signal(signal.SIGTERM, lambda *_: None)  # the watchdog acts; the handler makes the wakeup write
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+  main = threading.main_thread()
 
-  def handler(signum, _frame):
-    print("SIGTERM: stopping after the step under way (final checkpoint, then exit 0)", file=sys.stderr)
-    stop.set()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  def watch(_keep_open: socket.socket):  # the handler's end of the socket lives as long as the watchdog
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    told = None
+    while True:
+      if select.select([wake], [], [], None if told is None else 0.25)[0] and signal.SIGTERM in wake.recv(64):
+        if told is not None:  # the second, if the default action could not be set at the first
+          os._exit(128 + signal.SIGTERM)
+        told = time.monotonic()
+        _default_action(signal.SIGTERM)
+        print("SIGTERM: stopping after the step under way (final checkpoint, then exit 0)", file=sys.stderr)
+        stop.set()
+      hung = write_waits.stuck(main, told, limit_s) if told is not None and limit_s > 0 else None
+      if hung is not None:
+        _end_hung(log, *hung)
 
-  signal.signal(signal.SIGTERM, handler)
+  threading.Thread(target=watch, args=(woken,), name="sigterm", daemon=True).start()
   return stop
+
+
+def _default_action(signum: int) -> None:
+  """``signum``'s action back to the default, from any thread (``signal.signal`` is the main thread's
+  only, and the main thread may be stuck)."""
+  try:
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(signum, None)  # SIG_DFL
+  except (OSError, AttributeError):
+    pass  # the second SIGTERM then ends the process by os._exit
+
+
+def _end_hung(log: "_Log", what: str, waited: float) -> None:
+  """Ends the process for a write that hangs (``_stop_on_sigterm``): the line, then the threads'
+  stacks to the log by a thread of its own (the log may be on the disk that hangs: waited for 1 s)."""
+  line = (
+    f"{what} could not be written: no progress in {waited:.0f} s after SIGTERM (a disk or file server that "
+    f"does not answer); last good checkpoint: {write_waits.last_good()} (left as it was)"
+  )
+  print(f"error: {line}", file=sys.stderr, flush=True)
+  frames = sys._current_frames()
+  stacks = "".join(
+    f"thread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+    for t in threading.enumerate()
+    if t.ident in frames
+  )
+  writer = threading.Thread(target=log.write, args=(f"error: {line}\n{stacks}",), daemon=True)
+  writer.start()
+  writer.join(1.0)
+  os._exit(EXIT_CONFIG)
 
 
 def main(argv):
@@ -300,7 +371,7 @@ def main(argv):
   print(f"workdir: {os.path.abspath(workdir)}", file=sys.stderr)
   log = _log_to_workdir(workdir, _PROCESS_ID.value)
   to_log = log.write
-  stop = _stop_on_sigterm() if _NUM_PROCESSES.value == 1 else None
+  stop = _stop_on_sigterm(log, _STOP_WRITE_TIMEOUT.value) if _NUM_PROCESSES.value == 1 else None
   try:
     summary = train.train_and_evaluate(config, workdir, stop=stop)
   # ConnectionError: a PS server is gone; CheckpointError: no checkpoint of the workdir is intact, or

@@ -27,7 +27,7 @@ LAYERS = (
   ("main", "serve", "predict", "launch", "plan"),  # entry points and what only they use
   ("train", "serving"),  # the loop; serving a trained model
   ("training", "online"),  # the parts the loop is assembled from; what online training adds
-  ("checkpoint", "checkpoint_files", "data"),
+  ("checkpoint", "checkpoint_files", "write_waits", "data"),
   ("async_ps",),
   ("models", "parallel", "embeddings", "metrics"),
   ("hashing", "workdir", "lazy", "prefetch", "sorting"),  # what the data readers, the PS, training and serving share

@@ -1,6 +1,8 @@
 """A write the trainer cannot make ends the run, never hangs it: a full disk (a real tmpfs filled
 while a run with TensorBoard and publishing on writes to it) is one ``error:`` line naming the
-file, and exit 2; SIGTERM ends a run whose TensorBoard writes do not finish; a run's log keeps
+file, and exit 2; SIGTERM ends a run whose TensorBoard writes do not finish, and one whose
+checkpoint or publish write hangs in the kernel (a FIFO no one reads) within seconds, with one line
+naming the write and the last good checkpoint, from which the workdir resumes; a run's log keeps
 what the runs before it wrote there."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -219,3 +222,124 @@ def test_a_run_removes_the_temporaries_of_a_publish_that_died_and_says_so(tmp_pa
   assert code == 0, err[-3000:]
   assert "publish: removed 1 temporary file(s) an earlier run left" in err, err[-3000:]
   assert not list(rows.glob("*.tmp"))
+
+
+# A disk that hangs: a FIFO with no reader where the run is about to write a file. ``open`` of a
+# FIFO for writing blocks in the kernel until a reader comes, as a write to a file system whose
+# server is gone does; none ever comes here.
+HUNG = ("--stop_write_timeout_s=2",)
+
+
+def _hang_at(path: str) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  os.mkfifo(path)
+
+
+def _wait_for(proc, path: str, timeout: float = 120.0) -> None:
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if proc.poll() is not None or time.monotonic() > deadline:
+      proc.kill()
+      pytest.fail(f"no {path} within {timeout} s: {proc.communicate()[1][-3000:]}")
+    time.sleep(0.1)
+
+
+def _wait_for_step(proc, workdir: str, step: int, timeout: float = 60.0) -> None:
+  """Until ``metrics.jsonl`` holds a record of step ``step``."""
+  path, deadline = os.path.join(workdir, "metrics.jsonl"), time.monotonic() + timeout
+  while True:
+    if os.path.exists(path):
+      with open(path) as f:
+        if f'"step": {step},' in f.read():
+          return
+    if proc.poll() is not None or time.monotonic() > deadline:
+      proc.kill()
+      pytest.fail(f"no record of step {step} in {path} within {timeout} s: {proc.communicate()[1][-3000:]}")
+    time.sleep(0.1)
+
+
+def _stopped_within(proc, within: float):
+  """SIGTERM, then ``(exit status, stderr, seconds it took)``."""
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  code, _, err = _ended(proc, within=within)
+  return code, err, time.monotonic() - t0
+
+
+def _resumes_from(workdir: str, step: int) -> None:
+  proc = _start(workdir, f"--config.num_steps={step + 5}", *ENOUGH[1:], "--config.checkpoint_every=20")
+  code, out, err = _ended(proc, within=120)
+  assert code == 0, err[-3000:]
+  assert f"resumed from {workdir}/checkpoints/{step} at step {step}" in err, err[-3000:]
+  assert f"steps         {step + 5} (5 this run" in out, out
+
+
+def test_sigterm_ends_a_run_whose_checkpoint_write_hangs(tmp_path):
+  """Checkpoint 40's hot-set part cannot be opened (the training loop's own write hangs): SIGTERM
+  ends the run within the bound, naming the part and checkpoint 20; the workdir resumes from 20."""
+  workdir = str(tmp_path / "run")
+  part = os.path.join(workdir, "checkpoint_parts", "40", "hot_rows_p0.npz.tmp")
+  _hang_at(part)
+  proc = _start(workdir, *ENOUGH, *HUNG, "--config.checkpoint_every=20", "--config.log_every=10")
+  _wait_for(proc, os.path.join(workdir, "checkpoints", "20"))
+  _wait_for_step(proc, workdir, 40)  # step 40's record, written before its checkpoint
+  code, err, took = _stopped_within(proc, within=25)
+  errors = _errors(err)
+  assert code == 2 and len(errors) == 1, err[-4000:]
+  assert f"checkpoint {workdir}/checkpoints/40" in errors[0] and part.removesuffix(".tmp") in errors[0], errors[0]
+  assert f"last good checkpoint: {workdir}/checkpoints/20" in errors[0], errors[0]
+  assert took < 15, (took, errors[0])  # 2 s without progress, a final checkpoint at most
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["20"]  # 40 never committed
+  os.remove(part)
+  _resumes_from(workdir, 20)
+
+
+def test_sigterm_ends_a_run_whose_publish_write_hangs(tmp_path):
+  """The publisher's thread cannot write the index (its queue fills, the training loop waits on
+  it): SIGTERM ends the run within the bound, naming the index and the last good checkpoint; the
+  workdir resumes from that checkpoint."""
+  workdir = str(tmp_path / "run")
+  index = os.path.join(workdir, "publish", "PUBLISHED.json")
+  proc = _start(workdir, *ENOUGH, *HUNG, "--config.publish_every_s=1000", "--config.checkpoint_every=20")
+  _wait_for(proc, index)  # written once as the run starts; the next write (after step 20's delta) hangs
+  _hang_at(index + ".tmp")
+  _wait_for(proc, os.path.join(workdir, "checkpoints", "20"))
+  code, err, took = _stopped_within(proc, within=25)
+  errors = _errors(err)
+  assert code == 2 and len(errors) == 1, err[-4000:]
+  assert f"publish {index}" in errors[0], errors[0]
+  assert took < 15, (took, errors[0])  # 2 s without progress, a final checkpoint at most
+  last_good = errors[0].split("last good checkpoint: ")[1].split()[0]
+  assert last_good.startswith(f"{workdir}/checkpoints/"), errors[0]
+  os.remove(index + ".tmp")
+  _resumes_from(workdir, int(os.path.basename(last_good)))
+
+
+def test_a_wait_is_stuck_after_its_limit_without_progress_and_names_the_write_it_waits_for():
+  from recsys_jax import write_waits
+
+  me, held, release = threading.current_thread(), threading.Event(), threading.Event()
+
+  def writer():
+    with write_waits.writing("publish /p"), write_waits.writing("publish /p/PUBLISHED.json"):
+      held.set()
+      release.wait()
+
+  thread = threading.Thread(target=writer)
+  thread.start()
+  held.wait()
+  t0 = time.monotonic()
+  assert write_waits.stuck(me, t0, 0.0) is None  # this thread waits on nothing
+  with write_waits.waiting_for(thread, "publish /p"):
+    assert write_waits.stuck(me, t0, 0.2) is None
+    time.sleep(0.3)
+    what, waited = write_waits.stuck(me, t0, 0.2)
+    assert what == "publish /p/PUBLISHED.json" and waited >= 0.2
+    assert write_waits.stuck(me, time.monotonic(), 0.2) is None  # counted from SIGTERM's time
+  release.set()
+  thread.join()
+  with write_waits.writing("checkpoint /c/40"):
+    time.sleep(0.3)
+    with write_waits.writing("checkpoint /c/40 (its part /c/40/p)"):
+      pass  # a write inside it ended: progress
+    assert write_waits.stuck(me, t0, 0.2) is None

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from recsys_jax import write_waits
 from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.async_ps.snapshot import published
 from recsys_jax.checkpoint_files import WriteError
@@ -118,7 +119,8 @@ class Publisher:
     index["deltas"] = [d for d in index["deltas"] if d["step"] <= start]
     index["dense"] = [d for d in index["dense"] if d["step"] <= start]
     try:
-      published.write_index(self.directory, index)
+      with self._writing(published.INDEX):
+        published.write_index(self.directory, index)
     except OSError as e:
       raise WriteError.of("publish", self.directory, e) from e
     published.remove(gone)
@@ -228,7 +230,8 @@ class Publisher:
     self._last_step = step
     times = {"first_update": self._first_update or time.time(), "cut": time.time()}
     self._first_update = None
-    self._queue.put(_Cut(int(step), delta, leaves, times))
+    with self._waiting():  # the queue is full while the writing thread is behind
+      self._queue.put(_Cut(int(step), delta, leaves, times))
     self.seconds += time.perf_counter() - t0
 
   def _hot_touched(self) -> None:
@@ -246,7 +249,8 @@ class Publisher:
     """A checkpoint was saved: the deltas at or before ``covered_step`` may go (the older of the
     two newest checkpoints: a server that polls keeps its line, one far behind starts again)."""
     if self.enabled and covered_step is not None:
-      self._queue.put(_Prune(int(covered_step)))
+      with self._waiting():
+        self._queue.put(_Prune(int(covered_step)))
 
   def check(self) -> None:
     """Re-raises the writing thread's failure (a full disk): a ``WriteError`` naming the publish
@@ -259,10 +263,19 @@ class Publisher:
     is failing for another reason, which is the one to report)."""
     if not self.enabled or not self._thread.is_alive():
       return
-    self._queue.put(None)
-    self._thread.join()
+    with self._waiting():
+      self._queue.put(None)
+      self._thread.join()
     if not quiet:
       self.check()
+
+  def _waiting(self):
+    """The training loop waits for the writing thread (``write_waits``: a write of it that hangs is named)."""
+    return write_waits.waiting_for(self._thread, f"publish {self.directory}")
+
+  def _writing(self, *name: str):
+    """A write of ``<directory>/<name>`` (``write_waits``); no name: of the directory (files deleted)."""
+    return write_waits.writing(f"publish {os.path.join(self.directory, *name)}")
 
   # -- the writing thread -----------------------------------------------------------------
   def _write_loop(self) -> None:
@@ -273,28 +286,35 @@ class Publisher:
       if self._error is not None:
         continue  # reported by check(); what comes after a failure is not written
       try:
-        if isinstance(item, _Prune):
-          gone = published.prune(self.directory, self._index, item.covered_step)
-          published.write_index(self.directory, self._index)
-          published.remove(gone)
-          continue
-        step, arrays, leaves, times = item.step, item.arrays, item.leaves, item.times
-        index = self._index
-        if arrays is not None:
-          seq = int(index["next_seq"])
-          entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays, times)
-          index["deltas"].append(entry)
-          index["next_seq"] = seq + 1
-        if leaves is not None:
-          index["dense"].append(published.write_dense(self.directory, step, leaves))
-          gone = published.prune(self.directory, index, None)
-        else:
-          gone = []
-        published.write_index(self.directory, index)
-        published.remove(gone)
-        if arrays is not None:
-          self._parent, self._parent_step = seq, step
-          self.published += 1
+        with self._writing():
+          self._write(item)
       except Exception as e:  # noqa: BLE001 - re-raised in the training loop by check()
         logging.exception("publishing to %s failed", self.directory)
         self._error = e
+
+  def _write(self, item: Union[_Cut, _Prune]) -> None:
+    if isinstance(item, _Prune):
+      gone = published.prune(self.directory, self._index, item.covered_step)
+      with self._writing(published.INDEX):
+        published.write_index(self.directory, self._index)
+      published.remove(gone)
+      return
+    step, arrays, leaves, times = item.step, item.arrays, item.leaves, item.times
+    index = self._index
+    if arrays is not None:
+      seq = int(index["next_seq"])
+      with self._writing(published.ROWS, published.delta_name(seq, step)):
+        entry = published.write_delta(self.directory, seq, step, self._parent, self._parent_step, arrays, times)
+      index["deltas"].append(entry)
+      index["next_seq"] = seq + 1
+    gone = []
+    if leaves is not None:
+      with self._writing(published.DENSE, published.dense_name(step)):
+        index["dense"].append(published.write_dense(self.directory, step, leaves))
+      gone = published.prune(self.directory, index, None)
+    with self._writing(published.INDEX):
+      published.write_index(self.directory, index)
+    published.remove(gone)
+    if arrays is not None:
+      self._parent, self._parent_step = seq, step
+      self.published += 1

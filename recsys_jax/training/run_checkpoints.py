@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 import jax
 
 from recsys_jax import checkpoint as checkpoint_lib
+from recsys_jax import write_waits
 from recsys_jax.async_ps.protocol import RowStore
 from recsys_jax.data import follow
 from recsys_jax.parallel import distributed
@@ -49,6 +50,7 @@ class RunCheckpoints:
     """The reader's position after each step's batch, since the last save."""
     self.after_save: Optional[Callable[[Optional[int]], None]] = None
     """Called with ``covered()`` after each save (the publisher prunes the deltas it covers)."""
+    write_waits.note_last_good(self.last_good)  # named if a write hangs after SIGTERM
 
   def restore_latest(self, state, ps: RowStore, announce: bool = True) -> Tuple[Any, int, Any]:
     """Loads the newest intact checkpoint, if any, into ``ps`` (damaged newer ones are set
@@ -154,8 +156,10 @@ class RunCheckpoints:
     return None if self.latest is None else os.path.join(self.directory, str(self.latest))
 
   def last_good(self) -> str:
-    """The directory of the last checkpoint saved or resumed from ('none' if there is none)."""
-    return "none" if self.last_saved is None else os.path.join(self.directory, str(self.last_saved))
+    """The directory of the last checkpoint saved or resumed from ('none' if there is none): a save
+    that failed or hangs after its commit (deleting older ones) counts, as a resume would take it."""
+    last = max((s for s in (self.last_saved, self.ckpt.committed) if s is not None), default=None)
+    return "none" if last is None else os.path.join(self.directory, str(last))
 
   def close(self) -> None:
     self.ckpt.close()

@@ -35,6 +35,7 @@ import ml_collections
 
 from configs import default as default_config
 from recsys_jax import workdir as workdir_lib
+from recsys_jax import write_waits
 
 FILE = workdir_lib.CONFIG
 _NUMBERED = re.compile(r"^config\.(\d+)\.json$")
@@ -220,7 +221,7 @@ def save(workdir: str, config: ml_collections.ConfigDict) -> Optional[List[str]]
   written = json.loads(json.dumps(d, default=_json_default))  # as it reads back
   written[CHECKSUM] = checksum(written)
   tmp = os.path.join(workdir, name + ".tmp")
-  with open(tmp, "w") as f:
+  with write_waits.writing(f"config {os.path.join(workdir, name)}"), open(tmp, "w") as f:
     json.dump(written, f, indent=1, sort_keys=True)
   os.replace(tmp, os.path.join(workdir, name))
   return changed

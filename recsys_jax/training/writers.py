@@ -22,6 +22,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tqdm import tqdm
 
 from recsys_jax import workdir as workdir_lib
+from recsys_jax import write_waits
 from recsys_jax.checkpoint_files import WriteError, named
 from recsys_jax.online.progressive import ProgressiveValidation, window_of
 
@@ -135,9 +136,10 @@ class EventFile:
   """
 
   def __init__(self, logdir: str, stop: Optional[threading.Event] = None, flush_s: float = 120.0, max_queue: int = 64):
-    os.makedirs(logdir, exist_ok=True)
     try:
-      self._writer = EventsWriter(os.path.join(logdir, "events"))
+      with write_waits.writing(f"TensorBoard events {logdir}"):
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
     except OSError as e:
       raise WriteError.of("TensorBoard events", logdir, e) from e
     self.path: str = getattr(self._writer, "_file_name", logdir)
@@ -167,10 +169,12 @@ class EventFile:
     """
     if self._thread.is_alive() and not self._dropping:
       self._put(_CLOSE, None)
-    self._thread.join(timeout=None if not self._dropping else 2 * _POLL_S)
+    with write_waits.waiting_for(self._thread, f"TensorBoard events {self.path}"):
+      self._thread.join(timeout=None if not self._dropping else 2 * _POLL_S)
     if not self._thread.is_alive() and self._error is None:
       try:
-        self._writer.close()
+        with write_waits.writing(f"TensorBoard events {self.path}"):
+          self._writer.close()
       except OSError as e:
         self._error = named(e, self.path)
     self._raise()
@@ -239,7 +243,8 @@ class Writers:
     if self.enabled:
       self.jsonl_path = os.path.join(os.path.abspath(workdir), workdir_lib.METRICS)
       try:
-        self.jsonl = open(self.jsonl_path, "a")
+        with write_waits.writing(f"metrics {self.jsonl_path}"):
+          self.jsonl = open(self.jsonl_path, "a")
       except OSError as e:
         raise WriteError.of("metrics", self.jsonl_path, e) from e
       self.tb = EventFile(os.path.join(os.path.abspath(workdir), "tensorboard"), stop)
@@ -250,7 +255,8 @@ class Writers:
     in the order they are written, in the file, to ``on_metrics`` and to TensorBoard."""
     if not self.enabled:
       return
-    with self._lock:
+    # The lock too: a progressive report that holds it may be the write that hangs.
+    with write_waits.writing(f"metrics {self.jsonl_path}"), self._lock:
       if self._closed:
         raise ValueError(f"metrics writers closed: the {kind!r} record of step {step} came after the run's end")
       try:
@@ -309,7 +315,7 @@ class Writers:
     """
     if not self.enabled or self._closed:
       return
-    with self._lock:
+    with write_waits.writing(f"metrics {self.jsonl_path}"), self._lock:
       self._closed = True
       try:
         self.jsonl.close()
@@ -427,8 +433,11 @@ class Progress:
   def flush_reports(self) -> None:
     """Waits until every progressive report asked for is written; raises the first that failed."""
     pending, self._reports = self._reports, []
-    for f in pending:
-      f.result()
+    if not pending:
+      return
+    with write_waits.writing(f"metrics {self.writers.jsonl_path} (progressive reports)"):
+      for f in pending:
+        f.result()
 
   def log_eval(self, done: int, evaluate: Callable[[], Dict[str, float]]) -> None:
     """Runs an evaluation during training and records it against the training time so far."""
@@ -497,7 +506,7 @@ class Progress:
     if self.writers.enabled:  # every process returns the summary; process 0 writes it
       path = os.path.join(os.path.abspath(self.workdir), workdir_lib.SUMMARY)
       try:
-        with open(path, "w") as f:
+        with write_waits.writing(f"summary {path}"), open(path, "w") as f:
           json.dump(summary, f, indent=2)
       except OSError as e:
         raise WriteError.of("summary", path, named(e, path)) from e
