@@ -165,7 +165,7 @@ def test_at_k0_inline_the_loop_pushes_and_looks_up_itself_and_records_each_step_
 def test_at_k0_inline_a_failed_apply_raises_in_the_loop_and_stops_the_lookups():
   p = _Pipeline(0, 8, inline=True, fail={"apply": (2, ValueError("loss is nan"))})
   try:
-    for t in range(2):
+    for _ in range(2):
       p.pusher.push(*p.prefetcher.get(timeout=GET_TIMEOUT))
     t, item = p.prefetcher.get(timeout=GET_TIMEOUT)
     with pytest.raises(ValueError, match="loss is nan"):
