@@ -55,7 +55,9 @@ _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps before the timed ones
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch directory for the PS run (default: a temp dir, removed).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result to this file.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "PS-path runs with hot rows and as many without, alternated.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 0, "Steps between the PS runs' records (0: hot_warmup_steps).")
+_LOG_EVERY = flags.DEFINE_integer(
+  "log_every", 0, "Steps between the PS runs' records (0: the config's log_every, the job's own cost of logging)."
+)
 
 
 def run_figures(summary: Dict[str, Any], recs: List[Dict[str, Any]], first: int) -> Dict[str, Any]:
@@ -303,7 +305,7 @@ def main(argv):
   print(f"config {flags.FLAGS['config'].config_filename}: batch {B}, {jax.device_count()} x {device}", file=sys.stderr)
   if _WORKDIR.value:
     os.makedirs(_WORKDIR.value, exist_ok=True)
-  log_every = _LOG_EVERY.value or max(1, int(config.hot_warmup_steps))
+  log_every = _LOG_EVERY.value or int(config.log_every)
   nohot = copy.deepcopy(config)
   nohot.hot_rows_bytes = 0
   with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:

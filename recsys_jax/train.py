@@ -238,7 +238,8 @@ def train_and_evaluate(
   inline = config.staleness == 0
   pre = host.train_prefetcher(start, config, gate, position, lookup_on_get=inline)
   progress = Progress(workdir, config, start, t_start, on_metrics, stop)
-  record = lambda t, push, loss, at: progress.record_step(t, loss, push.metrics, push.source, at)  # noqa: E731
+  # the step's metrics as push_step copied them to the host, with its row gradients
+  record = lambda t, push, m, at: progress.record_step(t, float(m["loss"]), m, push.source, at)  # noqa: E731
   pusher = Pusher(host.push_step, gate, inline=inline, record=record)
   run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None

@@ -220,10 +220,10 @@ class _Paced:
       with self.cond:  # under a gate that never lets the lookup of s + k run, this times out (once)
         if step + k < num_steps and not self.late and not self.cond.wait_for(lambda: step + k in self.looked_up, 10):
           self.late.append(step)
-      loss = real_push(host, step, payload)
+      metrics = real_push(host, step, payload)
       snap = host.ps.snapshot()
       self.after[step] = {(t, int(i)): w for t, a in snap.items() for i, w in zip(a["ids"], a["weights"])}
-      return loss
+      return metrics
 
     monkeypatch.setattr(HostPipeline, "lookup", lookup)
     monkeypatch.setattr(HostPipeline, "push_step", push_step)

@@ -287,7 +287,7 @@ class HostPipeline:
       words = jax.device_put(words, sharding.with_memory_kind("pinned_host"))
     return packing.Packed(jax.device_put(words, sharding), packed.layout)
 
-  def push_step(self, step: int, payload: Push) -> float:
+  def push_step(self, step: int, payload: Push) -> Dict[str, np.ndarray]:
     """The pusher's work for one step: waits for its device step, pushes its row gradients.
 
     Args:
@@ -295,7 +295,8 @@ class HostPipeline:
       payload: what the training loop handed over.
 
     Returns:
-      The step's loss.
+      The step's metrics on the host (``loss``; the scores and labels with progressive validation
+      on), copied with its row gradients in one transfer.
 
     Raises:
       NonFiniteLossError: if the loss is NaN or infinite (nothing is pushed).
@@ -311,7 +312,7 @@ class HostPipeline:
       raise NonFiniteLossError(f"training loss is {loss} at step {step}")
     with self.times.time("push"):
       self.push(groups, g_rows, step)
-    return loss
+    return m
 
   def train_prefetcher(
     self, start: int, config, gate: StalenessGate, position: Any = None, lookup_on_get: bool = False

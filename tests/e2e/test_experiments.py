@@ -74,8 +74,9 @@ SMOKE = {
     ["best", "best_of_floor", "current_rows_per_s", "floor_best_over_best", "configs", "floors", "cold"],
   ),
   "bench_train.py": (
-    ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--config.hot_warmup_steps=1"]
-    + ["--config.eval_batch_size=256", "--config.eval_samples=256", "--json_out={tmp}/bench_train.json"],
+    ["--config=configs/tiny.py", "--steps=4", "--warmup=2", "--repeats=1", "--log_every=1"]
+    + ["--config.hot_warmup_steps=1", "--config.eval_batch_size=256", "--config.eval_samples=256"]
+    + ["--json_out={tmp}/bench_train.json"],
     ["samples_per_sec_ps", "hot_hit_rate"],
   ),
   # 1 round of RAM-only and 1/4 on configs/tiny.py, after the one-step baseline: three jobs of 6 steps.
