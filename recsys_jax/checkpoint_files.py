@@ -12,7 +12,7 @@ import os
 import re
 import signal
 import zlib
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Optional
 
 import jax
 
@@ -103,7 +103,7 @@ def named(e: OSError, path: str) -> OSError:
 def cause(e: BaseException) -> str:
   """An error's cause in one line: the innermost OSError's (a full disk says so, whatever library
   it came through), else the error's own first line."""
-  seen = e
+  seen: Optional[BaseException] = e
   while seen is not None:
     if isinstance(seen, OSError) and seen.strerror:
       return f"{seen.strerror}" + (f" ({seen.filename})" if seen.filename else "")

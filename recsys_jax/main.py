@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Optional
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -208,7 +209,8 @@ class _Log:
   the first failure to write it (``failed``: None while every write went in)."""
 
   def __init__(self, path: str):
-    self.path, self.failed = path, None
+    self.path = path
+    self.failed: Optional[Exception] = None
     self._file = None
     try:
       os.makedirs(os.path.dirname(path), exist_ok=True)
