@@ -1,7 +1,8 @@
 """The type checker passes over the parameter server and everything that holds one (async_ps,
 training, online, serving, checkpoint.py, train.py, and the commands main, serve and predict:
-pyproject.toml's [tool.mypy]). The seams are typed with the PS's Protocol (``async_ps.protocol.RowStore``), so a holder that calls what a PS
-does not offer, or a PS that drifts from the Protocol, fails here, not in a run."""
+pyproject.toml's [tool.mypy]). The seams are typed with the PS's Protocol
+(``async_ps.protocol.RowStore``), so a holder that calls what a PS does not offer, or a PS that
+drifts from the Protocol, fails here, not in a run."""
 
 from __future__ import annotations
 
