@@ -185,6 +185,20 @@ def _resume(config, workdir: str, job: Job):
   return ckpts, state, start, position, publisher
 
 
+def _around_the_loop(config, job: Job, gate: StalenessGate, start: int, position, progress: Progress):
+  """The prefetcher and the pusher of a run from step ``start`` (the reader at ``position``). At
+  k = 0 the loop pushes each step and looks the next one up itself: nothing could overlap them, and
+  threads between them would only add wake-ups to the time the device waits (``training/pipeline.py``)."""
+  inline = config.staleness == 0
+  pre = job.host.train_prefetcher(start, config, gate, position, lookup_on_get=inline)
+
+  def record(t: int, push: Push, m: Dict[str, Any], at: float) -> None:
+    # the step's metrics as push_step copied them to the host, with its row gradients
+    progress.record_step(t, float(m["loss"]), m, push.source, at)
+
+  return pre, Pusher(job.host.push_step, gate, inline=inline, record=record)
+
+
 def _train_step(job: Job, progress: Progress, t: int, state, rows, batch):
   """The jitted step of step ``t`` (the hot rows' device tables go in and come back updated);
   a call that compiled is timed apart (the throughput leaves it out)."""
@@ -234,13 +248,8 @@ def train_and_evaluate(
   host, ps, hot, n = job.host, job.ps, job.hot, config.num_steps
   ckpts, state, start, position, publisher = _resume(config, workdir, job)
   gate = StalenessGate(last_applied=start - 1)
-  # At k = 0 the loop pushes each step and looks the next one up itself: nothing could overlap them
-  inline = config.staleness == 0
-  pre = host.train_prefetcher(start, config, gate, position, lookup_on_get=inline)
   progress = Progress(workdir, config, start, t_start, on_metrics, stop)
-  # the step's metrics as push_step copied them to the host, with its row gradients
-  record = lambda t, push, m, at: progress.record_step(t, float(m["loss"]), m, push.source, at)  # noqa: E731
-  pusher = Pusher(host.push_step, gate, inline=inline, record=record)
+  pre, pusher = _around_the_loop(config, job, gate, start, position, progress)
   run = _Run(config, job, ckpts, publisher, gate, pre, progress, pusher, start)
   done, data_error = start, None
   _settle_heap()
