@@ -22,10 +22,14 @@ def test_train_records_carry_stage_times_and_exact_row_counts(tiny_config, tmp_p
   summary = train.train_and_evaluate(c, str(tmp_path))
   recs = train.read_metrics(str(tmp_path), "train")
   assert [r["step"] for r in recs] == [6, 12]
+  # The reading work runs ahead of the loop (the feed and the prefetcher hold several batches), so an
+  # interval may have read none of its own: each of these is timed somewhere in the run.
+  for stage in ("read", "parse", "prepare", "resolve"):
+    assert sum(r[f"host_{stage}_ms"] for r in recs) > 0, stage
   for r in recs:
     keys = [f"host_{s}_ms" for s in STAGES] + [f"host_{s}_cpu_ms" for s in STAGES] + [f"{k}_per_step" for k in COUNTS]
     assert all(math.isfinite(r[k]) and r[k] >= 0 for k in keys), r
-    for stage in ("read", "parse", "prepare", "resolve", "lookup", "place", "push"):  # work each step does
+    for stage in ("lookup", "place", "push"):  # work each step does, in its own interval at k = 0
       assert r[f"host_{stage}_ms"] > 0, (stage, r)
     assert r["loss"] == 0.0  # the no-op step
     assert r["train_s"] > 0 and r["samples_per_sec"] == (6 * c.batch_size) / r["train_s"]
