@@ -126,6 +126,10 @@ class Checkpointer:
     self.committed: Optional[int] = None
     """The step of the last checkpoint this process saved that was committed and read back intact."""
 
+  def step_dir(self, step: int) -> str:
+    """The directory of the checkpoint at ``step`` (as errors and write waits name it)."""
+    return os.path.join(self.directory, str(step))
+
   def _open(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
       self.directory,
@@ -156,7 +160,7 @@ class Checkpointer:
         failed orbax or tensorstore write); the checkpoints saved before are left as they were.
       ConnectionError: a remote PS server out of reach.
     """
-    where = os.path.join(self.directory, str(step))
+    where = self.step_dir(step)
     try:
       with write_waits.writing(f"checkpoint {where}"):
         self._save(step, state, ps, meta, dict(parts or {}))
@@ -184,20 +188,19 @@ class Checkpointer:
     # one trainer process.)
     try:
       if primary:
-        with write_waits.writing(f"checkpoint {os.path.join(self.directory, str(step))} (its PS snapshot {path})"):
+        with write_waits.writing(f"checkpoint {self.step_dir(step)} (its PS snapshot {path})"):
           ps.save_snapshot(path, incremental=not full, meta={"step": int(step)}, step=int(step))
     except ConnectionError:
       raise  # a PS server out of reach says nothing about the checkpoint
     except Exception as e:
       raise CheckpointError(
-        f"checkpoint {os.path.join(self.directory, str(step))} could not be written: "
-        f"its PS snapshot {path}: {checkpoint_files.cause(e)}"
+        f"checkpoint {self.step_dir(step)} could not be written: its PS snapshot {path}: {checkpoint_files.cause(e)}"
       ) from e
     checkpoint_files.fault_point("before_parts", step, self._workdir)
     meta = dict(meta, step=int(step), ps_chain=chain, state_crc32=crc, parts_crc32=self._write_parts(step, parts))
     meta["meta_crc32"] = meta_checksum(meta)
     checkpoint_files.fault_point("before_commit", step, self._workdir)
-    where = os.path.join(self.directory, str(step))
+    where = self.step_dir(step)
     with write_waits.writing(f"checkpoint {where} (its dense state and meta, by orbax)"):
       self._mgr.save(
         step,
@@ -227,7 +230,7 @@ class Checkpointer:
         os.makedirs(directory, exist_ok=True)
       for name, write in sorted(parts.items()):
         where = os.path.join(directory, name)
-        with write_waits.writing(f"checkpoint {os.path.join(self.directory, str(step))} (its part {where})"):
+        with write_waits.writing(f"checkpoint {self.step_dir(step)} (its part {where})"):
           mine[name] = checkpoint_files.write_part(where, write)
     except Exception as e:
       mine = {"": f"{where}: {checkpoint_files.cause(e)}"}
@@ -235,9 +238,7 @@ class Checkpointer:
     crcs: Dict[str, str] = {}
     for got in every:
       if "" in got:
-        raise CheckpointError(
-          f"checkpoint {os.path.join(self.directory, str(step))} could not be written: its part {got['']}"
-        )
+        raise CheckpointError(f"checkpoint {self.step_dir(step)} could not be written: its part {got['']}")
       crcs.update(got)
     return crcs
 
@@ -246,7 +247,7 @@ class Checkpointer:
     checkpoint written before parts were (its meta lists none), inside the checkpoint directory."""
     if "parts_crc32" in meta:
       return os.path.join(workdir_lib.checkpoint_parts(self._workdir, step), name)
-    return os.path.join(self.directory, str(step), name)
+    return os.path.join(self.step_dir(step), name)
 
   def _check_parts(self, step: int, meta: Dict[str, Any]) -> None:
     for name, crc in sorted(meta.get("parts_crc32", {}).items()):
@@ -255,12 +256,12 @@ class Checkpointer:
         got = checkpoint_files.file_crc32(path)
       except OSError as e:
         raise CheckpointError(
-          f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its part {path} cannot be read "
+          f"checkpoint {self.step_dir(step)} is damaged: its part {path} cannot be read "
           f"({e.strerror or type(e).__name__})"
         ) from e
       if got != crc:
         raise CheckpointError(
-          f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its part {path} does not match "
+          f"checkpoint {self.step_dir(step)} is damaged: its part {path} does not match "
           f"its checksum (written {crc}, read {got})"
         )
 
@@ -279,9 +280,7 @@ class Checkpointer:
       return
     bad = _first_mismatch(expected, checksums(state))
     if bad:
-      raise CheckpointError(
-        f"checkpoint {os.path.join(self.directory, str(step))} is damaged: {bad} does not match its checksum"
-      )
+      raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {bad} does not match its checksum")
 
   def _collect_garbage(self, delete: bool = True) -> None:
     # Every process reads the metas (orbax reads are collective); only one deletes.
@@ -304,7 +303,7 @@ class Checkpointer:
         shutil.rmtree(os.path.join(self.parts_directory, name), ignore_errors=True)
 
   def _read_meta(self, step: int) -> Dict[str, Any]:
-    path = os.path.join(self.directory, str(step))
+    path = self.step_dir(step)
     try:
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # orbax raises many types; name the place and keep the cause
@@ -330,7 +329,7 @@ class Checkpointer:
     Raises:
       CheckpointError: naming the directory, if either is missing, unreadable or damaged.
     """
-    path = os.path.join(self.directory, str(step))
+    path = self.step_dir(step)
     meta = self._read_meta(step)
     self._check_parts(step, meta)
     try:
@@ -354,7 +353,7 @@ class Checkpointer:
         servers included: they refuse a damaged snapshot); the files are left as they are.
       ConnectionError: a remote PS server out of reach, which says nothing about the checkpoint.
     """
-    path = os.path.join(self.directory, str(step))
+    path = self.step_dir(step)
     state, meta = self.read_dense(step, state_template)
     chain = list(meta.get("ps_chain", []))
     paths = [os.path.join(self.ps_directory, n) for n in chain]
@@ -419,7 +418,7 @@ class Checkpointer:
       dst, n = os.path.join(self.damaged_directory, f"{step}.{n}"), n + 1
     if jax.process_index() == 0:
       os.makedirs(self.damaged_directory, exist_ok=True)
-      os.replace(os.path.join(self.directory, str(step)), dst)
+      os.replace(self.step_dir(step), dst)
       parts = workdir_lib.checkpoint_parts(self._workdir, step)
       if os.path.isdir(parts):  # with the checkpoint, out of the way of the next save of this step
         os.replace(parts, os.path.join(dst, "parts"))
